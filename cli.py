@@ -1,0 +1,138 @@
+"""The ``distdebug`` command: a thin click layer over the library.
+
+Imports here stay light (no torch): ``distdebug --help`` must answer in well under half a second.
+Every error reaches the user as one line and a non-zero exit; set DISTDEBUG_DEBUG=1 to see
+distdebug's own traceback for an internal error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from distdebug.errors import UserError
+
+
+class OneLineErrors(click.Group):
+    """Usage and user errors as one line: what is wrong and what to do; never a traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "distdebug", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            print("distdebug: aborted", file=sys.stderr)
+            sys.exit(130)
+        except click.UsageError as e:
+            path = e.ctx.command_path if e.ctx else "distdebug"
+            print(f"distdebug: error: {e.format_message()} (see '{path} --help')", file=sys.stderr)
+            sys.exit(2)
+        except click.ClickException as e:
+            print(f"distdebug: error: {e.format_message()}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except UserError as e:
+            print(f"distdebug: error: {e}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except Exception as e:
+            if os.environ.get("DISTDEBUG_DEBUG"):
+                raise
+            print(f"distdebug: internal error: {type(e).__name__}: {e} "
+                  "(rerun with DISTDEBUG_DEBUG=1 for the traceback, and please report it)", file=sys.stderr)
+            sys.exit(70)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="distdebug", message="distdebug %(version)s")
+def main() -> None:
+    """distdebug: which rank, which step, which tensor broke your distributed training, and what to do."""
+
+
+@main.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False})
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None,
+              help="Ranks on this node: a number, or gpu/cpu/auto. Default: one per GPU, else 2.")
+@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX (elastic).")
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
+              help="This node's rank (static rendezvous).")
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True,
+              help="Rendezvous backend: static or c10d.")
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="", help="Rendezvous HOST:PORT.")
+@click.option("--rdzv-id", "--rdzv_id", "rdzv_id", default="none", show_default=True, help="Rendezvous job id.")
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
+              help="Rendezvous options key=value,... (e.g. join_timeout=60).")
+@click.option("--standalone", is_flag=True, help="Single node with a local rendezvous on a free port.")
+@click.option("--max-restarts", "--max_restarts", "max_restarts", type=int, default=0, show_default=True,
+              help="Restarts of the worker group before failing.")
+@click.option("--master-addr", "--master_addr", "master_addr", default=None, help="Static rendezvous address.")
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None,
+              help="Static rendezvous port.")
+@click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run like python -m.")
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+              help="Where this run's records go. Default: a new directory under ./distdebug-runs/.")
+@click.option("--detectors", default=None,
+              help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones.")
+@click.argument("script")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run_dir: Path | None,
+           module: bool, **launcher: object) -> int:
+    """Run SCRIPT on every rank under torch's elastic launcher, instrumented; no code changes.
+
+    Options are torchrun's. Everything after SCRIPT goes to the script. The exit code is the
+    training's exit code.
+    """
+    from distdebug import envvars
+    from distdebug.config import AttachConfig
+    from distdebug.launch.attach import attach as run_attach
+
+    cfg = AttachConfig(
+        target=script, target_args=list(script_args), module=module, run_dir=run_dir,
+        detectors=envvars.decode_list(detectors) if detectors is not None else None,
+        **launcher,  # type: ignore[arg-type]
+    )
+    result = run_attach(cfg, argv=["distdebug", *sys.argv[1:]])
+    if result.message:
+        print(f"distdebug: training failed: {result.message}", file=sys.stderr)
+    print(f"distdebug: run directory {result.run_dir} (see: distdebug report {result.run_dir})", file=sys.stderr)
+    return result.exit_code
+
+
+@main.command()
+@click.argument("run", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def report(run: str | None, as_json: bool) -> int:
+    """Findings and per-rank progress of RUN (default: the newest run under ./distdebug-runs)."""
+    from distdebug.analysis.summary import summarize
+    from distdebug.artifacts.reader import load_run
+    from distdebug.artifacts.runs import resolve_run
+
+    summary = summarize(load_run(resolve_run(run)))
+    if as_json:
+        from distdebug.report.console import render_json
+
+        click.echo(render_json(summary))
+    else:
+        from distdebug.report.console import render
+
+        render(summary)
+    return 0
+
+
+@main.command("detectors")
+def list_detectors() -> int:
+    """List the registered detectors (name, default on/off, what it finds)."""
+    from distdebug.detectors import registry
+
+    for name, cls in sorted(registry._builtin().items()):
+        click.echo(f"{name:24s} {'default' if cls.default else 'opt-in ':8s} {cls.description}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()

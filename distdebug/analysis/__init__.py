@@ -1,0 +1,1 @@
+"""Analysis: run directory in, verdicts out (load -> match -> verdict); no presentation here."""

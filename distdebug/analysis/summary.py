@@ -1,0 +1,124 @@
+"""Summarise a run: per-rank progress and all findings, merged across ranks.
+
+Works on partial runs: a rank without an ``end`` record is reported as ended without a record
+(killed, or still running), and its steps up to then are used as they are.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from distdebug.artifacts import schema
+from distdebug.artifacts.reader import Run
+from distdebug.detectors.base import Finding, Severity
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    node: int | None
+    host: str | None
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    median_step_time_s: float | None
+    findings: int
+    status: str
+    """``exit 0``, ``exit N``, ``script raised X`` or ``no end record (killed or still running)``."""
+    wrapper: str | None = None
+    damaged_lines: int = 0
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    command: list[str] | None
+    world_size: int | None
+    exit_code: int | None
+    failure: str | None
+    ranks: list[RankSummary] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    discovery: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["findings"] = [f.to_dict() for f in self.findings]
+        return d
+
+
+def _merge(findings: list[Finding]) -> list[Finding]:
+    """One finding per (detector, step, subject, message) with the union of ranks, most severe first."""
+    merged: dict[tuple, Finding] = {}
+    for f in findings:
+        key = (f.detector, f.step, f.subject, f.message if f.detector == "harness" else "")
+        if key in merged:
+            have = merged[key]
+            have.ranks = sorted(set(have.ranks) | set(f.ranks))
+        else:
+            merged[key] = Finding.from_dict(f.to_dict())
+    return sorted(
+        merged.values(),
+        key=lambda f: (-Severity(f.severity).rank, f.step if f.step is not None else -1, f.detector, f.subject),
+    )
+
+
+def summarize(run: Run) -> RunSummary:
+    ranks: list[RankSummary] = []
+    findings: list[Finding] = []
+    discovery = None
+    world_size = None
+    for rank, stream in sorted(run.ranks.items()):
+        records = stream.last_attempt()
+        start = next((r for r in records if r.get("kind") == schema.START), {})
+        world_size = world_size or start.get("world_size")
+        steps = [r for r in records if r.get("kind") == schema.STEP]
+        losses = [r["loss"] for r in steps if r.get("loss") is not None]
+        times = [r["step_time_s"] for r in steps if r.get("step_time_s") is not None]
+        disc = next((r for r in records if r.get("kind") == schema.DISCOVERY), None)
+        if disc is not None and discovery is None:
+            discovery = {k: disc.get(k) for k in ("models", "optimizers", "process_group", "step_source")}
+        rank_findings = [Finding.from_dict(r) for r in records if r.get("kind") == schema.FINDING]
+        findings.extend(rank_findings)
+        end = next((r for r in records if r.get("kind") == schema.END), None)
+        error = next((r for r in records if r.get("kind") == schema.SCRIPT_ERROR), None)
+        if error is not None:
+            status = f"script raised {error.get('exception')}"
+        elif end is not None:
+            status = f"exit {end.get('exit_code')}"
+        else:
+            status = "no end record (killed or still running)"
+        models = (disc or {}).get("models") or []
+        ranks.append(
+            RankSummary(
+                rank=rank,
+                node=start.get("node"),
+                host=start.get("host"),
+                steps=steps[-1]["step"] if steps else 0,
+                first_loss=losses[0] if losses else None,
+                last_loss=losses[-1] if losses else None,
+                median_step_time_s=statistics.median(times) if times else None,
+                findings=len(rank_findings),
+                status=status,
+                wrapper=models[0].get("wrapper") if models else None,
+                damaged_lines=stream.damaged_lines,
+            )
+        )
+    exit_code = None
+    failure = None
+    for node in run.nodes.values():
+        if node.get("exit_code") is not None:
+            exit_code = node["exit_code"] if exit_code in (None, 0) else exit_code
+        failure = failure or node.get("message")
+    manifest = run.manifest or {}
+    return RunSummary(
+        run_dir=str(run.path),
+        command=manifest.get("command"),
+        world_size=world_size,
+        exit_code=exit_code,
+        failure=failure,
+        ranks=ranks,
+        findings=_merge(findings),
+        discovery=discovery,
+    )

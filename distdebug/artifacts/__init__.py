@@ -1,0 +1,1 @@
+"""Run directory: layout (path templates), record schema, append-only writer and tolerant reader."""

@@ -1,0 +1,73 @@
+"""Choosing a new run directory and finding an existing one by name, path or recency."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from distdebug.artifacts import layout
+from distdebug.errors import UserError
+
+
+def runs_root(cwd: Path | None = None) -> Path:
+    return (cwd or Path.cwd()) / layout.DEFAULT_RUNS_ROOT
+
+
+def new_run_dir(label: str, root: Path | None = None) -> Path:
+    """``distdebug-runs/YYYYmmdd-HHMMSS-<label>`` (suffixed ``-2``, ``-3``... if taken)."""
+    root = root or runs_root()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = f"{stamp}-{label}" if label else stamp
+    candidate = root / base
+    n = 2
+    while candidate.exists():
+        candidate = root / f"{base}-{n}"
+        n += 1
+    return candidate
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create ``path`` and prove it is writable, or raise a one-line UserError."""
+    path = path.expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(
+            f"cannot write the run directory {path}: {e.strerror or e}; "
+            "choose another with --run-dir"
+        ) from None
+    return path
+
+
+def mark_latest(run_dir: Path) -> None:
+    """Point ``<root>/latest`` at run_dir (best effort; resolution falls back to mtime)."""
+    link = run_dir.parent / layout.LATEST_LINK
+    tmp = run_dir.parent / f".{layout.LATEST_LINK}.{os.getpid()}"
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, link)
+    except OSError:
+        pass
+
+
+def resolve_run(run: str | None, cwd: Path | None = None) -> Path:
+    """A run directory from a path, a name under ./distdebug-runs, or (None) the newest run."""
+    root = runs_root(cwd)
+    if run:
+        for candidate in (Path(run).expanduser(), root / run):
+            if candidate.is_dir():
+                return candidate.resolve()
+        raise UserError(f"no run directory '{run}': give a path, or a name under {root}")
+    link = root / layout.LATEST_LINK
+    if link.is_dir():
+        return link.resolve()
+    runs = [p for p in root.glob("*") if p.is_dir() and not p.is_symlink()] if root.is_dir() else []
+    if not runs:
+        raise UserError(f"no runs under {root}: start one with 'distdebug attach SCRIPT', or name a run directory")
+    return max(runs, key=lambda p: p.stat().st_mtime).resolve()

@@ -1,0 +1,24 @@
+"""Versioned record kinds of the per-rank event stream and of the manifest.
+
+Every record carries ``v`` (schema version) and ``kind``. Readers accept any version up to
+SCHEMA_VERSION and ignore unknown keys, so new fields never break old reports.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+MANIFEST_SCHEMA = "distdebug.manifest"
+
+# Event kinds in rank-NNNNN/events.jsonl, in the order a healthy rank writes them.
+START = "start"            # identity: rank, local_rank, node, world_size, host, pid, attempt
+DISCOVERY = "discovery"    # models (and wrappers), optimizers, process group, step source
+STEP = "step"              # step, loss, step_time_s, backward_calls, collectives
+FINDING = "finding"        # a detector's (or the harness's) finding; see detectors.base.Finding
+SCRIPT_ERROR = "script_error"  # the training script raised: exception type and message
+END = "end"                # exit_code, steps; absent when the rank was killed
+KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END)
+
+
+def record(kind: str, **fields: object) -> dict:
+    """A new record of ``kind`` at the current schema version."""
+    return {"v": SCHEMA_VERSION, "kind": kind, **fields}

@@ -1,0 +1,90 @@
+"""Configuration dataclasses: defaults in one place, validated in ``__post_init__``.
+
+Validation raises UserError with one line that says what is wrong and what to do, because these
+values come straight from the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distdebug.errors import UserError
+
+NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")
+
+
+@dataclass(kw_only=True)
+class AttachConfig:
+    """Everything ``distdebug attach`` needs. Launcher fields mirror torchrun's options."""
+
+    target: str
+    """Script path, or module name when ``module`` is true."""
+    target_args: list[str] = field(default_factory=list)
+    """Arguments handed to the script unchanged."""
+    module: bool = False
+    """Run ``target`` as a module (``-m``), like ``python -m``."""
+    nproc_per_node: str | None = None
+    """Ranks on this node: a number, or gpu/cpu/auto. None: one per GPU with CUDA, else 2."""
+    nnodes: str = "1"
+    """Number of nodes, ``N`` or elastic ``MIN:MAX``."""
+    node_rank: int = 0
+    """This node's rank (static rendezvous only; c10d assigns ranks in joining order)."""
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: str = ""
+    """torchrun's ``key=value,...`` rendezvous options, e.g. ``join_timeout=60``."""
+    standalone: bool = False
+    max_restarts: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    run_dir: Path | None = None
+    """None: a new directory under ./distdebug-runs/."""
+    detectors: list[str] | None = None
+    """Detector specs; None: the registry's defaults."""
+    launcher_log_level: str = "ERROR"
+    """Level for torch's elastic launcher logs (its warnings repeat what distdebug reports)."""
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise UserError("no script given: distdebug attach [OPTIONS] SCRIPT [ARGS]...", 2)
+        if not self.module:
+            path = Path(self.target)
+            if not path.is_file():
+                raise UserError(f"script not found: {self.target} (give a path to a .py file, or -m MODULE)", 2)
+        if self.nproc_per_node is not None:
+            n = self.nproc_per_node
+            if n not in NPROC_WORDS and not (n.isdigit() and int(n) > 0):
+                raise UserError(f"--nproc-per-node must be a positive number or one of {', '.join(NPROC_WORDS)}; "
+                                f"got '{n}'", 2)
+        min_n, max_n = parse_nnodes(self.nnodes)
+        if not 0 <= self.node_rank < max_n:
+            raise UserError(f"--node-rank {self.node_rank} is outside 0..{max_n - 1} for --nnodes {self.nnodes}", 2)
+        if self.max_restarts < 0:
+            raise UserError("--max-restarts must be 0 or more", 2)
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UserError(f"--master-port must be 1..65535, got {self.master_port}", 2)
+        if self.rdzv_backend not in ("static", "c10d", "etcd", "etcd-v2"):
+            raise UserError(f"--rdzv-backend must be static or c10d (or etcd), got '{self.rdzv_backend}'", 2)
+        if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
+            raise UserError(f"--rdzv-endpoint must be HOST:PORT, got '{self.rdzv_endpoint}'", 2)
+        if max_n > 1 and self.standalone:
+            raise UserError("--standalone is for one node; drop it or use --nnodes 1", 2)
+        if max_n > 1 and not self.rdzv_endpoint and self.master_addr is None:
+            raise UserError(
+                f"--nnodes {self.nnodes} needs a meeting point: give --rdzv-endpoint HOST:PORT "
+                "(with --rdzv-backend c10d) or --master-addr/--master-port", 2)
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    parts = value.split(":")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        nums = []
+    if len(nums) == 1:
+        nums = nums * 2
+    if len(nums) != 2 or not 0 < nums[0] <= nums[1]:
+        raise UserError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got '{value}'", 2)
+    return nums[0], nums[1]

@@ -1,0 +1,1 @@
+"""Detectors: one module each, registered by name in ``registry``."""

@@ -1,0 +1,79 @@
+"""Detector registry: a plain dict from name to class, plus ``file.py:Class`` / ``module:Class`` plugins."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+from distdebug.detectors.base import Detector
+from distdebug.errors import UserError
+
+
+def _builtin() -> dict[str, type[Detector]]:
+    # Imported here, not at module load, so that listing names stays cheap and a broken
+    # detector module cannot break the others' import.
+    from distdebug.detectors.loss_nonfinite import LossNonFinite
+
+    return {cls.name: cls for cls in (LossNonFinite,)}
+
+
+def names() -> list[str]:
+    return sorted(_builtin())
+
+
+def default_specs() -> list[str]:
+    return sorted(name for name, cls in _builtin().items() if cls.default)
+
+
+def _load_plugin(spec: str) -> type[Detector]:
+    target, _, cls_name = spec.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"detector file not found: {target} (in --detectors {spec})")
+        mod_spec = importlib.util.spec_from_file_location(f"distdebug_plugin_{path.stem}", path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise UserError(f"cannot import detector file {target}")
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise UserError(f"cannot import detector module '{target}': {e}") from None
+    cls = getattr(module, cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Detector)):
+        raise UserError(f"'{spec}' does not name a distdebug.detectors.base.Detector subclass")
+    return cls
+
+
+def validate(specs: list[str]) -> list[str]:
+    """Check specs without importing plugins (the launcher must stay torch-free here)."""
+    known = _builtin()
+    for spec in specs:
+        if ":" in spec:
+            target = spec.rpartition(":")[0]
+            if target.endswith(".py") and not Path(target).expanduser().is_file():
+                raise UserError(f"detector file not found: {target} (in --detectors {spec})")
+        elif spec not in known:
+            raise UserError(
+                f"unknown detector '{spec}'; known: {', '.join(sorted(known)) or 'none'} "
+                "(or give file.py:Class / module:Class)"
+            )
+    return specs
+
+
+def build(specs: list[str]) -> list[Detector]:
+    """Instantiate detectors for ``specs`` (names or plugin paths), in the order given."""
+    known = _builtin()
+    detectors: list[Detector] = []
+    for spec in specs:
+        cls = _load_plugin(spec) if ":" in spec else known.get(spec)
+        if cls is None:
+            raise UserError(f"unknown detector '{spec}'")
+        det = cls()
+        if not det.name:
+            det.name = spec  # type: ignore[misc]
+        detectors.append(det)
+    return detectors

@@ -1,0 +1,40 @@
+"""The one contract between the launcher and its ranks: every DISTDEBUG_* variable, in one place.
+
+The launcher sets these in its own environment before calling torch's elastic launcher, which
+hands its environment to every worker process unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+RUN_DIR = "DISTDEBUG_RUN_DIR"
+"""Absolute path of the run directory (shared by all ranks of this node)."""
+
+DETECTORS = "DISTDEBUG_DETECTORS"
+"""Comma-separated detector specs (registered names or ``file.py:Class`` / ``module:Class``)."""
+
+TARGET_IS_MODULE = "DISTDEBUG_TARGET_IS_MODULE"
+"""``1`` when the target was given with ``-m`` (run as a module, like ``python -m``)."""
+
+NODE_RANK = "DISTDEBUG_NODE_RANK"
+"""The ``--node-rank`` this launcher was given (c10d rendezvous may assign another group rank)."""
+
+PARENT_WATCH = "DISTDEBUG_PARENT_WATCH"
+"""``0`` disables the watchdog that ends a rank whose launcher died (default on)."""
+
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH)
+
+
+def encode_list(items: list[str]) -> str:
+    return ",".join(items)
+
+
+def decode_list(value: str | None) -> list[str]:
+    if not value:
+        return []
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)

@@ -1,0 +1,170 @@
+"""``distdebug attach``: torch's own elastic launcher, called as a library, with a bootstrap per rank.
+
+The launcher is not copied or re-implemented: we build torchrun's argument list, let torch parse
+it, point the workers at ``-m distdebug.launch.bootstrap`` and call ``torch.distributed.run.run``.
+Everything else (rendezvous, restarts, signal handling, worker teardown) is torch's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from distdebug import envvars
+from distdebug.artifacts import layout, runs
+from distdebug.config import AttachConfig
+from distdebug.detectors import registry
+from distdebug.errors import UserError
+from distdebug.launch import manifest as manifest_mod
+
+BOOTSTRAP_MODULE = "distdebug.launch.bootstrap"
+
+
+@dataclass
+class AttachResult:
+    exit_code: int
+    run_dir: Path
+    message: str | None = None
+    """One line about how the job ended when it failed (None on success)."""
+
+
+def torchrun_argv(cfg: AttachConfig, nproc_per_node: str) -> list[str]:
+    """The torchrun command line equivalent to cfg, with the bootstrap as the training module."""
+    argv = [
+        "--nproc-per-node", nproc_per_node,
+        "--nnodes", cfg.nnodes,
+        "--node-rank", str(cfg.node_rank),
+        "--rdzv-backend", cfg.rdzv_backend,
+        "--rdzv-id", cfg.rdzv_id,
+        "--max-restarts", str(cfg.max_restarts),
+    ]
+    if cfg.rdzv_endpoint:
+        argv += ["--rdzv-endpoint", cfg.rdzv_endpoint]
+    if cfg.rdzv_conf:
+        argv += ["--rdzv-conf", cfg.rdzv_conf]
+    if cfg.standalone:
+        argv.append("--standalone")
+    if cfg.master_addr is not None:
+        argv += ["--master-addr", cfg.master_addr]
+    if cfg.master_port is not None:
+        argv += ["--master-port", str(cfg.master_port)]
+    target = cfg.target if cfg.module else str(Path(cfg.target).resolve())
+    argv += ["-m", BOOTSTRAP_MODULE, target, *cfg.target_args]
+    return argv
+
+
+def _default_nproc() -> str:
+    import torch
+
+    return "gpu" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "2"
+
+
+def _check_nproc(value: str) -> None:
+    import torch
+
+    if value == "gpu" and not torch.cuda.is_available():
+        raise UserError("--nproc-per-node gpu: no CUDA GPU on this machine; give a number of ranks", 2)
+    if value == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise UserError("--nproc-per-node xpu: no XPU on this machine; give a number of ranks", 2)
+
+
+def _launcher_info(cfg: AttachConfig, nproc: str) -> dict[str, Any]:
+    return {
+        "nproc_per_node": nproc, "nnodes": cfg.nnodes, "node_rank": cfg.node_rank,
+        "rdzv_backend": cfg.rdzv_backend, "rdzv_endpoint": cfg.rdzv_endpoint, "rdzv_id": cfg.rdzv_id,
+        "standalone": cfg.standalone, "max_restarts": cfg.max_restarts,
+        "master_addr": cfg.master_addr, "master_port": cfg.master_port,
+    }
+
+
+def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
+    """Set the DISTDEBUG_* contract in this process; torch's agent passes it to every worker."""
+    os.environ[envvars.RUN_DIR] = str(run_dir)
+    os.environ[envvars.DETECTORS] = envvars.encode_list(detectors)
+    os.environ[envvars.TARGET_IS_MODULE] = "1" if cfg.module else "0"
+    os.environ[envvars.NODE_RANK] = str(cfg.node_rank)
+    try:
+        metadata.version("distdebug")
+    except metadata.PackageNotFoundError:
+        # Running from a source tree that is not installed: workers must still import the bootstrap.
+        root = str(Path(__file__).resolve().parents[2])
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+
+
+def _quiet_torch_launcher(level: str) -> None:
+    lvl = getattr(logging, level.upper(), logging.ERROR)
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(lvl)
+
+
+def _failure_message(err: Any) -> tuple[int, str]:
+    """Exit code and one line from torch's ChildFailedError (the first failure is the root cause)."""
+    rank, failure = err.get_first_failure()
+    code = int(failure.exitcode)
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return 128 - code, f"rank {rank} was killed by {name}"
+    return code, f"rank {rank} exited with code {code}"
+
+
+def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
+    """Run cfg.target under torch's elastic launcher with instrumentation; returns its exit code."""
+    detectors = registry.validate(cfg.detectors if cfg.detectors is not None else registry.default_specs())
+    label = Path(cfg.target).stem if not cfg.module else cfg.target.rsplit(".", 1)[-1]
+    run_dir = runs.prepare_run_dir(cfg.run_dir if cfg.run_dir is not None else runs.new_run_dir(label))
+    if cfg.run_dir is None:
+        runs.mark_latest(run_dir)
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    nproc = cfg.nproc_per_node or _default_nproc()
+    _check_nproc(nproc)
+    launcher = _launcher_info(cfg, nproc)
+    if cfg.node_rank == 0 or not layout.manifest_path(run_dir).exists():
+        manifest_mod.write_json_atomic(
+            layout.manifest_path(run_dir),
+            manifest_mod.build_manifest(
+                argv=argv or sys.argv, target=cfg.target, target_args=cfg.target_args, module=cfg.module,
+                launcher=launcher, detectors=detectors, run_dir=run_dir,
+            ),
+        )
+    node_file = layout.node_path(run_dir, cfg.node_rank)
+    node_info: dict[str, Any] = {
+        "node_rank": cfg.node_rank, "host": socket.gethostname(), "pid": os.getpid(),
+        "started": time.time(), "launcher": launcher,
+    }
+    manifest_mod.write_json_atomic(node_file, node_info)
+
+    _worker_env(cfg, run_dir, detectors)
+    _quiet_torch_launcher(cfg.launcher_log_level)
+    args = torchrun.parse_args(torchrun_argv(cfg, nproc))
+    code, message = 0, None
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        code, message = _failure_message(e)
+    except SignalException as e:
+        code, message = 128 + int(e.sigval), f"the launcher received {e.sigval.name}; ranks were stopped"
+    except RendezvousError as e:
+        code, message = 1, f"rendezvous failed: {type(e).__name__}: {e}"
+    except (ValueError, RuntimeError, AssertionError) as e:
+        # torch's own validation of launcher options (e.g. a bad --rdzv-conf)
+        code, message = 2, f"the launcher refused to start: {e}"
+    node_info.update(ended=time.time(), exit_code=code, message=message)
+    manifest_mod.write_json_atomic(node_file, node_info)
+    return AttachResult(code, run_dir, message)

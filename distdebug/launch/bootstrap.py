@@ -1,0 +1,141 @@
+"""Per-rank entry point: install the instrumentation, then run the user's script as ``__main__``.
+
+torch's elastic agent starts each worker as ``python -u -m distdebug.launch.bootstrap TARGET ARGS``.
+If instrumentation fails to start, the script still runs (uninstrumented) and the reason is
+printed: the harness must never be the reason a training job does not run.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from distdebug import envvars
+
+
+def _start_session():  # -> Session | None
+    from distdebug.artifacts import layout
+    from distdebug.artifacts.writer import EventWriter
+    from distdebug.detectors import registry
+    from distdebug.runtime.session import RankIdentity, Session
+
+    identity = RankIdentity.from_env()
+    run_dir_s = envvars.get(envvars.RUN_DIR)
+    run_dir = Path(run_dir_s) if run_dir_s else None
+    writer = None
+    rank_dir = None
+    if run_dir is not None:
+        rank_dir = layout.rank_dir(run_dir, identity.rank)
+        writer = EventWriter(layout.events_path(run_dir, identity.rank))
+    specs = envvars.decode_list(envvars.get(envvars.DETECTORS))
+    detectors = registry.build(specs)
+    session = Session(identity, writer, detectors, run_dir=run_dir, rank_dir=rank_dir)
+    session.install()
+    return session
+
+
+def _watch_parent(session) -> None:
+    """End this rank if its launcher dies (SIGKILL leaves torch's workers running otherwise).
+
+    Workers run in their own sessions, so a killed launcher's process group does not reach them.
+    A daemon thread checks the parent once a second: re-parenting means the launcher is gone.
+    """
+    from distdebug.detectors.base import Severity
+
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                if session is not None:
+                    try:
+                        session._harness_finding(
+                            Severity.CRITICAL,
+                            "launcher",
+                            "the launcher process died; ending this rank so that it is not left behind",
+                        )
+                    except Exception:
+                        pass
+                os._exit(137)
+
+    threading.Thread(target=loop, name="distdebug-parent-watch", daemon=True).start()
+
+
+def _print_script_traceback(exc: BaseException) -> None:
+    """The script's traceback as Python would print it, without runpy's and our frames."""
+    tb = exc.__traceback__
+    skip = {os.path.abspath(runpy.__file__), os.path.abspath(__file__)}
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        print("distdebug bootstrap: no target given (this module is started by 'distdebug attach')",
+              file=sys.stderr)
+        sys.exit(2)
+    target, args = sys.argv[1], sys.argv[2:]
+    is_module = envvars.get(envvars.TARGET_IS_MODULE) == "1"
+    session = None
+    try:
+        session = _start_session()
+    except Exception as e:  # instrumentation must never stop training
+        print(f"distdebug: instrumentation off on this rank: {type(e).__name__}: {e}", file=sys.stderr)
+    if envvars.get(envvars.PARENT_WATCH, "1") != "0":
+        _watch_parent(session)
+
+    sys.argv = [target, *args]
+    code = 0
+    try:
+        if is_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException as e:
+        _print_script_traceback(e)
+        code = 1
+        if session is not None:
+            from distdebug.artifacts import schema
+
+            session._emit(
+                schema.record(
+                    schema.SCRIPT_ERROR,
+                    rank=session.identity.rank,
+                    step=session.step,
+                    exception=type(e).__name__,
+                    message=str(e)[:2000],
+                )
+            )
+    finally:
+        if session is not None:
+            try:
+                session.close(code)
+            except Exception as e:
+                print(f"distdebug: could not close the session cleanly: {e}", file=sys.stderr)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

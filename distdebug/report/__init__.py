@@ -1,0 +1,1 @@
+"""Presentation: the only place that imports rich."""

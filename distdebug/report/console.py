@@ -1,0 +1,80 @@
+"""Terminal report: findings first (most severe first), then per-rank progress."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from distdebug.analysis.summary import RunSummary
+
+SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def _fmt(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 8:
+        return f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+    return ",".join(str(r) for r in ranks)
+
+
+def render(summary: RunSummary, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(f"[bold]distdebug report[/bold]  {summary.run_dir}")
+    if summary.command:
+        console.print(f"command: {' '.join(summary.command)}")
+    disc = summary.discovery or {}
+    models = disc.get("models") or []
+    pg = disc.get("process_group") or {}
+    parts = [f"world size {summary.world_size or '?'}"]
+    if pg:
+        parts.append(f"backend {pg.get('backend')}")
+    for m in models:
+        parts.append(f"model {m.get('class')} ({m.get('wrapper')}, {m.get('parameters', '?')} parameters)")
+    for o in disc.get("optimizers") or []:
+        parts.append(f"optimizer {o.get('class')}")
+    if disc.get("step_source"):
+        parts.append(f"steps from {disc['step_source']}")
+    console.print("; ".join(parts))
+    if summary.exit_code is not None:
+        style = "green" if summary.exit_code == 0 else "bold red"
+        tail = f" ({summary.failure})" if summary.failure else ""
+        console.print(f"exit code: [{style}]{summary.exit_code}[/{style}]{tail}")
+
+    if summary.findings:
+        table = Table(title=f"Findings ({len(summary.findings)})", show_lines=False)
+        for col in ("severity", "detector", "rank(s)", "step", "subject", "message"):
+            table.add_column(col, overflow="fold")
+        for f in summary.findings:
+            sev = f.severity.value
+            msg = f.message + (f"\n[dim]fix: {f.fix}[/dim]" if f.fix else "")
+            table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", f.detector, _ranks(f.ranks),
+                          "-" if f.step is None else str(f.step), f.subject, msg)
+        console.print(table)
+    else:
+        console.print("[green]No findings.[/green]")
+
+    table = Table(title="Ranks")
+    for col in ("rank", "node", "host", "steps", "first loss", "last loss", "median step (ms)", "findings", "status"):
+        table.add_column(col, justify="right" if col not in ("host", "status") else "left")
+    for r in summary.ranks:
+        ms = None if r.median_step_time_s is None else r.median_step_time_s * 1000
+        status = r.status + (f" [dim]({r.damaged_lines} damaged lines)[/dim]" if r.damaged_lines else "")
+        style = "" if r.status == "exit 0" else "[yellow]"
+        table.add_row(str(r.rank), "-" if r.node is None else str(r.node), r.host or "-", str(r.steps),
+                      _fmt(r.first_loss), _fmt(r.last_loss), _fmt(ms, 3), str(r.findings),
+                      f"{style}{status}" if style else status)
+    console.print(table)
+
+
+def render_json(summary: RunSummary) -> str:
+    return json.dumps(summary.to_dict(), indent=2, default=str)

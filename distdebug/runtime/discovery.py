@@ -1,0 +1,132 @@
+"""Describing what discovery found: how a model is wrapped, what an optimizer is, the process group.
+
+All functions take live objects and return plain dicts (JSON-ready) so that the event stream
+records them and detectors can read them. deepspeed is never imported here: an engine is told by
+its class's module and methods, so a DeepSpeed-free environment pays nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_deepspeed_engine(module: Any) -> bool:
+    cls = type(module)
+    return cls.__module__.startswith("deepspeed") and hasattr(module, "zero_optimization_stage")
+
+
+def unwrap(module: torch.nn.Module) -> tuple[torch.nn.Module, list[str], dict[str, Any]]:
+    """Peel wrappers off a root module: returns (inner module, wrapper chain outermost first, options)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    chain: list[str] = []
+    options: dict[str, Any] = {}
+    m: Any = module
+    for _ in range(8):  # wrappers nest a few levels at most; the bound stops cycles
+        if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
+            chain.append("torch.compile")
+            m = m._orig_mod
+        elif isinstance(m, DistributedDataParallel):
+            chain.append("ddp")
+            options["ddp"] = {
+                # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning).
+                "broadcast_buffers": bool(getattr(m, "forward_sync_buffers", getattr(m, "broadcast_buffers", True))),
+                "find_unused_parameters": bool(m.find_unused_parameters),
+                "gradient_as_bucket_view": bool(m.gradient_as_bucket_view),
+                "static_graph": bool(getattr(m, "static_graph", False)),
+                "bucket_cap_bytes": int(getattr(m, "bucket_bytes_cap", 0)),
+                "device_ids": [str(d) for d in (m.device_ids or [])],
+            }
+            m = m.module
+        elif is_deepspeed_engine(m):
+            chain.append("deepspeed")
+            options["deepspeed"] = {
+                "zero_stage": int(m.zero_optimization_stage()),
+                "gradient_accumulation_steps": int(m.gradient_accumulation_steps()),
+                "train_micro_batch_size_per_gpu": int(m.train_micro_batch_size_per_gpu()),
+            }
+            m = m.module
+        else:
+            break
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(m, FSDPModule):
+            chain.append("fsdp2")
+            options["fsdp2"] = {"class": next(
+                (b.__name__ for b in type(m).__bases__ if b is not FSDPModule), type(m).__name__)}
+    except ImportError:  # torch without FSDP2
+        pass
+    return m, chain, options
+
+
+def is_model(module: torch.nn.Module) -> bool:
+    """A root module worth tracking: loss functions and parameter-free modules are not models."""
+    if isinstance(module, torch.nn.modules.loss._Loss):
+        return False
+    return is_deepspeed_engine(module) or next(module.parameters(), None) is not None
+
+
+def _param_count(module: torch.nn.Module) -> tuple[int, int]:
+    """(elements, bytes) of the full model, whatever the sharding (DTensor, ZeRO-3 partitions)."""
+    n = 0
+    nbytes = 0
+    for p in module.parameters():
+        numel = int(getattr(p, "ds_numel", 0) or p.numel())  # ZeRO-3 leaves p empty
+        n += numel
+        nbytes += numel * p.element_size()
+    return n, nbytes
+
+
+def describe_model(root: torch.nn.Module, manual_grad_collectives: bool = False) -> dict[str, Any]:
+    inner, chain, options = unwrap(root)
+    bn = [
+        name for name, mod in inner.named_modules()
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)
+    ]
+    sync_bn = [name for name, mod in inner.named_modules() if isinstance(mod, torch.nn.SyncBatchNorm)]
+    n, nbytes = _param_count(inner)
+    labels = [
+        f"deepspeed-zero{options['deepspeed']['zero_stage']}" if w == "deepspeed" else w for w in chain
+    ]
+    if chain:
+        wrapper = "+".join(labels)
+    elif manual_grad_collectives:
+        wrapper = "manual"  # plain module whose gradients the script all-reduces itself
+    else:
+        wrapper = "plain"
+    return {
+        # fully_shard swaps the class for a generated FSDP<Name>; report the user's class name.
+        "class": options.get("fsdp2", {}).get("class", type(inner).__name__),
+        "wrapper": wrapper,
+        "wrappers": chain,
+        "options": options,
+        "parameters": n,
+        "parameter_bytes": nbytes,
+        "batchnorm_modules": len(bn),
+        "syncbatchnorm_modules": len(sync_bn),
+    }
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    groups = opt.param_groups
+    return {
+        "class": type(opt).__name__,
+        "param_groups": len(groups),
+        "parameters": sum(len(g["params"]) for g in groups),
+        "lr": float(groups[0]["lr"]) if groups and "lr" in groups[0] else None,
+    }
+
+
+def describe_process_group() -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return {
+        "backend": str(dist.get_backend()),
+        "world_size": dist.get_world_size(),
+        "rank": dist.get_rank(),
+    }

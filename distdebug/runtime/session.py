@@ -1,0 +1,464 @@
+"""Session: zero-code instrumentation of one rank's training loop.
+
+How a step is seen without touching the script:
+- the loss: ``torch.autograd.backward`` (what ``Tensor.backward`` calls) is wrapped to keep a
+  detached reference to each scalar it runs on; a DeepSpeed engine's ``backward`` is wrapped
+  instead when one is found, because ZeRO runs backward on the loss-scaled value;
+- the step boundary: a global ``optimizer.step`` post-hook (every ``torch.optim`` optimizer),
+  or a DeepSpeed engine's ``step`` at a gradient-accumulation boundary (ZeRO-3 may call its
+  inner optimizer once per sub-group), or ``distdebug.step()`` when the script calls it;
+- the models: during the first step only, global forward hooks note the outermost module of each
+  forward (DDP, an FSDP2 root, a DeepSpeed engine, or a plain module); then they are removed, so
+  later steps take ``nn.Module``'s fast path again;
+- collectives: ``torch.distributed``'s Python collectives are wrapped to count calls per step and
+  to tell hand-written gradient all-reduce from other traffic.
+
+Nothing here touches tensor values, RNG state or the order of collectives: the harness observes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distdebug.artifacts import schema
+from distdebug.artifacts.writer import EventWriter
+from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.runtime import discovery
+
+_SESSION: Session | None = None
+
+# Python-level collectives of torch.distributed that are counted. DDP's reducer and NCCL calls
+# made from C++ do not pass through Python and are not counted here.
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter",
+)
+
+
+def current_session() -> Session | None:
+    return _SESSION
+
+
+@dataclass(kw_only=True)
+class RankIdentity:
+    """Where this process sits in the job; read from torchrun's environment variables."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node: int
+    attempt: int
+    host: str
+    pid: int
+
+    @classmethod
+    def from_env(cls) -> RankIdentity:
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            node=int(env.get("GROUP_RANK", 0)),
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+
+@dataclass
+class RankContext:
+    """What detectors may read: identity, live models and optimizers, and what discovery said."""
+
+    identity: RankIdentity
+    run_dir: Path | None
+    rank_dir: Path | None
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    discovery: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+
+class Session:
+    """One per rank. ``install()`` before the script runs, ``close(exit_code)`` after."""
+
+    def __init__(
+        self,
+        identity: RankIdentity,
+        writer: EventWriter | None,
+        detectors: list[Detector],
+        run_dir: Path | None = None,
+        rank_dir: Path | None = None,
+        echo: bool = True,
+    ) -> None:
+        self.identity = identity
+        self.writer = writer
+        self.detectors = list(detectors)
+        self.ctx = RankContext(identity, run_dir, rank_dir)
+        self.echo = echo
+        self.step = 0
+        self.findings: list[Finding] = []
+        self.step_source: str | None = None  # "optimizer", "deepspeed" or "explicit"
+        self._primary_opt: Any = None
+        self._losses: list[torch.Tensor | float] = []
+        self._backward_calls = 0
+        self._backward_total = 0
+        self._collectives = 0
+        self._t_last: float | None = None
+        self._depth = 0
+        self._discovering = True
+        self._roots: list[torch.nn.Module] = []
+        self._loss_modules: list[str] = []
+        self._reduced_ptrs: set[int] = set()
+        self._in_engine_backward = False
+        self._handles: list[Any] = []
+        self._discovery_handles: list[Any] = []
+        self._restore: list[tuple[Any, str, Any]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def install(self) -> None:
+        global _SESSION
+        _SESSION = self
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim_module
+
+        self._discovery_handles = [
+            nn_module.register_module_forward_pre_hook(self._fwd_pre),
+            nn_module.register_module_forward_hook(self._fwd_post, always_call=True),
+        ]
+        self._handles.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
+        self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+        import torch.distributed as dist
+
+        if dist.is_available():
+            for name in COLLECTIVES:
+                fn = getattr(dist, name, None)
+                if callable(fn):
+                    self._patch(dist, name, self._wrap_collective(name, fn))
+        self._emit(
+            schema.record(
+                schema.START,
+                rank=self.identity.rank,
+                local_rank=self.identity.local_rank,
+                world_size=self.identity.world_size,
+                local_world_size=self.identity.local_world_size,
+                node=self.identity.node,
+                attempt=self.identity.attempt,
+                host=self.identity.host,
+                pid=self.identity.pid,
+                time=time.time(),
+                detectors=[d.name for d in self.detectors],
+            )
+        )
+
+    def uninstall(self) -> None:
+        global _SESSION
+        self._end_discovery_hooks()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for obj, name, original in reversed(self._restore):
+            setattr(obj, name, original)
+        self._restore.clear()
+        if _SESSION is self:
+            _SESSION = None
+
+    def close(self, exit_code: int) -> None:
+        """Flush the last partial step, let detectors finish, write the end record."""
+        # Backward calls after the last boundary belong to an unfinished step: not counted.
+        if self.step == 0 and self._backward_total > 0:
+            self._harness_finding(
+                Severity.WARNING,
+                "step boundaries",
+                f"{self._backward_total} backward calls but no step boundary: the loop does not call a "
+                "torch.optim optimizer's step()",
+                fix="call distdebug.step(loss) once per training step (and distdebug.watch(model))",
+            )
+        for det in list(self.detectors):
+            self._run_detector(det, "on_end", lambda d: d.on_end())
+        self._emit(
+            schema.record(
+                schema.END,
+                rank=self.identity.rank,
+                exit_code=exit_code,
+                steps=self.step,
+                time=time.time(),
+                write_errors=self.writer.failed_writes if self.writer else 0,
+            )
+        )
+        self.uninstall()
+        if self.writer is not None:
+            self.writer.close()
+
+    # ------------------------------------------------------------------ explicit API
+    def watch(self, *objects: Any) -> None:
+        for obj in objects:
+            if isinstance(obj, torch.optim.Optimizer) or _is_deepspeed_optimizer(obj):
+                if obj not in self.ctx.optimizers:
+                    self.ctx.optimizers.append(obj)
+                if self._primary_opt is None:
+                    self._primary_opt = obj
+            elif isinstance(obj, torch.nn.Module):
+                self._note_root(obj)
+            elif obj is not None:
+                raise TypeError(f"distdebug.watch() takes modules and optimizers, not {type(obj).__name__}")
+        if not self._discovering:
+            self._emit_discovery()
+
+    def explicit_step(self, loss: Any = None) -> None:
+        self.step_source = "explicit"
+        if loss is not None:
+            self._losses = [loss.detach() if isinstance(loss, torch.Tensor) else float(loss)]
+        self._boundary()
+
+    # ------------------------------------------------------------------ hooks
+    def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            if self._t_last is None:
+                self._t_last = time.perf_counter()
+            self._note_root(module)
+        self._depth += 1
+
+    def _fwd_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _note_root(self, module: torch.nn.Module) -> None:
+        if any(module is r for r in self._roots):
+            return
+        if not discovery.is_model(module):
+            if isinstance(module, torch.nn.modules.loss._Loss) and type(module).__name__ not in self._loss_modules:
+                self._loss_modules.append(type(module).__name__)
+            return
+        self._roots.append(module)
+        if discovery.is_deepspeed_engine(module):
+            self._hook_deepspeed_engine(module)
+
+    def _wrap_backward(self, original: Any) -> Any:
+        session = self
+
+        @functools.wraps(original)
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not session._in_engine_backward:
+                session._note_loss(tensors)
+            return original(tensors, *args, **kwargs)
+
+        return backward
+
+    def _note_loss(self, tensors: Any) -> None:
+        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        self._backward_calls += 1
+        self._backward_total += 1
+        if self._t_last is None:
+            self._t_last = time.perf_counter()
+        if isinstance(t, torch.Tensor) and t.numel() == 1:
+            self._losses.append(t.detach())
+
+    def _hook_deepspeed_engine(self, engine: Any) -> None:
+        """Step and loss from the engine itself (ZeRO calls its inner optimizer once per sub-group)."""
+        session = self
+        orig_backward, orig_step = engine.backward, engine.step
+
+        @functools.wraps(orig_backward)
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            session._note_loss(loss)
+            session._in_engine_backward = True
+            try:
+                return orig_backward(loss, *args, **kwargs)
+            finally:
+                session._in_engine_backward = False
+
+        @functools.wraps(orig_step)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            at_boundary = bool(engine.is_gradient_accumulation_boundary())
+            result = orig_step(*args, **kwargs)
+            if at_boundary and session.step_source in (None, "deepspeed", "optimizer"):
+                session.step_source = "deepspeed"
+                session._boundary()
+            return result
+
+        engine.backward = backward
+        engine.step = step
+        self.step_source = "deepspeed" if self.step_source in (None, "optimizer") else self.step_source
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.step_source in ("explicit", "deepspeed"):
+            if self._discovering and opt not in self.ctx.optimizers:
+                self.ctx.optimizers.append(opt)
+            return
+        if self._primary_opt is None:
+            self._primary_opt = opt
+        if opt not in self.ctx.optimizers:
+            self.ctx.optimizers.append(opt)
+        if opt is self._primary_opt:
+            self.step_source = "optimizer"
+            self._boundary()
+
+    def _wrap_collective(self, name: str, fn: Any) -> Any:
+        session = self
+
+        @functools.wraps(fn)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            session._collectives += 1
+            if session._discovering and name == "all_reduce":
+                t = args[0] if args else kwargs.get("tensor")
+                if isinstance(t, torch.Tensor):
+                    session._reduced_ptrs.add(t.data_ptr())
+            return fn(*args, **kwargs)
+
+        return collective
+
+    # ------------------------------------------------------------------ step boundary
+    def _boundary(self) -> None:
+        now = time.perf_counter()
+        self.step += 1
+        if self._discovering:
+            self._finish_discovery()
+        loss = self._mean_loss()
+        event = StepEvent(
+            rank=self.identity.rank,
+            step=self.step,
+            loss=loss,
+            step_time_s=(now - self._t_last) if self._t_last is not None else 0.0,
+            backward_calls=self._backward_calls,
+            collectives=self._collectives,
+        )
+        self._t_last = now
+        self._losses = []
+        self._backward_calls = 0
+        self._collectives = 0
+        self._emit(
+            schema.record(
+                schema.STEP,
+                rank=event.rank,
+                step=event.step,
+                attempt=self.identity.attempt,
+                time=time.time(),
+                loss=event.loss,
+                step_time_s=round(event.step_time_s, 6),
+                backward_calls=event.backward_calls,
+                collectives=event.collectives,
+            )
+        )
+        for det in list(self.detectors):
+            self._run_detector(det, "on_step", lambda d: d.on_step(event))
+
+    def _mean_loss(self) -> float | None:
+        if not self._losses:
+            return None
+        # float() of a device tensor waits for that tensor only; on CPU it is free.
+        values = [float(x) for x in self._losses]
+        total = math.fsum(values) if all(math.isfinite(v) for v in values) else sum(values)
+        return total / len(values)
+
+    def _finish_discovery(self) -> None:
+        self._end_discovery_hooks()
+        self._discovering = False
+        self._emit_discovery()
+        for det in list(self.detectors):
+            self._run_detector(det, "attach", lambda d: d.attach(self.ctx))
+
+    def _end_discovery_hooks(self) -> None:
+        # Forward hooks are only for discovery; removing them restores nn.Module's fast path.
+        for h in self._discovery_handles:
+            h.remove()
+        self._discovery_handles = []
+
+    def _emit_discovery(self) -> None:
+        grad_ptrs = set()
+        for root in self._roots:
+            for p in root.parameters():
+                if p.grad is not None:
+                    grad_ptrs.add(p.grad.data_ptr())
+        manual = bool(self._reduced_ptrs & grad_ptrs)
+        models = []
+        self.ctx.models = list(self._roots)
+        for root in self._roots:
+            try:
+                models.append(discovery.describe_model(root, manual_grad_collectives=manual))
+            except Exception as e:  # a strange module must not break discovery of the others
+                models.append({"class": type(root).__name__, "error": repr(e)})
+        optimizers = []
+        for opt in self.ctx.optimizers:
+            try:
+                optimizers.append(discovery.describe_optimizer(opt))
+            except Exception as e:
+                optimizers.append({"class": type(opt).__name__, "error": repr(e)})
+        info = {
+            "models": models,
+            "optimizers": optimizers,
+            "loss_modules": self._loss_modules,
+            "process_group": discovery.describe_process_group(),
+            "step_source": self.step_source,
+        }
+        self.ctx.discovery = info
+        self._emit(schema.record(schema.DISCOVERY, rank=self.identity.rank, step=self.step, **info))
+
+    # ------------------------------------------------------------------ findings
+    def _run_detector(self, det: Detector, phase: str, call: Any) -> None:
+        try:
+            for finding in call(det) or ():
+                self.report(finding)
+        except Exception as e:
+            # Switched off on this rank; training goes on untouched.
+            self.detectors.remove(det)
+            frames = traceback.extract_tb(e.__traceback__)
+            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+            self._harness_finding(
+                Severity.ERROR,
+                f"detector:{det.name}",
+                f"detector '{det.name}' raised {type(e).__name__}: {e} in {phase} (at {where}); "
+                "switched off on this rank",
+                evidence={"exception": type(e).__name__, "phase": phase, "where": where},
+            )
+
+    def _harness_finding(
+        self, severity: Severity, subject: str, message: str, *, fix: str | None = None,
+        evidence: dict | None = None,
+    ) -> None:
+        self.report(
+            Finding(
+                severity=severity, detector="harness", ranks=[self.identity.rank],
+                step=self.step or None, subject=subject, message=message, evidence=evidence or {}, fix=fix,
+            )
+        )
+
+    def report(self, finding: Finding) -> None:
+        self.findings.append(finding)
+        self._emit(schema.record(schema.FINDING, rank=self.identity.rank, **finding.to_dict()))
+        if self.echo:
+            step = f" step {finding.step}" if finding.step is not None else ""
+            print(
+                f"distdebug[rank {self.identity.rank}] {finding.severity.value.upper()}{step} "
+                f"{finding.detector}: {finding.subject}: {finding.message}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    # ------------------------------------------------------------------ plumbing
+    def _emit(self, rec: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(rec)
+
+    def _patch(self, obj: Any, name: str, replacement: Any) -> None:
+        self._restore.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, replacement)
+
+
+def _is_deepspeed_optimizer(obj: Any) -> bool:
+    return type(obj).__module__.startswith("deepspeed") and hasattr(obj, "step")

@@ -1,0 +1,78 @@
+"""What every recipe shares: process-group setup, seeding, and a digest of the final parameters.
+
+The digest (xxh3 of each parameter's raw bytes, written per rank with --digest-out DIR) is how
+tests prove that ``distdebug attach`` leaves training results bitwise unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch size")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--digest-out", default=None, help="directory for per-rank parameter digests")
+    return p
+
+
+def setup(seed: int) -> torch.device:
+    """Init the default process group (nccl on GPU, gloo on CPU), seed everything, pick the device."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    seed_all(seed)
+    return device
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The bytes this rank holds: DTensor shards are digested as the local shard."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def param_digest(named_params) -> str:
+    """xxh3 over every parameter's name and raw bytes, in order: changes when any bit changes."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for name, p in named_params:
+        t = local_tensor(p.detach()).contiguous().cpu()
+        h.update(name.encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_digest(out_dir: str | None, digest: str, loss: float) -> None:
+    rank = dist.get_rank()
+    print(f"rank {rank}: final loss {loss:.6f} digest {digest}", flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{digest} {loss!r}\n")

@@ -1,0 +1,141 @@
+"""Shared test helpers: run commands with a hard timeout and no process left behind; spawn gloo ranks.
+
+Every process a test starts is ended here, also on failure and timeout: torch's elastic agent
+starts workers in sessions of their own, so killing the launcher's group is not enough; the
+whole process tree is collected (psutil) and each pid is killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
+    env.pop("DISTDEBUG_DEBUG", None)
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        parent = psutil.Process(pid)
+        procs = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> Result:
+    """Run argv to completion (or kill its whole tree at timeout and fail the test)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or test_env(), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{out}\n--- stderr\n{err}") from None
+    finally:
+        kill_tree(proc.pid)
+    return Result(proc.returncode, out, err)
+
+
+def distdebug(*args: str, timeout: float = 180, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> Result:
+    return run([sys.executable, str(ROOT / "cli.py"), *args], timeout=timeout, env=env, cwd=cwd)
+
+
+def torchrun(*args: str, timeout: float = 180) -> Result:
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args], timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_digests(out_dir: Path) -> dict[str, str]:
+    """rank file -> 'digest loss' line written by recipes/_common.write_digest."""
+    return {p.name: p.read_text().strip() for p in sorted(out_dir.glob("rank*.txt"))}
+
+
+# ---------------------------------------------------------------- forked gloo ranks (tier 2)
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, kwargs: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        queue.put((rank, "ok", fn(rank, world, **kwargs)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Callable[..., Any], world: int = 2, timeout: float = 60, **kwargs: Any) -> list[Any]:
+    """Run fn(rank, world, **kwargs) in `world` forked processes joined by gloo; return results by rank.
+
+    Results must be plain Python values: tensors would travel as shared-memory handles that die
+    with the child.
+
+    Fork keeps it cheap (torch is already imported); the process group is made inside each child.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue, kwargs)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    return [results[r] for r in range(world)]
