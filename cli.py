@@ -30,7 +30,7 @@ class OneLineErrors(click.Group):
             sys.exit(130)
         except click.UsageError as e:
             path = e.ctx.command_path if e.ctx else "distdebug"
-            print(f"distdebug: error: {e.format_message()} (see '{path} --help')", file=sys.stderr)
+            print(f"distdebug: error: {e.format_message().rstrip('.')}; see '{path} --help'", file=sys.stderr)
             sys.exit(2)
         except click.ClickException as e:
             print(f"distdebug: error: {e.format_message()}", file=sys.stderr)
@@ -76,6 +76,9 @@ def main() -> None:
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run like python -m.")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where this run's records go. Default: a new directory under ./distdebug-runs/.")
+@click.option("--launcher-log-level", default="CRITICAL", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+              help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")
 @click.option("--detectors", default=None,
               help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones.")
 @click.argument("script")

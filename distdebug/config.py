@@ -43,8 +43,8 @@ class AttachConfig:
     """None: a new directory under ./distdebug-runs/."""
     detectors: list[str] | None = None
     """Detector specs; None: the registry's defaults."""
-    launcher_log_level: str = "ERROR"
-    """Level for torch's elastic launcher logs (its warnings repeat what distdebug reports)."""
+    launcher_log_level: str = "CRITICAL"
+    """Level for torch's elastic launcher logs: their failure lines repeat what distdebug reports."""
 
     def __post_init__(self) -> None:
         if not self.target:

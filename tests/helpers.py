@@ -14,9 +14,10 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -25,7 +26,7 @@ RECIPES = ROOT / "recipes"
 DATA = Path(__file__).resolve().parent / "data"
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def make_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
@@ -63,7 +64,7 @@ def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = N
         cwd: Path | None = None) -> Result:
     """Run argv to completion (or kill its whole tree at timeout and fail the test)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or test_env(), cwd=cwd or ROOT, start_new_session=True)
+                            env=env or make_env(), cwd=cwd or ROOT, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -88,7 +88,7 @@ def summarize(run: Run) -> RunSummary:
         elif end is not None:
             status = f"exit {end.get('exit_code')}"
         else:
-            status = "no end record (killed or still running)"
+            status = "no end record (killed, or still running)"
         models = (disc or {}).get("models") or []
         ranks.append(
             RankSummary(

@@ -99,7 +99,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
 
 
 def _quiet_torch_launcher(level: str) -> None:
-    lvl = getattr(logging, level.upper(), logging.ERROR)
+    lvl = getattr(logging, level.upper(), logging.CRITICAL)
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(lvl)
 

@@ -68,12 +68,29 @@ def _watch_parent(session) -> None:
 
 
 def _print_script_traceback(exc: BaseException) -> None:
-    """The script's traceback as Python would print it, without runpy's and our frames."""
-    tb = exc.__traceback__
-    skip = {os.path.abspath(runpy.__file__), os.path.abspath(__file__)}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
-        tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    """The script's traceback as Python would print it, without runpy's frames or distdebug's.
+
+    distdebug's frames (the bootstrap, the collective wrappers) would make the user's error look
+    like ours; they are left out of every exception in the chain.
+    """
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the distdebug package
+
+    def hidden(filename: str) -> bool:
+        path = os.path.abspath(filename)
+        return filename == "<frozen runpy>" or path == os.path.abspath(runpy.__file__) or \
+            path.startswith(ours + os.sep)
+
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen: set[int] = set()
+    todo = [te]
+    while todo:
+        cur = todo.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        cur.stack = traceback.StackSummary.from_list([f for f in cur.stack if not hidden(f.filename)])
+        todo += [t for t in (cur.__cause__, cur.__context__) if t is not None]
+    sys.stderr.write("".join(te.format()))
     sys.stderr.flush()
 
 

@@ -28,7 +28,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def render(summary: RunSummary, console: Console | None = None) -> None:
-    console = console or Console()
+    # Piped output defaults to 80 columns, which folds every row of a per-rank table.
+    console = console or Console(width=None if Console().is_terminal else 140)
     console.print(f"[bold]distdebug report[/bold]  {summary.run_dir}")
     if summary.command:
         console.print(f"command: {' '.join(summary.command)}")

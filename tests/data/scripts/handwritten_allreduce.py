@@ -1,0 +1,49 @@
+"""A plain training script with no wrapper: gradients are all-reduced by hand.
+
+Also the test target for how attach treats scripts that end badly: --exit-code, --raise-at,
+--kill-at (SIGKILL itself), each on --fault-rank only.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=5)
+p.add_argument("--fault-rank", type=int, default=1)
+p.add_argument("--exit-code", type=int, default=None)
+p.add_argument("--raise-at", type=int, default=None)
+p.add_argument("--kill-at", type=int, default=None)
+p.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(rank)
+for step in range(1, args.steps + 1):
+    if rank == args.fault_rank and step == args.raise_at:
+        raise ValueError(f"bad batch at step {step}")
+    if rank == args.fault_rank and step == args.kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(4, 8, generator=g)
+    loss = (model(x) - x[:, :1]).pow(2).mean()
+    loss.backward()
+    for prm in model.parameters():
+        dist.all_reduce(prm.grad)
+        prm.grad /= world
+    opt.step()
+    opt.zero_grad()
+    time.sleep(args.sleep)
+print(f"rank {rank} done", flush=True)
+if args.exit_code is not None and rank == args.fault_rank:
+    sys.exit(args.exit_code)
+dist.destroy_process_group()

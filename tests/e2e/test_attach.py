@@ -1,0 +1,206 @@
+"""Tier 3 (end to end): ``distdebug attach`` on real scripts and recipes, ranks started by torch's launcher.
+
+Each run takes a few seconds (fresh Python processes import torch). Every process is ended by the
+helpers, also on timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from distdebug.artifacts import layout
+from distdebug.artifacts.reader import load_run, read_events
+from tests.helpers import DATA, RECIPES, ROOT, distdebug, free_port, kill_tree, make_env, read_digests, torchrun
+
+SCRIPT = str(DATA / "scripts" / "handwritten_allreduce.py")
+
+pytestmark = pytest.mark.slow
+
+
+def kinds(run_dir: Path, rank: int, kind: str) -> list[dict]:
+    records, _ = read_events(layout.events_path(run_dir, rank))
+    return [r for r in records if r["kind"] == kind]
+
+
+RECIPE_CASES = {
+    "ddp": (["ddp_convnet.py", "--steps", "6"], "ddp", "ConvNet"),
+    "fsdp2": (["fsdp2_transformer.py", "--steps", "6"], "fsdp2", "TinyLM"),
+    "zero1": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "1"], "deepspeed-zero1", "Sequential"),
+    "zero2": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "2"], "deepspeed-zero2", "Sequential"),
+    "zero3": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "3"], "deepspeed-zero3", "Sequential"),
+}
+
+
+@pytest.mark.parametrize("case", list(RECIPE_CASES))
+def test_recipe_under_attach_is_bitwise_identical_and_discovered(tmp_path, case):
+    (script, *args), wrapper, cls = RECIPE_CASES[case]
+    bare, attached, run_dir = tmp_path / "bare", tmp_path / "attached", tmp_path / "run"
+    r = torchrun(str(RECIPES / script), *args, "--digest-out", str(bare))
+    assert r.returncode == 0, r.output
+    r = distdebug("attach", "--run-dir", str(run_dir), str(RECIPES / script), *args, "--digest-out", str(attached))
+    assert r.returncode == 0, r.output
+    # Do no harm: final parameters (and final loss) identical bit for bit, on every rank.
+    assert read_digests(attached) == read_digests(bare) and len(read_digests(bare)) == 2
+
+    run_data = load_run(run_dir)
+    assert sorted(run_data.ranks) == [0, 1]
+    m = run_data.manifest
+    assert m["v"] == 1 and m["launcher"]["nproc_per_node"] == "2" and m["versions"]["torch"]
+    assert m["target"].endswith(script) and m["target_args"][:2] == args[:2]
+    for rank in (0, 1):
+        (disc,) = kinds(run_dir, rank, "discovery")
+        (model,) = disc["models"]
+        assert (model["wrapper"], model["class"]) == (wrapper, cls)
+        assert disc["process_group"]["backend"] == "gloo" and disc["process_group"]["world_size"] == 2
+        steps = kinds(run_dir, rank, "step")
+        assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+        assert all(s["loss"] is not None and s["step_time_s"] > 0 for s in steps)
+        (end,) = kinds(run_dir, rank, "end")
+        assert end["exit_code"] == 0
+    # The recipe's printed final loss on rank 0 is the loss attach recorded at the last step.
+    final_loss = float(read_digests(attached)["rank0.txt"].split()[1])
+    assert kinds(run_dir, 0, "step")[-1]["loss"] == final_loss
+
+
+def test_two_nodes_meet_through_c10d_rendezvous(tmp_path):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    common = ["attach", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "--run-dir", str(run_dir)]
+    import subprocess
+
+    procs = [
+        subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *common, "--node-rank", str(node),
+                          str(RECIPES / "ddp_convnet.py"), "--steps", "4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=make_env(),
+                         cwd=ROOT, start_new_session=True)
+        for node in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    run_data = load_run(run_dir)
+    assert sorted(run_data.ranks) == [0, 1]
+    starts = [kinds(run_dir, r, "start")[0] for r in (0, 1)]
+    assert sorted(s["node"] for s in starts) == [0, 1]  # one rank on each launcher agent
+    assert all(s["world_size"] == 2 and s["local_world_size"] == 1 for s in starts)
+    assert sorted(run_data.nodes) == [0, 1] and all(n["exit_code"] == 0 for n in run_data.nodes.values())
+    for rank in (0, 1):
+        assert len(kinds(run_dir, rank, "step")) == 4
+        assert kinds(run_dir, rank, "discovery")[0]["models"][0]["wrapper"] == "ddp"
+
+
+def test_plain_script_with_handwritten_allreduce(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), SCRIPT, "--steps", "4")
+    assert r.returncode == 0, r.output
+    for rank in (0, 1):
+        (disc,) = kinds(tmp_path, rank, "discovery")
+        assert disc["models"][0]["wrapper"] == "manual"
+        assert disc["optimizers"][0]["class"] == "SGD"
+        steps = kinds(tmp_path, rank, "step")
+        assert [s["collectives"] for s in steps] == [4, 4, 4, 4]  # one all_reduce per parameter
+    rep = distdebug("report", str(tmp_path))
+    assert rep.returncode == 0 and "manual" in rep.stdout and "No findings" in rep.stdout
+
+
+def test_exit_code_of_the_training_passes_through(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), SCRIPT, "--steps", "2", "--exit-code", "3")
+    assert r.returncode == 3, r.output
+    assert "rank 1 exited with code 3" in r.stderr
+    assert kinds(tmp_path, 1, "end")[0]["exit_code"] == 3
+
+
+def test_raising_script_shows_its_own_traceback_not_ours(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), SCRIPT, "--steps", "5", "--raise-at", "3")
+    assert r.returncode == 1
+    assert 'handwritten_allreduce.py", line' in r.stderr and "ValueError: bad batch at step 3" in r.stderr
+    assert "runpy" not in r.stderr and "distdebug/" not in r.stderr.replace(str(tmp_path), "")
+    assert "distdebug: training failed: rank 1 exited with code 1" in r.stderr
+    (err,) = kinds(tmp_path, 1, "script_error")
+    assert err["exception"] == "ValueError" and err["step"] == 2
+    rep = distdebug("report", "--json", str(tmp_path))
+    ranks = {x["rank"]: x for x in json.loads(rep.stdout)["ranks"]}
+    assert ranks[1]["status"] == "script raised ValueError" and ranks[1]["steps"] == 2
+
+
+def test_sigkilled_rank_leaves_a_readable_run_dir(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), SCRIPT, "--steps", "6", "--kill-at", "3")
+    assert r.returncode == 128 + signal.SIGKILL, r.output
+    assert "rank 1 was killed by SIGKILL" in r.stderr
+    records, damaged = read_events(layout.events_path(tmp_path, 1))
+    assert damaged == 0
+    assert [x["kind"] for x in records] == ["start", "discovery", "step", "step"]
+    rep = distdebug("report", "--json", str(tmp_path))
+    assert rep.returncode == 0, rep.output
+    summary = json.loads(rep.stdout)
+    rank1 = next(x for x in summary["ranks"] if x["rank"] == 1)
+    assert rank1["steps"] == 2 and rank1["status"].startswith("no end record")
+    assert summary["exit_code"] == 137
+
+
+def test_raising_detector_is_switched_off_training_untouched(tmp_path):
+    plugin = f"{DATA / 'scripts' / 'raising_detector.py'}:Boom"
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--detectors", f"loss_nonfinite,{plugin}", SCRIPT,
+                  "--steps", "4")
+    assert r.returncode == 0, r.output
+    assert "detector 'boom' raised RuntimeError: detector bug" in r.stderr
+    rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
+    (f,) = rep["findings"]
+    assert (f["detector"], f["subject"], f["step"], f["ranks"]) == ("harness", "detector:boom", 2, [0, 1])
+    assert all(x["steps"] == 4 and x["status"] == "exit 0" for x in rep["ranks"])
+
+
+def test_module_mode_and_secret_redaction(tmp_path):
+    env = make_env(HF_TOKEN="hunter2-secret", MY_PASSWORD="pw-secret-value")
+    r = distdebug("attach", "--run-dir", str(tmp_path), "-m", "recipes.ddp_convnet", "--steps", "2", env=env)
+    assert r.returncode == 0, r.output
+    assert len(kinds(tmp_path, 0, "step")) == 2
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["module"] is True and manifest["env"]["HF_TOKEN"] == "<redacted>"
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            assert "hunter2-secret" not in text and "pw-secret-value" not in text, path
+
+
+def test_default_run_dir_and_report_of_the_newest_run(tmp_path):
+    r = distdebug("attach", str(RECIPES / "ddp_convnet.py"), "--steps", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    runs_root = tmp_path / "distdebug-runs"
+    (run_dir,) = [p for p in runs_root.iterdir() if not p.is_symlink()]
+    assert run_dir.name.endswith("-ddp_convnet") and (runs_root / "latest").resolve() == run_dir
+    rep = distdebug("report", cwd=tmp_path)
+    assert rep.returncode == 0 and str(run_dir) in rep.stdout.replace("\n", "")
+
+
+def test_killed_launcher_leaves_no_ranks_behind(tmp_path):
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "attach", "--run-dir", str(tmp_path), SCRIPT,
+                             "--steps", "1000", "--sleep", "0.05"], env=make_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        pids: list[int] = []
+        while time.time() < deadline and len(pids) < 2:
+            time.sleep(0.5)
+            pids = [kinds(tmp_path, r, "start")[0]["pid"] for r in (0, 1)
+                    if layout.events_path(tmp_path, r).exists() and kinds(tmp_path, r, "start")]
+        assert len(pids) == 2, "ranks did not start"
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher dies without cleaning up
+        proc.wait()
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=15)
+        assert not alive, f"ranks left behind: {[p.pid for p in alive]}"
+    finally:
+        kill_tree(proc.pid)
