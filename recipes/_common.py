@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,10 +70,26 @@ def param_digest(named_params) -> str:
     return h.hexdigest()
 
 
-def write_digest(out_dir: str | None, digest: str, loss: float) -> None:
+class StepTimer:
+    """Wall time between consecutive ``tick()`` calls (one per step), for the benchmarks."""
+
+    def __init__(self) -> None:
+        self.marks = [time.perf_counter()]
+
+    def tick(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def median_s(self) -> float:
+        gaps = sorted(b - a for a, b in zip(self.marks[1:-1], self.marks[2:], strict=True))  # step 1 is warm-up
+        return gaps[len(gaps) // 2] if gaps else float("nan")
+
+
+def write_digest(out_dir: str | None, digest: str, loss: float, timer: StepTimer | None = None) -> None:
+    """Print and (with --digest-out) write ``<digest> <final loss> <median step seconds>`` for this rank."""
     rank = dist.get_rank()
-    print(f"rank {rank}: final loss {loss:.6f} digest {digest}", flush=True)
+    step_s = timer.median_s() if timer else float("nan")
+    print(f"rank {rank}: final loss {loss:.6f} digest {digest} median step {step_s * 1000:.3f} ms", flush=True)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(f"{digest} {loss!r}\n")
+            f.write(f"{digest} {loss!r} {step_s!r}\n")

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import base_parser, param_digest, setup, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, param_digest, setup, write_digest  # noqa: E402
 
 
 class ConvNet(nn.Module):
@@ -63,6 +63,7 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()
     step, epoch, loss = 0, 0, torch.tensor(0.0)
+    timer = StepTimer()
     while step < args.steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -71,11 +72,12 @@ def main() -> None:
             loss = loss_fn(ddp(x), y)
             loss.backward()
             opt.step()
+            timer.tick()
             step += 1
             if step >= args.steps:
                 break
         epoch += 1
-    write_digest(args.digest_out, param_digest(model.named_parameters()), float(loss.detach()))
+    write_digest(args.digest_out, param_digest(model.named_parameters()), float(loss.detach()), timer)
     dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import base_parser, param_digest, seed_all, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, param_digest, seed_all, write_digest  # noqa: E402
 
 
 def make_model() -> nn.Module:
@@ -53,16 +53,18 @@ def main() -> None:
     }
     engine, _, _, _ = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)
     loss = torch.tensor(0.0)
+    timer = StepTimer()
     for step in range(args.steps):
         x, y = batch(step, dist.get_rank(), args.batch_size, args.seed)
         x, y = x.to(engine.device), y.to(engine.device)
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
+        timer.tick()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=args.zero_stage == 3):
         digest = param_digest(engine.module.named_parameters())
-    write_digest(args.digest_out, digest, float(loss.detach()))
+    write_digest(args.digest_out, digest, float(loss.detach()), timer)
     dist.destroy_process_group()
 
 

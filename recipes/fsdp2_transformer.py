@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import base_parser, param_digest, setup, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, param_digest, setup, write_digest  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -66,6 +66,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
     loss = torch.tensor(0.0)
+    timer = StepTimer()
     for step in range(args.steps):
         data = batch(step, dist.get_rank(), args.batch_size, seq, vocab, args.seed).to(device)
         logits = model(data[:, :-1])
@@ -73,7 +74,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    write_digest(args.digest_out, param_digest(model.named_parameters()), float(loss.detach()))
+        timer.tick()
+    write_digest(args.digest_out, param_digest(model.named_parameters()), float(loss.detach()), timer)
     dist.destroy_process_group()
 
 

@@ -11,15 +11,13 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
+from distdebug.procs import Completed, kill_tree, run_tree  # noqa: F401  (kill_tree: re-export)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -35,53 +33,21 @@ def make_env(**extra: str) -> dict[str, str]:
     return env
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        parent = psutil.Process(pid)
-        procs = parent.children(recursive=True) + [parent]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
-        cwd: Path | None = None) -> Result:
+        cwd: Path | None = None) -> Completed:
     """Run argv to completion (or kill its whole tree at timeout and fail the test)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or make_env(), cwd=cwd or ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{out}\n--- stderr\n{err}") from None
-    finally:
-        kill_tree(proc.pid)
-    return Result(proc.returncode, out, err)
+    r = run_tree(argv, timeout=timeout, env=env or make_env(), cwd=cwd or ROOT)
+    if r.timed_out:
+        raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+    return r
 
 
 def distdebug(*args: str, timeout: float = 180, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> Result:
+              cwd: Path | None = None) -> Completed:
     return run([sys.executable, str(ROOT / "cli.py"), *args], timeout=timeout, env=env, cwd=cwd)
 
 
-def torchrun(*args: str, timeout: float = 180) -> Result:
+def torchrun(*args: str, timeout: float = 180) -> Completed:
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args], timeout=timeout)
 
 
@@ -92,8 +58,8 @@ def free_port() -> int:
 
 
 def read_digests(out_dir: Path) -> dict[str, str]:
-    """rank file -> 'digest loss' line written by recipes/_common.write_digest."""
-    return {p.name: p.read_text().strip() for p in sorted(out_dir.glob("rank*.txt"))}
+    """rank file -> 'digest final-loss' from recipes/_common.write_digest (the step time is left out)."""
+    return {p.name: " ".join(p.read_text().split()[:2]) for p in sorted(out_dir.glob("rank*.txt"))}
 
 
 # ---------------------------------------------------------------- forked gloo ranks (tier 2)

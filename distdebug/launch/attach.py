@@ -167,4 +167,28 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         code, message = 2, f"the launcher refused to start: {e}"
     node_info.update(ended=time.time(), exit_code=code, message=message)
     manifest_mod.write_json_atomic(node_file, node_info)
+    if cfg.node_rank == 0:
+        _record_layout(run_dir)
     return AttachResult(code, run_dir, message)
+
+
+def _record_layout(run_dir: Path) -> None:
+    """Add the realised world size and rank -> node/host/pid layout to the manifest.
+
+    Only known after rendezvous (elastic ``MIN:MAX`` node counts, c10d's own node ranks), so it
+    is read back from the ranks' ``start`` records visible from this node.
+    """
+    from distdebug.artifacts.reader import load_run
+
+    run = load_run(run_dir)
+    layout_map: dict[str, Any] = {}
+    world_size = None
+    for rank, stream in sorted(run.ranks.items()):
+        start = next((r for r in reversed(stream.records) if r.get("kind") == "start"), None)
+        if start is None:
+            continue
+        world_size = start.get("world_size", world_size)
+        layout_map[str(rank)] = {k: start.get(k) for k in ("node", "local_rank", "host", "pid", "attempt")}
+    data = run.manifest or {}
+    data.update(world_size=world_size, layout=layout_map)
+    manifest_mod.write_json_atomic(layout.manifest_path(run_dir), data)

@@ -93,6 +93,8 @@ def build_manifest(*, argv: list[str], target: str, target_args: list[str], modu
         "target_args": redact_argv(target_args),
         "module": module,
         "launcher": launcher,
+        "world_size": None,  # filled in from the ranks' start records when the run ends
+        "layout": {},
         "detectors": detectors,
         "host": socket.gethostname(),
         "python_executable": sys.executable,

@@ -55,6 +55,8 @@ def test_recipe_under_attach_is_bitwise_identical_and_discovered(tmp_path, case)
     m = run_data.manifest
     assert m["v"] == 1 and m["launcher"]["nproc_per_node"] == "2" and m["versions"]["torch"]
     assert m["target"].endswith(script) and m["target_args"][:2] == args[:2]
+    assert m["world_size"] == 2 and sorted(m["layout"]) == ["0", "1"]
+    assert [m["layout"][r]["local_rank"] for r in ("0", "1")] == [0, 1]
     for rank in (0, 1):
         (disc,) = kinds(run_dir, rank, "discovery")
         (model,) = disc["models"]
@@ -96,6 +98,7 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path):
     assert sorted(s["node"] for s in starts) == [0, 1]  # one rank on each launcher agent
     assert all(s["world_size"] == 2 and s["local_world_size"] == 1 for s in starts)
     assert sorted(run_data.nodes) == [0, 1] and all(n["exit_code"] == 0 for n in run_data.nodes.values())
+    assert sorted(v["node"] for v in run_data.manifest["layout"].values()) == [0, 1]
     for rank in (0, 1):
         assert len(kinds(run_dir, rank, "step")) == 4
         assert kinds(run_dir, rank, "discovery")[0]["models"][0]["wrapper"] == "ddp"

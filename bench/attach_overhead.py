@@ -1,0 +1,63 @@
+"""Step-time overhead of ``distdebug attach`` (default detectors) against bare ``torchrun``, side by side.
+
+    python bench/attach_overhead.py                      # ddp_convnet, 3 rounds of 60 steps
+    python bench/attach_overhead.py --recipe fsdp2_transformer --rounds 5 --steps 100
+
+Bare and attached runs alternate round by round, so machine noise hits both alike. Each run's
+recipe reports its own median step time (process start-up excluded); the result is the ratio of
+the medians over all rounds and ranks. Prints one line per round and a final ``ratio`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from distdebug.procs import run_tree  # noqa: E402
+
+
+def median_step_s(out_dir: Path) -> list[float]:
+    return [float(p.read_text().split()[2]) for p in sorted(out_dir.glob("rank*.txt"))]
+
+
+def one(kind: str, recipe: str, steps: int, work: Path, extra: list[str]) -> list[float]:
+    out = work / kind
+    script = str(ROOT / "recipes" / f"{recipe}.py")
+    args = [script, "--steps", str(steps), "--digest-out", str(out), *extra]
+    if kind == "bare":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args]
+    else:
+        argv = [sys.executable, str(ROOT / "cli.py"), "attach", "--run-dir", str(work / "run"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    r = run_tree(argv, timeout=600, env=env, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"{kind} run failed ({r.returncode}):\n{r.output[-3000:]}")
+    return median_step_s(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="ddp_convnet")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3)
+    args, extra = p.parse_known_args()
+    times: dict[str, list[float]] = {"bare": [], "attach": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            for kind in (("bare", "attach") if i % 2 == 0 else ("attach", "bare")):
+                t = one(kind, args.recipe, args.steps, Path(tmp) / f"{i}", extra)
+                times[kind] += t
+                print(f"round {i + 1} {kind:6s} median step {[f'{x * 1000:.2f} ms' for x in t]}", flush=True)
+    bare, att = statistics.median(times["bare"]), statistics.median(times["attach"])
+    print(f"recipe {args.recipe}: bare {bare * 1000:.3f} ms, attach {att * 1000:.3f} ms, ratio {att / bare:.3f}")
+
+
+if __name__ == "__main__":
+    main()
