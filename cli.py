@@ -76,6 +76,12 @@ def main() -> None:
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run like python -m.")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where this run's records go. Default: a new directory under ./distdebug-runs/.")
+@click.option("--stall-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds without progress (no step, no collective finished) before a rank counts as stalled; "
+                   "then every rank's stacks and Flight Recorder trace are collected and the hang is diagnosed. "
+                   "0: off.")
+@click.option("--on-hang", type=click.Choice(["abort", "report"]), default="abort", show_default=True,
+              help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")
 @click.option("--launcher-log-level", default="CRITICAL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")

@@ -13,6 +13,11 @@ from distdebug.errors import UserError
 
 NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")
 
+EXIT_HANG = 124
+"""attach's exit code when it ended a hung job (as timeout(1) does); other failures pass through."""
+
+ON_HANG = ("abort", "report")
+
 
 @dataclass(kw_only=True)
 class AttachConfig:
@@ -43,6 +48,13 @@ class AttachConfig:
     """None: a new directory under ./distdebug-runs/."""
     detectors: list[str] | None = None
     """Detector specs; None: the registry's defaults."""
+    stall_timeout: float = 300.0
+    """Seconds without progress on a rank (no step, no collective finished) before it counts as
+    stalled and dumps its stacks and Flight Recorder buffer; 0 turns hang detection off."""
+    on_hang: str = "abort"
+    """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
+    flight_recorder_entries: int = 2000
+    """TORCH_FR_BUFFER_SIZE given to ranks (when the environment does not set it); 0 leaves it off."""
     launcher_log_level: str = "CRITICAL"
     """Level for torch's elastic launcher logs: their failure lines repeat what distdebug reports."""
 
@@ -69,6 +81,10 @@ class AttachConfig:
             raise UserError(f"--rdzv-backend must be static or c10d (or etcd), got '{self.rdzv_backend}'", 2)
         if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
             raise UserError(f"--rdzv-endpoint must be HOST:PORT, got '{self.rdzv_endpoint}'", 2)
+        if self.stall_timeout < 0:
+            raise UserError(f"--stall-timeout must be 0 (off) or a number of seconds, got {self.stall_timeout}", 2)
+        if self.on_hang not in ON_HANG:
+            raise UserError(f"--on-hang must be one of {', '.join(ON_HANG)}, got '{self.on_hang}'", 2)
         if max_n > 1 and self.standalone:
             raise UserError("--standalone is for one node; drop it or use --nnodes 1", 2)
         if max_n > 1 and not self.rdzv_endpoint and self.master_addr is None:

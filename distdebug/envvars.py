@@ -23,7 +23,11 @@ NODE_RANK = "DISTDEBUG_NODE_RANK"
 PARENT_WATCH = "DISTDEBUG_PARENT_WATCH"
 """``0`` disables the watchdog that ends a rank whose launcher died (default on)."""
 
-ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH)
+STALL_TIMEOUT = "DISTDEBUG_STALL_TIMEOUT"
+"""Seconds without progress (no step, no collective finished) after which a rank dumps its
+stacks and Flight Recorder buffer; ``0`` turns stall detection off."""
+
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT)
 
 
 def encode_list(items: list[str]) -> str:

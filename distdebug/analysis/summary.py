@@ -105,6 +105,7 @@ def summarize(run: Run) -> RunSummary:
                 damaged_lines=stream.damaged_lines,
             )
         )
+    findings.extend(Finding.from_dict(r) for r in run.findings if r.get("kind") == schema.FINDING)
     exit_code = None
     failure = None
     for node in run.nodes.values():

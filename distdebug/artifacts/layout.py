@@ -3,6 +3,11 @@
     RUN/manifest.json                 run manifest (written by the node-rank-0 launcher)
     RUN/nodes/node-NNN.json           per launcher agent: host, start/end, exit code, failures
     RUN/rank-NNNNN/events.jsonl       per rank: append-only JSON Lines (start, discovery, step, finding, end)
+    RUN/rank-NNNNN/stacks.txt         per rank, on a stall: Python stacks of all threads
+    RUN/rank-NNNNN/fr_trace.pkl       per rank, on a stall: PyTorch Flight Recorder dump (pickle, torch's format)
+    RUN/rank-NNNNN/inflight           per rank: the collective it is inside now (memory-mapped, survives a crash)
+    RUN/rank-NNNNN/crash.txt          per rank, on a fatal signal (SIGABRT, SIGSEGV): Python stacks (faulthandler)
+    RUN/findings.jsonl                run-level findings (cross-rank verdicts such as hangs), append-only
 """
 
 from __future__ import annotations
@@ -13,6 +18,11 @@ MANIFEST = "manifest.json"
 NODE_TEMPLATE = "nodes/node-{node:03d}.json"
 RANK_DIR_TEMPLATE = "rank-{rank:05d}"
 EVENTS = "events.jsonl"
+STACKS = "stacks.txt"
+FR_TRACE = "fr_trace.pkl"
+RUN_FINDINGS = "findings.jsonl"
+INFLIGHT = "inflight"
+CRASH = "crash.txt"
 DEFAULT_RUNS_ROOT = "distdebug-runs"
 LATEST_LINK = "latest"
 
@@ -31,6 +41,26 @@ def rank_dir(run_dir: Path, rank: int) -> Path:
 
 def events_path(run_dir: Path, rank: int) -> Path:
     return rank_dir(run_dir, rank) / EVENTS
+
+
+def stacks_path(run_dir: Path, rank: int) -> Path:
+    return rank_dir(run_dir, rank) / STACKS
+
+
+def fr_trace_path(run_dir: Path, rank: int) -> Path:
+    return rank_dir(run_dir, rank) / FR_TRACE
+
+
+def inflight_path(run_dir: Path, rank: int) -> Path:
+    return rank_dir(run_dir, rank) / INFLIGHT
+
+
+def crash_path(run_dir: Path, rank: int) -> Path:
+    return rank_dir(run_dir, rank) / CRASH
+
+
+def run_findings_path(run_dir: Path) -> Path:
+    return run_dir / RUN_FINDINGS
 
 
 def rank_of_dir(name: str) -> int | None:

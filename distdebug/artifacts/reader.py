@@ -66,6 +66,8 @@ class Run:
     manifest: dict | None
     nodes: dict[int, dict]
     ranks: dict[int, RankStream]
+    findings: list[dict] = field(default_factory=list)
+    """Run-level finding records (cross-rank verdicts), from findings.jsonl."""
 
 
 def load_run(run_dir: Path) -> Run:
@@ -84,4 +86,5 @@ def load_run(run_dir: Path) -> Run:
             data = read_json(f)
             if data is not None:
                 nodes[int(data.get("node_rank", len(nodes)))] = data
-    return Run(run_dir, read_json(layout.manifest_path(run_dir)), nodes, ranks)
+    findings, _ = read_events(layout.run_findings_path(run_dir))
+    return Run(run_dir, read_json(layout.manifest_path(run_dir)), nodes, ranks, findings)

@@ -16,7 +16,10 @@ STEP = "step"              # step, loss, step_time_s, backward_calls, collective
 FINDING = "finding"        # a detector's (or the harness's) finding; see detectors.base.Finding
 SCRIPT_ERROR = "script_error"  # the training script raised: exception type and message
 END = "end"                # exit_code, steps; absent when the rank was killed
-KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END)
+PG_INIT = "pg_init"        # init_process_group entered (phase "begin") or returned ("done")
+STALL = "stall"            # no progress for stall_timeout: phase, last step, collective in flight, stacks
+STALL_CLEARED = "stall_cleared"  # progress resumed after a stall record
+KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED)
 
 
 def record(kind: str, **fields: object) -> dict:

@@ -19,10 +19,11 @@ from typing import Any
 
 from distdebug import envvars
 from distdebug.artifacts import layout, runs
-from distdebug.config import AttachConfig
+from distdebug.config import EXIT_HANG, AttachConfig, parse_nnodes
 from distdebug.detectors import registry
 from distdebug.errors import UserError
 from distdebug.launch import manifest as manifest_mod
+from distdebug.launch import supervisor as supervisor_mod
 
 BOOTSTRAP_MODULE = "distdebug.launch.bootstrap"
 
@@ -90,6 +91,10 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
     os.environ[envvars.DETECTORS] = envvars.encode_list(detectors)
     os.environ[envvars.TARGET_IS_MODULE] = "1" if cfg.module else "0"
     os.environ[envvars.NODE_RANK] = str(cfg.node_rank)
+    os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
+    if cfg.flight_recorder_entries > 0:
+        # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))
     try:
         metadata.version("distdebug")
     except metadata.PackageNotFoundError:
@@ -153,6 +158,16 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     _worker_env(cfg, run_dir, detectors)
     _quiet_torch_launcher(cfg.launcher_log_level)
     args = torchrun.parse_args(torchrun_argv(cfg, nproc))
+    env_findings = supervisor_mod.dangerous_env()
+    if env_findings and cfg.node_rank == 0:
+        supervisor_mod.write_run_findings(run_dir, env_findings)
+        for f in env_findings:
+            print(supervisor_mod.format_finding(f), file=sys.stderr, flush=True)
+    supervisor = supervisor_mod.Supervisor(
+        run_dir, stall_timeout=cfg.stall_timeout, on_hang=cfg.on_hang, node_rank=cfg.node_rank,
+        expected_nodes=parse_nnodes(cfg.nnodes)[0],
+    )
+    supervisor.start()
     code, message = 0, None
     try:
         torchrun.run(args)
@@ -165,11 +180,33 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     except (ValueError, RuntimeError, AssertionError) as e:
         # torch's own validation of launcher options (e.g. a bad --rdzv-conf)
         code, message = 2, f"the launcher refused to start: {e}"
+    finally:
+        supervisor.stop()
+    if supervisor.verdict is not None and code != 0:
+        code, message = EXIT_HANG, supervisor_mod.summary_line(supervisor.verdict)
+    elif code != 0 and cfg.node_rank == 0:
+        _post_mortem(run_dir)
     node_info.update(ended=time.time(), exit_code=code, message=message)
     manifest_mod.write_json_atomic(node_file, node_info)
     if cfg.node_rank == 0:
         _record_layout(run_dir)
     return AttachResult(code, run_dir, message)
+
+
+def _post_mortem(run_dir: Path) -> None:
+    """After a failed job: explain a failed collective (a rank that left, a size mismatch), if any."""
+    from distdebug.analysis.hang import diagnose
+    from distdebug.artifacts.reader import load_run
+
+    try:
+        findings = diagnose(load_run(run_dir))
+    except Exception as e:  # diagnosis must not hide the job's own failure
+        print(f"distdebug: could not diagnose the failure: {type(e).__name__}: {e}", file=sys.stderr)
+        return
+    if findings:
+        supervisor_mod.write_run_findings(run_dir, findings)
+        for f in findings:
+            print(supervisor_mod.format_finding(f), file=sys.stderr, flush=True)
 
 
 def _record_layout(run_dir: Path) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -35,36 +33,59 @@ def _start_session():  # -> Session | None
     specs = envvars.decode_list(envvars.get(envvars.DETECTORS))
     detectors = registry.build(specs)
     session = Session(identity, writer, detectors, run_dir=run_dir, rank_dir=rank_dir)
+    if run_dir is not None:
+        import faulthandler
+
+        from distdebug.runtime.inflight import InflightSlot
+
+        session.inflight = InflightSlot(layout.inflight_path(run_dir, identity.rank))
+        # A rank that dies by a fatal signal (gloo aborts on a collective size mismatch) runs no
+        # Python again; faulthandler writes every thread's stack from its C-level handler.
+        global _CRASH_FILE
+        _CRASH_FILE = open(layout.crash_path(run_dir, identity.rank), "w")  # noqa: SIM115 (open for the process life)
+        faulthandler.enable(file=_CRASH_FILE, all_threads=True)
     session.install()
     return session
 
 
-def _watch_parent(session) -> None:
-    """End this rank if its launcher dies (SIGKILL leaves torch's workers running otherwise).
+_CRASH_FILE = None
 
-    Workers run in their own sessions, so a killed launcher's process group does not reach them.
-    A daemon thread checks the parent once a second: re-parenting means the launcher is gone.
-    """
-    from distdebug.detectors.base import Severity
 
-    parent = os.getppid()
+def _collective_in_traceback(exc: BaseException) -> str | None:
+    """The torch.distributed function an exception came out of (``all_reduce``...), if any."""
+    name = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        if os.path.basename(frame.f_code.co_filename) == "distributed_c10d.py":
+            name = frame.f_code.co_name
+    return name
 
-    def loop() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                if session is not None:
-                    try:
-                        session._harness_finding(
-                            Severity.CRITICAL,
-                            "launcher",
-                            "the launcher process died; ending this rank so that it is not left behind",
-                        )
-                    except Exception:
-                        pass
-                os._exit(137)
 
-    threading.Thread(target=loop, name="distdebug-parent-watch", daemon=True).start()
+def _record_script_error(session, exc: BaseException) -> None:
+    """The script_error record; when a collective raised, also the stacks and Flight Recorder dump."""
+    from distdebug.artifacts import layout, schema
+    from distdebug.runtime.watchdog import flight_recorder_dump
+
+    collective = _collective_in_traceback(exc)
+    frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()}
+              for f in traceback.extract_tb(exc.__traceback__)]
+    fr = False
+    if collective is not None and session.ctx.run_dir is not None:
+        dump = flight_recorder_dump()
+        if dump is not None:
+            layout.fr_trace_path(session.ctx.run_dir, session.identity.rank).write_bytes(dump)
+            fr = True
+    session._emit(
+        schema.record(
+            schema.SCRIPT_ERROR,
+            rank=session.identity.rank,
+            step=session.step,
+            exception=type(exc).__name__,
+            message=str(exc)[:2000],
+            collective=collective,
+            stack=frames[-12:],
+            flight_recorder=fr,
+        )
+    )
 
 
 def _print_script_traceback(exc: BaseException) -> None:
@@ -115,8 +136,11 @@ def main() -> None:
         session = _start_session()
     except Exception as e:  # instrumentation must never stop training
         print(f"distdebug: instrumentation off on this rank: {type(e).__name__}: {e}", file=sys.stderr)
-    if envvars.get(envvars.PARENT_WATCH, "1") != "0":
-        _watch_parent(session)
+    if session is not None:
+        from distdebug.runtime.watchdog import DEFAULT_STALL_TIMEOUT_S, RankWatchdog
+
+        stall = float(envvars.get(envvars.STALL_TIMEOUT) or DEFAULT_STALL_TIMEOUT_S)
+        RankWatchdog(session, stall, watch_parent=envvars.get(envvars.PARENT_WATCH, "1") != "0").start()
 
     sys.argv = [target, *args]
     code = 0
@@ -134,17 +158,10 @@ def main() -> None:
         _print_script_traceback(e)
         code = 1
         if session is not None:
-            from distdebug.artifacts import schema
-
-            session._emit(
-                schema.record(
-                    schema.SCRIPT_ERROR,
-                    rank=session.identity.rank,
-                    step=session.step,
-                    exception=type(e).__name__,
-                    message=str(e)[:2000],
-                )
-            )
+            try:
+                _record_script_error(session, e)
+            except Exception as err:
+                print(f"distdebug: could not record the script's error: {err}", file=sys.stderr)
     finally:
         if session is not None:
             try:

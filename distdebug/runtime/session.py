@@ -129,6 +129,12 @@ class Session:
         self._in_engine_backward = False
         self._handles: list[Any] = []
         self._discovery_handles: list[Any] = []
+        # Progress, read by the watchdog thread: plain attribute writes, no locks on the hot path.
+        self.last_progress = time.monotonic()
+        self.phase = "startup"  # startup -> init_process_group -> training
+        self.collective_seq = 0  # Python-level collectives entered on this rank
+        self.in_collective: dict[str, Any] | None = None
+        self.inflight: Any = None  # runtime.inflight.InflightSlot when there is a run directory
         self._restore: list[tuple[Any, str, Any]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,6 +153,7 @@ class Session:
         import torch.distributed as dist
 
         if dist.is_available():
+            self._patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
             for name in COLLECTIVES:
                 fn = getattr(dist, name, None)
                 if callable(fn):
@@ -309,23 +316,53 @@ class Session:
             self.step_source = "optimizer"
             self._boundary()
 
+    def _wrap_init(self, original: Any) -> Any:
+        """Record entering and leaving init_process_group: a rank stuck there names a startup hang."""
+        session = self
+
+        @functools.wraps(original)
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            session.phase = "init_process_group"
+            session.last_progress = time.monotonic()
+            session._emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin", time=time.time()))
+            result = original(*args, **kwargs)
+            session.phase = "training"
+            session.last_progress = time.monotonic()
+            session._emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="done", time=time.time()))
+            return result
+
+        return init_process_group
+
     def _wrap_collective(self, name: str, fn: Any) -> Any:
         session = self
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
             session._collectives += 1
-            if session._discovering and name == "all_reduce":
-                t = args[0] if args else kwargs.get("tensor")
-                if isinstance(t, torch.Tensor):
-                    session._reduced_ptrs.add(t.data_ptr())
-            return fn(*args, **kwargs)
+            session.collective_seq += 1
+            t = args[0] if args else kwargs.get("tensor")
+            if session._discovering and name == "all_reduce" and isinstance(t, torch.Tensor):
+                session._reduced_ptrs.add(t.data_ptr())
+            info = {"op": name, "seq": session.collective_seq, "step": session.step + 1, "shapes": _shapes(t)}
+            slot = session.inflight
+            if slot is not None:
+                slot.enter(info)
+            session.in_collective = {**info, "since": time.monotonic()}
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                session.in_collective = None
+                session.last_progress = time.monotonic()
+                if slot is not None:
+                    slot.leave()
 
         return collective
 
     # ------------------------------------------------------------------ step boundary
     def _boundary(self) -> None:
         now = time.perf_counter()
+        self.last_progress = time.monotonic()
+        self.phase = "training"
         self.step += 1
         if self._discovering:
             self._finish_discovery()
@@ -458,6 +495,15 @@ class Session:
     def _patch(self, obj: Any, name: str, replacement: Any) -> None:
         self._restore.append((obj, name, getattr(obj, name)))
         setattr(obj, name, replacement)
+
+
+def _shapes(obj: Any) -> list[list[int]] | None:
+    """Shapes of a collective's tensor argument (a tensor or a list of tensors; at most 4 listed)."""
+    if isinstance(obj, torch.Tensor):
+        return [list(obj.shape)]
+    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], torch.Tensor):
+        return [list(x.shape) for x in obj[:4]]
+    return None
 
 
 def _is_deepspeed_optimizer(obj: Any) -> bool:

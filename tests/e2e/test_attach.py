@@ -131,7 +131,10 @@ def test_raising_script_shows_its_own_traceback_not_ours(tmp_path):
     assert "runpy" not in r.stderr and "distdebug/" not in r.stderr.replace(str(tmp_path), "")
     assert "distdebug: training failed: rank 1 exited with code 1" in r.stderr
     (err,) = kinds(tmp_path, 1, "script_error")
-    assert err["exception"] == "ValueError" and err["step"] == 2
+    assert err["exception"] == "ValueError" and err["step"] == 2 and err["collective"] is None
+    # rank 0 then failed inside all_reduce: the post-mortem names rank 1, not rank 0
+    (f,) = [json.loads(x) for x in (tmp_path / "findings.jsonl").read_text().splitlines()]
+    assert f["ranks"] == [1] and f["step"] == 3 and "rank 1 raised ValueError at step 3" in f["message"]
     rep = distdebug("report", "--json", str(tmp_path))
     ranks = {x["rank"]: x for x in json.loads(rep.stdout)["ranks"]}
     assert ranks[1]["status"] == "script raised ValueError" and ranks[1]["steps"] == 2
@@ -143,13 +146,15 @@ def test_sigkilled_rank_leaves_a_readable_run_dir(tmp_path):
     assert "rank 1 was killed by SIGKILL" in r.stderr
     records, damaged = read_events(layout.events_path(tmp_path, 1))
     assert damaged == 0
-    assert [x["kind"] for x in records] == ["start", "discovery", "step", "step"]
+    assert [x["kind"] for x in records] == ["start", "pg_init", "pg_init", "discovery", "step", "step"]
     rep = distdebug("report", "--json", str(tmp_path))
     assert rep.returncode == 0, rep.output
     summary = json.loads(rep.stdout)
     rank1 = next(x for x in summary["ranks"] if x["rank"] == 1)
     assert rank1["steps"] == 2 and rank1["status"].startswith("no end record")
     assert summary["exit_code"] == 137
+    (f,) = summary["findings"]  # rank 0 failed in all_reduce when rank 1 vanished
+    assert f["ranks"] == [1] and "rank 1 left no record after step 2" in f["message"]
 
 
 def test_raising_detector_is_switched_off_training_untouched(tmp_path):

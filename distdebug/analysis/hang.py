@@ -1,0 +1,341 @@
+"""Hang and collective-failure diagnosis: which rank is behind, in which collective, and where it is.
+
+Inputs, all from the run directory: each rank's event stream (steps with per-step collective
+counts, ``stall`` and ``script_error`` records with stacks), its in-flight collective slot
+(``inflight``, survives a crash), its faulthandler crash stack, and its PyTorch Flight Recorder
+dump. Matching of Flight Recorder entries across ranks is PyTorch's own analyzer
+(``torch.distributed.flight_recorder``); gloo dumps are normalised for it first (torch 2.13 keys
+gloo's default group as ``''`` in ``pg_config`` but ``'0'`` in the entries).
+
+Verdict order: a startup hang (init_process_group), then a mismatched collective (same sequence
+number, different op or shapes), then missing ranks (ranks waiting in a collective that one rank
+never reached), each naming culprit ranks, the collective, and the culprit's own stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import pickle
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distdebug.artifacts import layout, schema
+from distdebug.artifacts.reader import Run
+from distdebug.detectors.base import Finding, Severity
+from distdebug.runtime.inflight import read_inflight
+
+DETECTOR = "hang"
+_LIBRARY_MARKERS = (
+    f"{os.sep}site-packages{os.sep}", f"{os.sep}distdebug{os.sep}", "<frozen ", f"{os.sep}lib{os.sep}python3",
+)
+
+
+@dataclass
+class RankState:
+    rank: int
+    status: str
+    """stalled | raised | crashed | exited | running | absent"""
+    step: int = 0
+    phase: str | None = None
+    pg_init: str | None = None
+    inflight_state: str = "empty"
+    inflight: dict[str, Any] | None = None
+    stack: list[dict[str, Any]] = field(default_factory=list)
+    exit_code: int | None = None
+    exception: str | None = None
+    message: str | None = None
+    collective_error: str | None = None
+    crash_stack: str | None = None
+    step_collectives: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def current_step(self) -> int:
+        return self.step + 1
+
+
+def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The innermost frame in the user's code (not torch, not distdebug, not the standard library)."""
+    for f in reversed(frames):
+        if not any(m in str(f.get("file", "")) for m in _LIBRARY_MARKERS):
+            return f
+    return frames[-1] if frames else None
+
+
+def where(frames: list[dict[str, Any]]) -> str:
+    f = user_frame(frames)
+    if f is None:
+        return "an unknown place"
+    code = f": {f['code']}" if f.get("code") else ""
+    return f"{Path(str(f['file'])).name}:{f['line']} in {f['func']}{code}"
+
+
+_FH_FRAME = re.compile(r'File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+
+
+def _crash_frames(text: str) -> list[dict[str, Any]]:
+    """The main thread's frames from a faulthandler dump, innermost last.
+
+    A fatal signal raised by a library thread (gloo aborts from its own thread) is printed under
+    "Thread 0x..." blocks with no "Current thread"; the main thread is the one that runs the module.
+    """
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    main = next((b for b in blocks if "_run_module_as_main" in b or "bootstrap.py" in b), blocks[-1])
+    frames = []
+    for line in main.splitlines():
+        m = _FH_FRAME.search(line.strip())
+        if m:
+            frames.append({"file": m["file"], "line": int(m["line"]), "func": m["func"], "code": ""})
+    return list(reversed(frames))  # faulthandler prints innermost first
+
+
+def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]:
+    states: dict[int, RankState] = {}
+    for rank, stream in run.ranks.items():
+        recs = stream.last_attempt()
+        st = RankState(rank=rank, status="running")
+        for r in recs:
+            kind = r.get("kind")
+            if kind == schema.STEP:
+                st.step = int(r.get("step", st.step))
+                st.step_collectives[st.step] = int(r.get("collectives", 0))
+            elif kind == schema.PG_INIT:
+                st.pg_init = r.get("phase")
+            elif kind == schema.STALL:
+                st.status, st.phase, st.stack = "stalled", r.get("phase"), r.get("main_stack") or []
+            elif kind == schema.STALL_CLEARED:
+                st.status = "running"
+            elif kind == schema.SCRIPT_ERROR:
+                st.status, st.exception, st.message = "raised", r.get("exception"), r.get("message")
+                st.collective_error, st.stack = r.get("collective"), r.get("stack") or []
+            elif kind == schema.END and st.status != "raised":
+                st.status, st.exit_code = "exited", r.get("exit_code")
+        st.inflight_state, st.inflight = read_inflight(layout.inflight_path(run.path, rank))
+        try:
+            crash = layout.crash_path(run.path, rank).read_text()
+        except FileNotFoundError:
+            crash = ""
+        if crash.strip():
+            st.crash_stack = crash
+            if st.status in ("running", "stalled"):
+                st.status = "crashed"
+                st.stack = _crash_frames(crash)
+        states[rank] = st
+    for rank in range(world_size or 0):
+        states.setdefault(rank, RankState(rank=rank, status="absent"))
+    return dict(sorted(states.items()))
+
+
+# ---------------------------------------------------------------- Flight Recorder (PyTorch's analyzer)
+def _normalise_dump(dump: dict[str, Any], world_size: int) -> dict[str, Any]:
+    config = dict(dump.get("pg_config") or {})
+    default = config.get("") or {"ranks": str(list(range(world_size)))}
+    for entry in dump.get("entries", []):
+        name, desc = entry.get("process_group", ("", ""))
+        if name not in config:
+            config[name] = {"name": name, "desc": desc, "ranks": default.get("ranks", str(list(range(world_size))))}
+    dump["pg_config"] = config
+    return dump
+
+
+def flight_recorder_verdict(run: Run, world_size: int) -> dict[str, Any] | None:
+    """First collective that PyTorch's analyzer finds with missing ranks or a mismatch, or None."""
+    dumps = {r: layout.fr_trace_path(run.path, r) for r in run.ranks if layout.fr_trace_path(run.path, r).exists()}
+    if not dumps:
+        return None
+    try:
+        # torch's analyzer prints "tabulate is not installed" on import; that is not the user's business.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from torch.distributed.flight_recorder.components.builder import build_db
+            from torch.distributed.flight_recorder.components.config_manager import JobConfig
+            from torch.distributed.flight_recorder.components.loader import read_dir
+    except ImportError:
+        return None
+    fr_logger = logging.getLogger("Flight Recorder")
+    old_level, old_prop = fr_logger.level, fr_logger.propagate
+    fr_logger.setLevel(logging.CRITICAL)
+    fr_logger.propagate = False
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rank, path in dumps.items():
+                dump = _normalise_dump(pickle.loads(path.read_bytes()), world_size)
+                (Path(tmp) / f"rank_{rank}").write_bytes(pickle.dumps(dump))
+            argv = [tmp, "-p", "rank_"]
+            if len(dumps) < world_size:
+                argv.append("--allow-incomplete-ranks")
+            args = JobConfig().parse_args(argv)
+            details, version = read_dir(args)
+            db = build_db(details, args, version)
+    except Exception as e:  # a torch-internal format change must not hide the rest of the diagnosis
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        fr_logger.setLevel(old_level)
+        fr_logger.propagate = old_prop
+    for c in db.collectives:
+        if c.missing_ranks or c.type_of_mismatch:
+            return {
+                "seq": c.collective_seq_id, "op": c.collective_name, "process_group": c.pg_desc,
+                "input_sizes": c.input_sizes, "missing_ranks": sorted(c.missing_ranks or []),
+                "mismatch": str(c.type_of_mismatch) if c.type_of_mismatch else None,
+                "expected_ranks": sorted(c.expected_ranks or []),
+                "frames": [{"file": f["filename"], "line": f["line"], "func": f["name"]}
+                           for f in (c.collective_frames or [])],
+            }
+    return None
+
+
+# ---------------------------------------------------------------- verdicts
+def _describe(st: RankState) -> str:
+    if st.status == "exited":
+        return f"rank {st.rank} exited with code {st.exit_code} after step {st.step}"
+    if st.status == "absent":
+        return f"rank {st.rank} never started (no records)"
+    if st.status == "raised":
+        return f"rank {st.rank} raised {st.exception} at step {st.current_step} ({where(st.stack)})"
+    if st.status == "crashed":
+        return f"rank {st.rank} died by a fatal signal at step {st.current_step} in {where(st.stack)}"
+    inside = st.inflight if st.inflight_state == "inside" else None
+    if inside:
+        return f"rank {st.rank} is inside {inside['op']} #{inside['seq']} at step {st.current_step}"
+    if st.status == "running":
+        return (f"rank {st.rank} left no record after step {st.step} "
+                "(killed by a signal, or still running without having stalled)")
+    return f"rank {st.rank} is stuck at step {st.current_step} in {where(st.stack)}"
+
+
+def first_collective_count_difference(states: dict[int, RankState]) -> dict[str, Any] | None:
+    """The first step whose Python-level collective count differs across ranks that completed it."""
+    steps = sorted(set().union(*(s.step_collectives for s in states.values())) if states else [])
+    for step in steps:
+        counts = {r: s.step_collectives[step] for r, s in states.items() if step in s.step_collectives}
+        if len(set(counts.values())) > 1:
+            return {"step": step, "collectives_per_rank": counts}
+    return None
+
+
+def _inflight_of(st: RankState) -> dict[str, Any] | None:
+    """The collective a rank is (or was, when it failed) inside; None if it stopped elsewhere."""
+    if st.inflight_state == "inside":
+        return st.inflight
+    if st.status == "raised" and st.collective_error and st.inflight is not None:
+        return st.inflight  # the collective it failed in (the slot keeps the last one)
+    return None
+
+
+def _fix(kind: str) -> str:
+    return {
+        "init": "make every rank reach init_process_group: look at the stack of the ranks that did not",
+        "mismatch": "every rank must issue the same collectives in the same order with the same shapes; "
+                    "look for rank-dependent branches around the collective",
+        "missing": "the named rank took a different path (a skipped collective, an early exit, a stuck "
+                   "data loader or an endless loop): its stack shows where",
+    }[kind]
+
+
+def diagnose(run: Run) -> list[Finding]:
+    """Findings that explain a hang or a failed collective; empty when nothing is wrong."""
+    world = max([int(s.get("world_size", 0)) for st in run.ranks.values() for s in st.of_kind(schema.START)] + [0])
+    states = rank_states(run, world)
+    bad = [s for s in states.values() if s.status in ("stalled", "raised", "crashed")]
+    if not bad or not any(s.status == "stalled" or s.collective_error or s.status == "crashed" for s in bad):
+        return []
+    count_diff = first_collective_count_difference(states)
+    evidence_common: dict[str, Any] = {
+        "ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase, "in_collective": _inflight_of(s)}
+                  for r, s in states.items()},
+    }
+    if count_diff:
+        evidence_common["first_step_with_different_collective_counts"] = count_diff
+
+    # A) startup: nobody finished init_process_group.
+    if all(s.pg_init != "done" and s.step == 0 for s in states.values()):
+        in_init = sorted(r for r, s in states.items() if s.pg_init == "begin")
+        late = [s for s in states.values() if s.pg_init != "begin"]
+        if in_init and late:
+            return [Finding(
+                severity=Severity.CRITICAL, detector=DETECTOR, ranks=[s.rank for s in late], step=None,
+                subject="init_process_group",
+                message=f"ranks {in_init} wait in init_process_group; "
+                        + "; ".join(_describe(s) if s.status != "stalled" else
+                                    f"rank {s.rank} never called it: stuck in {where(s.stack)}" for s in late),
+                evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in late}}, fix=_fix("init"),
+            )]
+
+    # B) mismatch: same sequence number, different op or shapes (in-flight slots, then Flight Recorder).
+    fr = flight_recorder_verdict(run, world) if world else None
+    inflight: dict[int, dict[str, Any]] = {}
+    for r, s in states.items():
+        info = _inflight_of(s)
+        if info is not None:
+            inflight[r] = info
+    by_seq: dict[int, dict[int, dict[str, Any]]] = {}
+    for r, info in inflight.items():
+        by_seq.setdefault(int(info["seq"]), {})[r] = info
+    for n, infos in sorted(by_seq.items()):
+        kinds = {(i["op"], str(i.get("shapes"))) for i in infos.values()}
+        if len(infos) > 1 and len(kinds) > 1:
+            desc = ", ".join(f"rank {r} {i['op']} {i.get('shapes')}" for r, i in sorted(infos.items()))
+            first_step = min(i["step"] for i in infos.values())
+            return [Finding(
+                severity=Severity.CRITICAL, detector=DETECTOR, ranks=sorted(infos), step=first_step,
+                subject=f"collective #{n}",
+                message=f"ranks disagree on collective #{n} (step {first_step}): {desc}; "
+                        + "; ".join(_describe(states[r]) for r in sorted(infos)),
+                evidence={**evidence_common, "flight_recorder": fr,
+                          "stacks": {r: states[r].stack[-8:] for r in sorted(infos)}},
+                fix=_fix("mismatch"),
+            )]
+    if fr and fr.get("mismatch"):
+        return [Finding(
+            severity=Severity.CRITICAL, detector=DETECTOR, ranks=fr["expected_ranks"], step=None,
+            subject=f"{fr['op']} #{fr['seq']} on {fr['process_group']}",
+            message=f"Flight Recorder: collective #{fr['seq']} ({fr['op']}, sizes {fr['input_sizes']}) "
+                    f"does not match across ranks: {fr['mismatch']}",
+            evidence={**evidence_common, "flight_recorder": fr}, fix=_fix("mismatch"),
+        )]
+
+    # C) missing ranks: some ranks wait in a collective that others never reached.
+    waiting = {r: i for r, i in inflight.items() if states[r].status in ("stalled", "raised")}
+    op: str
+    seq: Any
+    sizes: Any
+    if fr and fr.get("missing_ranks"):
+        culprits = list(fr["missing_ranks"])
+        op, seq, sizes = fr["op"], fr["seq"], fr["input_sizes"]
+        at = where([{"file": f["file"], "line": f["line"], "func": f["func"]} for f in reversed(fr["frames"])]) \
+            if fr["frames"] else "?"
+        waiters = sorted(r for r in states if r not in culprits and states[r].status != "absent")
+    else:
+        culprits = sorted(r for r, s in states.items() if r not in waiting)
+        if not waiting or not culprits:
+            culprits = sorted(r for r, s in states.items() if s.status in ("stalled", "crashed", "exited", "absent")
+                              and s.rank not in waiting) or sorted(states)
+        first = next(iter(waiting.values()), None)
+        op = first["op"] if first else "a collective"
+        seq = first["seq"] if first else "?"
+        sizes = first.get("shapes") if first else None
+        at = where(states[next(iter(waiting))].stack) if waiting else "?"
+        waiters = sorted(waiting)
+    step = min((states[r].current_step for r in culprits if r in states), default=None)
+    if count_diff and culprits:
+        # Where it went wrong, not where it stopped: the step in which the culprits issued fewer
+        # collectives than the others (a skipped all_reduce shows here, and only here).
+        counts = count_diff["collectives_per_rank"]
+        if all(r in counts for r in culprits) and max(counts[r] for r in culprits) < max(counts.values()):
+            step = count_diff["step"]
+    located = f" (step {count_diff['step']} is the first with different collective counts: " \
+              f"{count_diff['collectives_per_rank']})" if count_diff else ""
+    return [Finding(
+        severity=Severity.CRITICAL, detector=DETECTOR, ranks=list(culprits), step=step,
+        subject=f"{op} #{seq}",
+        message=f"ranks {waiters} wait in {op} #{seq} (sizes {sizes}, called at {at}); "
+                + "; ".join(_describe(states[r]) for r in culprits if r in states) + located,
+        evidence={**evidence_common, "flight_recorder": fr,
+                  "stacks": {r: states[r].stack[-8:] for r in culprits if r in states}},
+        fix=_fix("missing"),
+    )]

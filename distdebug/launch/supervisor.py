@@ -1,0 +1,250 @@
+"""The launcher's supervisor: turns ranks' stall records into a hang verdict, then ends the job.
+
+Runs as a thread in the ``distdebug attach`` process while torch's elastic agent runs the ranks
+in the main thread. It tails the ranks' append-only event streams (only new bytes each poll).
+Each rank's own watchdog records a stall with its stacks and Flight Recorder dump; once every
+live rank on this node has stalled (or a grace period passed), the supervisor diagnoses
+(``analysis.hang``), writes the verdict to ``findings.jsonl``, prints it, and, unless told only
+to report, kills this node's ranks by pid so that torch's agent tears the job down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from distdebug.artifacts import layout, schema
+from distdebug.artifacts.writer import EventWriter
+from distdebug.detectors.base import Finding, Severity
+
+GRACE_S = 5.0
+"""After the first stall record, how long to wait for the other ranks' dumps before diagnosing."""
+
+
+class _Tail:
+    """New complete lines of an append-only file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+def format_finding(f: Finding) -> str:
+    step = f" step {f.step}" if f.step is not None else ""
+    ranks = f" rank(s) {','.join(map(str, f.ranks))}" if f.ranks else ""
+    text = f"distdebug: {f.severity.value.upper()} {f.detector}{ranks}{step}: {f.subject}: {f.message}"
+    return text + (f"\ndistdebug:   fix: {f.fix}" if f.fix else "")
+
+
+def write_run_findings(run_dir: Path, findings: list[Finding]) -> None:
+    w = EventWriter(layout.run_findings_path(run_dir))
+    for f in findings:
+        w.write(schema.record(schema.FINDING, **f.to_dict()))
+    w.close()
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, *, stall_timeout: float, on_hang: str, node_rank: int, expected_nodes: int,
+                 interval: float = 0.5) -> None:
+        self.run_dir = run_dir
+        self.stall_timeout = stall_timeout
+        self.on_hang = on_hang
+        self.node_rank = node_rank
+        self.expected_nodes = expected_nodes
+        self.interval = interval
+        self.started = time.monotonic()
+        self.verdict: list[Finding] | None = None
+        self._tails: dict[int, _Tail] = {}
+        self._pids: dict[int, int] = {}
+        self._host: dict[int, str] = {}
+        self._stalled: dict[int, float] = {}
+        self._ended: set[int] = set()
+        self._reported = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="distdebug-supervisor", daemon=True)
+
+    def start(self) -> None:
+        if self.stall_timeout > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ polling
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.poll()
+            except Exception as e:  # the supervisor must never take the job down
+                print(f"distdebug: supervisor error (hang detection off): {type(e).__name__}: {e}", file=sys.stderr)
+                return
+
+    def _scan(self) -> None:
+        for child in self.run_dir.iterdir():
+            rank = layout.rank_of_dir(child.name)
+            if rank is not None and rank not in self._tails:
+                self._tails[rank] = _Tail(child / layout.EVENTS)
+        for rank, tail in self._tails.items():
+            for rec in tail.read():
+                kind = rec.get("kind")
+                if kind == schema.START:
+                    self._pids[rank], self._host[rank] = int(rec["pid"]), str(rec.get("host"))
+                    self._stalled.pop(rank, None)
+                    self._ended.discard(rank)
+                elif kind == schema.STALL:
+                    self._stalled[rank] = time.monotonic()
+                elif kind == schema.STALL_CLEARED:
+                    self._stalled.pop(rank, None)
+                    self._reported = False
+                elif kind in (schema.END, schema.SCRIPT_ERROR):
+                    self._ended.add(rank)
+                    self._stalled.pop(rank, None)
+
+    def poll(self) -> None:
+        self._scan()
+        if self._reported:
+            return
+        if not self._pids:
+            if time.monotonic() - self.started > self.stall_timeout:
+                self._rendezvous_hang()
+            return
+        if not self._stalled:
+            return
+        live = set(self._pids) - self._ended
+        waited = time.monotonic() - min(self._stalled.values())
+        if live <= set(self._stalled) or waited > GRACE_S:
+            self._hang()
+
+    # ------------------------------------------------------------------ verdicts
+    def _hang(self) -> None:
+        from distdebug.analysis.hang import diagnose
+        from distdebug.artifacts.reader import load_run
+
+        findings = diagnose(load_run(self.run_dir))
+        if not findings:  # stalled, but nothing to name (e.g. one rank alone idle): say so plainly
+            findings = [Finding(
+                severity=Severity.CRITICAL, detector="hang", ranks=sorted(self._stalled), step=None,
+                subject="progress", message=f"no progress for {self.stall_timeout:g}s on ranks {sorted(self._stalled)}",
+                evidence={}, fix="see the ranks' stacks.txt in the run directory",
+            )]
+        self._conclude(findings)
+        if self.on_hang == "abort":
+            self._terminate_local_ranks()
+
+    def _rendezvous_hang(self) -> None:
+        present = sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "nodes").glob("node-*.json"))
+        missing = [n for n in range(self.expected_nodes) if n not in present]
+        msg = (f"rendezvous not complete after {self.stall_timeout:g}s: {self.expected_nodes} nodes expected, "
+               f"launchers seen in this run directory: nodes {present}")
+        if missing:
+            msg += f"; missing: nodes {missing}"
+        finding = Finding(
+            severity=Severity.CRITICAL, detector="hang", ranks=[], step=None, subject="rendezvous", message=msg,
+            evidence={"expected_nodes": self.expected_nodes, "nodes_present": present, "nodes_missing": missing,
+                      "host": socket.gethostname()},
+            fix="start 'distdebug attach' (same --rdzv-endpoint and --rdzv-id) on the missing nodes, or check that "
+                "they can reach the endpoint",
+        )
+        self._conclude([finding])
+        if self.on_hang == "abort":
+            # No worker exists on this node yet: nothing else to clean up.
+            from distdebug.config import EXIT_HANG
+
+            print("distdebug: training failed: rendezvous did not complete", file=sys.stderr, flush=True)
+            os._exit(EXIT_HANG)
+
+    def _conclude(self, findings: list[Finding]) -> None:
+        self.verdict = findings
+        self._reported = True
+        write_run_findings(self.run_dir, findings)
+        for f in findings:
+            print(format_finding(f), file=sys.stderr, flush=True)
+
+    def _terminate_local_ranks(self) -> None:
+        """SIGTERM, then SIGKILL, this node's ranks, by pid (only our own descendants).
+
+        Never waits on them (no waitpid): the ranks are torch's agent's children, and reaping them
+        here would make the agent read their exit status as success.
+        """
+        import psutil
+
+        try:
+            mine = {p.pid for p in psutil.Process().children(recursive=True)}
+        except psutil.Error:
+            mine = set()
+        targets = [pid for pid in self._pids.values() if pid in mine]
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(_alive(pid) for pid in targets):
+            time.sleep(0.1)
+        for pid in targets:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie awaiting its parent's wait), without reaping it."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def summary_line(findings: list[Finding]) -> str:
+    f = findings[0]
+    ranks = ",".join(map(str, f.ranks))
+    return f"hang: {f.subject}" + (f" (rank {ranks})" if ranks else "")
+
+
+def dangerous_env(env: dict[str, str] | None = None) -> list[Finding]:
+    """Settings that turn collective errors into silent hangs (the seed article has this backwards)."""
+    env = dict(os.environ if env is None else env)
+    out: list[Finding] = []
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        if env.get(name, "").strip() == "0":
+            out.append(Finding(
+                severity=Severity.WARNING, detector="hang", ranks=[], step=None, subject=name,
+                message=f"{name}=0 turns off asynchronous error handling: a NCCL error or timeout then hangs the "
+                        "job instead of failing it (distdebug's stall detection still catches the hang)",
+                evidence={name: "0"},
+                fix=f"unset {name}: PyTorch's default (on) is what makes NCCL errors and timeouts fail the job",
+            ))
+    return out
+
+

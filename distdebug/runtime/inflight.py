@@ -1,0 +1,58 @@
+"""The collective a rank is inside right now, kept in a small memory-mapped file.
+
+Why mmap: a rank can die inside a collective without running any Python again (gloo aborts the
+process on a size mismatch; SIGKILL). A store into a shared file mapping is a memory write, not
+a system call, and the kernel keeps it after the process dies, so the supervisor can still read
+which collective (op, sequence number, shapes) the rank was in.
+
+Layout of the 4 KiB file: byte 0 state (0 empty, 1 inside, 2 finished), bytes 1-4 payload length
+(little endian), then the JSON payload.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+SIZE = 4096
+EMPTY, INSIDE, FINISHED = 0, 1, 2
+
+
+class InflightSlot:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, SIZE)
+            self._mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+
+    def enter(self, info: dict[str, Any]) -> None:
+        data = json.dumps(info, separators=(",", ":")).encode()[: SIZE - 5]
+        self._mm[0] = EMPTY  # never a half-written payload marked as valid
+        self._mm[1:5] = len(data).to_bytes(4, "little")
+        self._mm[5:5 + len(data)] = data
+        self._mm[0] = INSIDE
+
+    def leave(self) -> None:
+        self._mm[0] = FINISHED
+
+
+def read_inflight(path: Path) -> tuple[str, dict[str, Any] | None]:
+    """("inside" | "finished" | "empty", the last collective's info)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return "empty", None
+    if len(raw) < 5 or raw[0] == EMPTY:
+        return "empty", None
+    n = int.from_bytes(raw[1:5], "little")
+    try:
+        info = json.loads(raw[5:5 + n])
+    except ValueError:
+        return "empty", None
+    return ("inside" if raw[0] == INSIDE else "finished"), info

@@ -1,0 +1,119 @@
+"""The rank's watchdog thread: notices a stall and records what the rank was doing; ends orphans.
+
+Why a thread inside the rank: when a job hangs, every rank's main thread is blocked (inside a
+collective, a sleep, a dead data loader). A daemon thread still runs (gloo and NCCL waits release
+the GIL), so it can read ``sys._current_frames()`` and PyTorch's Flight Recorder buffer, and write
+them to the run directory, with no help from the launcher or the other ranks. The launcher's
+supervisor reads those records and decides.
+
+The thread wakes every ``interval`` seconds and only reads two attributes of the session: its cost
+to training is nil.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from distdebug.artifacts import layout, schema
+from distdebug.detectors.base import Severity
+
+DEFAULT_STALL_TIMEOUT_S = 300.0
+
+
+def thread_stacks() -> tuple[str, list[dict[str, Any]]]:
+    """All threads' Python stacks as text, and the main thread's as structured frames (innermost last)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main_id = threading.main_thread().ident
+    me = threading.get_ident()
+    parts: list[str] = []
+    main_frames: list[dict[str, Any]] = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        stack = traceback.extract_stack(frame)
+        parts.append(f'Thread "{names.get(ident, "?")}" ({ident}){" [main]" if ident == main_id else ""}:\n')
+        parts.extend(traceback.format_list(stack))
+        parts.append("\n")
+        if ident == main_id:
+            main_frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()}
+                           for f in stack]
+    return "".join(parts), main_frames
+
+
+def flight_recorder_dump() -> bytes | None:
+    """PyTorch's Flight Recorder buffer (torch's pickle format), or None if unavailable here."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        from torch._C import _distributed_c10d as c10d
+
+        data = c10d._dump_fr_trace(True, True)  # type: ignore[attr-defined]
+        return data if isinstance(data, bytes) and data else None
+    except Exception:
+        return None
+
+
+class RankWatchdog:
+    def __init__(self, session: Any, stall_timeout: float, watch_parent: bool = True, interval: float = 0.5):
+        self.session = session
+        self.stall_timeout = stall_timeout
+        self.watch_parent = watch_parent
+        self.interval = interval
+        self.parent = os.getppid()
+        self.stalled_at: float | None = None  # last_progress value of the stall already recorded
+
+    def start(self) -> None:
+        threading.Thread(target=self._loop, name="distdebug-watchdog", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            try:
+                self.check()
+            except Exception as e:  # the watchdog must never take the rank down
+                print(f"distdebug: watchdog error on rank {self.session.identity.rank}: {e}", file=sys.stderr)
+                return
+
+    def check(self) -> None:
+        s = self.session
+        if self.watch_parent and os.getppid() != self.parent:
+            # Workers run in sessions of their own: a SIGKILLed launcher would leave them running.
+            s._harness_finding(Severity.CRITICAL, "launcher",
+                               "the launcher process died; ending this rank so that it is not left behind")
+            os._exit(137)
+        if self.stall_timeout <= 0:
+            return
+        progress = s.last_progress
+        idle = time.monotonic() - progress
+        if self.stalled_at is not None and progress != self.stalled_at:
+            s._emit(schema.record(schema.STALL_CLEARED, rank=s.identity.rank, step=s.step, time=time.time()))
+            self.stalled_at = None
+        if self.stalled_at is None and idle > self.stall_timeout:
+            self.stalled_at = progress
+            self.record_stall(idle)
+
+    def record_stall(self, idle: float) -> None:
+        s = self.session
+        text, main_frames = thread_stacks()
+        fr = flight_recorder_dump()
+        run_dir = s.ctx.run_dir
+        if run_dir is not None:
+            layout.rank_dir(run_dir, s.identity.rank).mkdir(parents=True, exist_ok=True)
+            layout.stacks_path(run_dir, s.identity.rank).write_text(text)
+            if fr is not None:
+                layout.fr_trace_path(run_dir, s.identity.rank).write_bytes(fr)
+        in_coll = dict(s.in_collective) if s.in_collective else None
+        if in_coll is not None:
+            in_coll["waiting_s"] = round(time.monotonic() - in_coll.pop("since"), 3)
+        s._emit(schema.record(
+            schema.STALL, rank=s.identity.rank, step=s.step, phase=s.phase, idle_s=round(idle, 3),
+            collectives_entered=s.collective_seq, in_collective=in_coll, main_stack=main_frames,
+            flight_recorder=fr is not None, time=time.time(),
+        ))

@@ -1,0 +1,145 @@
+"""Tier 3 (end to end): hangs and failed collectives under attach, diagnosed and ended, nothing left behind.
+
+Each run uses --stall-timeout 2 so that a hang is noticed in seconds; each test bounds its run
+with a timeout of stall-timeout + 30 s and the helpers kill every process on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distdebug.artifacts import layout
+from distdebug.artifacts.reader import read_events
+from distdebug.config import EXIT_HANG
+from tests.helpers import DATA, ROOT, distdebug, free_port, kill_tree, make_env
+
+SCRIPT = str(DATA / "scripts" / "hang.py")
+STALL = "2"
+
+pytestmark = pytest.mark.slow
+
+
+def run_findings(run_dir):
+    records, _ = read_events(layout.run_findings_path(run_dir))
+    return [r for r in records if r["kind"] == "finding"]
+
+
+def attach(run_dir, *script_args, extra=(), timeout=60):
+    return distdebug("attach", "--run-dir", str(run_dir), "--stall-timeout", STALL, *extra, SCRIPT, *script_args,
+                     timeout=timeout)
+
+
+def test_rank_that_skips_an_allreduce_is_named_with_step_collective_and_stack(tmp_path):
+    t0 = time.monotonic()
+    r = attach(tmp_path, "--skip-at", "3")
+    assert r.returncode == EXIT_HANG, r.output
+    assert time.monotonic() - t0 < 2 + 30
+    (f,) = [f for f in run_findings(tmp_path) if f["detector"] == "hang"]
+    assert f["ranks"] == [1] and f["step"] == 3  # the step where rank 1 made fewer collectives
+    assert "all_reduce #5" in f["subject"]
+    assert "hang.py" in f["message"] and "time.sleep(600)" in f["message"]  # rank 1's own stack
+    assert f["evidence"]["first_step_with_different_collective_counts"] == {
+        "step": 3, "collectives_per_rank": {"0": 1, "1": 0}}
+    assert f["evidence"]["flight_recorder"]["missing_ranks"] == [1]
+    assert "hang rank(s) 1 step 3" in r.stderr.replace("CRITICAL ", "")
+    assert (tmp_path / "rank-00001" / "stacks.txt").read_text().count("Thread") >= 2
+    assert (tmp_path / "rank-00000" / "fr_trace.pkl").exists()
+
+
+def test_rank_sleeping_forever_inside_its_step(tmp_path):
+    r = attach(tmp_path, "--sleep-at", "3")
+    assert r.returncode == EXIT_HANG, r.output
+    (f,) = run_findings(tmp_path)
+    assert (f["ranks"], f["step"]) == ([1], 3)
+    assert "all_reduce #3" in f["subject"] and "ranks [0] wait in" in f["message"]
+    assert "time.sleep(600)  # stuck inside its step" in f["message"]
+    stall = [x for x in read_events(layout.events_path(tmp_path, 1))[0] if x["kind"] == "stall"][0]
+    assert stall["phase"] == "training" and stall["in_collective"] is None
+    stall0 = [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "stall"][0]
+    assert stall0["in_collective"]["op"] == "all_reduce" and stall0["in_collective"]["seq"] == 3
+
+
+def test_collective_with_different_sizes_across_ranks(tmp_path):
+    r = attach(tmp_path, "--size-at", "3")
+    assert r.returncode != 0, r.output
+    (f,) = run_findings(tmp_path)
+    assert f["subject"] == "collective #3" and f["ranks"] == [0, 1] and f["step"] == 3
+    assert "rank 0 all_reduce [[20]]" in f["message"] and "rank 1 all_reduce [[40]]" in f["message"]
+    # rank 0 was aborted by gloo (no Python ran): its place comes from the faulthandler dump
+    assert "rank 0 died by a fatal signal at step 3 in hang.py:53 in <module>" in f["message"]
+
+
+def test_rank_that_exits_early_is_named(tmp_path):
+    r = attach(tmp_path, "--exit-at", "3")
+    assert r.returncode != 0, r.output
+    (f,) = run_findings(tmp_path)
+    assert f["ranks"] == [1] and "rank 1 exited with code 0 after step 2" in f["message"]
+    assert "all_reduce #3" in f["subject"]
+
+
+def test_slow_but_progressing_rank_is_not_a_hang(tmp_path):
+    r = attach(tmp_path, "--slow", "0.6", "--steps", "8")
+    assert r.returncode == 0, r.output
+    assert run_findings(tmp_path) == []
+    for rank in (0, 1):
+        assert not [x for x in read_events(layout.events_path(tmp_path, rank))[0] if x["kind"] == "stall"]
+
+
+def test_rank_stuck_before_init_process_group(tmp_path):
+    r = attach(tmp_path, "--init-late")
+    assert r.returncode == EXIT_HANG, r.output
+    (f,) = run_findings(tmp_path)
+    assert f["subject"] == "init_process_group" and f["ranks"] == [1]
+    assert "ranks [0] wait in init_process_group" in f["message"]
+    assert "rank 1 never called it" in f["message"] and "time.sleep(600)" in f["message"]
+
+
+def test_collective_timeout_surfaces_as_a_finding_and_non_zero_exit(tmp_path):
+    # The process group's own timeout (2 s) fires before distdebug's stall timeout (300 s).
+    r = distdebug("attach", "--run-dir", str(tmp_path), SCRIPT, "--sleep-at", "2", "--pg-timeout", "2", timeout=90)
+    assert r.returncode != 0
+    (f,) = run_findings(tmp_path)
+    assert f["ranks"] == [1] and "all_reduce #2" in f["subject"] and "ranks [0] wait in" in f["message"]
+    err = [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "script_error"][0]
+    assert err["collective"] == "all_reduce" and err["flight_recorder"] is True
+
+
+def test_async_error_handling_off_is_flagged():
+    from distdebug.launch.supervisor import dangerous_env
+
+    (f,) = dangerous_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_DEBUG": "INFO"})
+    assert f.subject == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and "hangs the job" in f.message
+    assert dangerous_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == []  # on is the safe value
+
+
+def test_report_only_mode_keeps_waiting(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "attach", "--run-dir", str(tmp_path),
+                             "--stall-timeout", STALL, "--on-hang", "report", SCRIPT, "--sleep-at", "2"],
+                            env=make_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and not run_findings(tmp_path):
+            time.sleep(0.5)
+        (f,) = run_findings(tmp_path)
+        assert f["ranks"] == [1]
+        time.sleep(3)
+        assert proc.poll() is None  # still waiting, as asked
+    finally:
+        kill_tree(proc.pid)
+
+
+def test_rendezvous_that_never_completes_names_the_missing_node(tmp_path):
+    port = free_port()
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--stall-timeout", STALL, "--nnodes", "2",
+                  "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                  "--rdzv-id", "lonely", SCRIPT, timeout=60)
+    assert r.returncode == EXIT_HANG, r.output
+    (f,) = run_findings(tmp_path)
+    assert f["subject"] == "rendezvous" and f["evidence"]["nodes_missing"] == [1]
+    assert json.loads((tmp_path / "nodes" / "node-000.json").read_text())["node_rank"] == 0

@@ -1,0 +1,77 @@
+"""Tier 1 (pure): hang analysis on synthetic per-rank records, the in-flight slot and crash-stack parsing."""
+
+from __future__ import annotations
+
+from distdebug.analysis.hang import _crash_frames, diagnose, first_collective_count_difference, rank_states, where
+from distdebug.artifacts import layout, schema
+from distdebug.artifacts.reader import load_run
+from distdebug.artifacts.writer import EventWriter
+from distdebug.runtime.inflight import InflightSlot, read_inflight
+
+USER = {"file": "/home/me/train.py", "line": 40, "func": "<module>", "code": "time.sleep(600)"}
+TORCH = {"file": "/x/site-packages/torch/distributed/distributed_c10d.py", "line": 3252, "func": "all_reduce",
+         "code": "work.wait()"}
+
+
+def write(run_dir, rank, records):
+    w = EventWriter(layout.events_path(run_dir, rank))
+    w.write(schema.record(schema.START, rank=rank, world_size=3, pid=1, host="h"))
+    for r in records:
+        w.write(r)
+    w.close()
+
+
+def steps(counts):
+    return [schema.record(schema.STEP, step=i, collectives=c) for i, c in enumerate(counts, 1)]
+
+
+def test_inflight_slot_round_trip(tmp_path):
+    slot = InflightSlot(tmp_path / "inflight")
+    assert read_inflight(tmp_path / "inflight") == ("empty", None)
+    slot.enter({"op": "all_reduce", "seq": 7, "shapes": [[4]]})
+    assert read_inflight(tmp_path / "inflight") == ("inside", {"op": "all_reduce", "seq": 7, "shapes": [[4]]})
+    slot.leave()
+    assert read_inflight(tmp_path / "inflight")[0] == "finished"
+
+
+def test_where_prefers_the_users_frame():
+    assert where([USER, TORCH]) == "train.py:40 in <module>: time.sleep(600)"
+
+
+def test_faulthandler_dump_main_thread_is_found_when_another_thread_aborted():
+    text = (
+        "Fatal Python error: Aborted\n\nThread 0x01 (most recent call first):\n"
+        '  File "/x/threading.py", line 982 in run\n\n'
+        "Thread 0x02 (most recent call first):\n"
+        '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "/home/me/train.py", line 53 in <module>\n'
+        '  File "<frozen runpy>", line 198 in _run_module_as_main\n'
+    )
+    frames = _crash_frames(text)
+    assert frames[-1]["func"] == "all_reduce" and where(frames) == "train.py:53 in <module>"
+
+
+def test_first_step_with_different_collective_counts(tmp_path):
+    write(tmp_path, 0, steps([2, 2, 2]))
+    write(tmp_path, 1, steps([2, 1, 2]))
+    write(tmp_path, 2, steps([2, 2]))
+    states = rank_states(load_run(tmp_path))
+    assert first_collective_count_difference(states) == {"step": 2, "collectives_per_rank": {0: 2, 1: 1, 2: 2}}
+
+
+def test_rank_behind_is_named_by_majority_of_waiting_ranks(tmp_path):
+    for rank in (0, 2):
+        write(tmp_path, rank, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training",
+                                                             main_stack=[USER, TORCH])])
+        InflightSlot(layout.inflight_path(tmp_path, rank)).enter({"op": "all_reduce", "seq": 3, "step": 3,
+                                                                   "shapes": [[8]]})
+    write(tmp_path, 1, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training", main_stack=[USER])])
+    (f,) = diagnose(load_run(tmp_path))
+    assert f.ranks == [1] and f.step == 3 and f.subject == "all_reduce #3"
+    assert "ranks [0, 2] wait in all_reduce #3" in f.message and "train.py:40" in f.message
+
+
+def test_clean_run_has_no_hang_finding(tmp_path):
+    for rank in range(3):
+        write(tmp_path, rank, steps([1, 1, 1]) + [schema.record(schema.END, exit_code=0)])
+    assert diagnose(load_run(tmp_path)) == []
