@@ -306,7 +306,7 @@ def diagnose(run: Run) -> list[Finding]:
     sizes: Any
     if fr and fr.get("missing_ranks"):
         culprits = list(fr["missing_ranks"])
-        op, seq, sizes = fr["op"], fr["seq"], fr["input_sizes"]
+        op, seq, sizes = fr["op"], fr["seq"], f"{fr['input_sizes']}, group {fr['process_group']}"
         at = where([{"file": f["file"], "line": f["line"], "func": f["func"]} for f in reversed(fr["frames"])]) \
             if fr["frames"] else "?"
         waiters = sorted(r for r in states if r not in culprits and states[r].status != "absent")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from distdebug.artifacts import layout
@@ -35,10 +36,17 @@ def attach(run_dir, *script_args, extra=(), timeout=60):
 
 
 def test_rank_that_skips_an_allreduce_is_named_with_step_collective_and_stack(tmp_path):
-    t0 = time.monotonic()
     r = attach(tmp_path, "--skip-at", "3")
     assert r.returncode == EXIT_HANG, r.output
-    assert time.monotonic() - t0 < 2 + 30
+    # From the moment rank 0 stopped making progress to the job's end: within stall-timeout + 10 s.
+    stall0 = [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "stall"][0]
+    ended = json.loads((tmp_path / "nodes" / "node-000.json").read_text())["ended"]
+    assert ended - (stall0["time"] - stall0["idle_s"]) < float(STALL) + 10
+    # No rank left behind.
+    pids = [x["pid"] for rank in (0, 1) for x in read_events(layout.events_path(tmp_path, rank))[0]
+            if x["kind"] == "start"]
+    assert len(pids) == 2 and not [p for p in pids if psutil.pid_exists(p)
+                                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     (f,) = [f for f in run_findings(tmp_path) if f["detector"] == "hang"]
     assert f["ranks"] == [1] and f["step"] == 3  # the step where rank 1 made fewer collectives
     assert "all_reduce #5" in f["subject"]
@@ -49,6 +57,8 @@ def test_rank_that_skips_an_allreduce_is_named_with_step_collective_and_stack(tm
     assert "hang rank(s) 1 step 3" in r.stderr.replace("CRITICAL ", "")
     assert (tmp_path / "rank-00001" / "stacks.txt").read_text().count("Thread") >= 2
     assert (tmp_path / "rank-00000" / "fr_trace.pkl").exists()
+    rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
+    assert rep["exit_code"] == EXIT_HANG and [x["detector"] for x in rep["findings"]] == ["hang"]
 
 
 def test_rank_sleeping_forever_inside_its_step(tmp_path):
