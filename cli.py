@@ -82,6 +82,8 @@ def main() -> None:
                    "0: off.")
 @click.option("--on-hang", type=click.Choice(["abort", "report"]), default="abort", show_default=True,
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")
+@click.option("--fingerprint-every", type=int, default=1, show_default=True,
+              help="Cross-rank fingerprint check of replicated tensors every K optimizer steps.")
 @click.option("--launcher-log-level", default="CRITICAL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")
@@ -131,6 +133,39 @@ def report(run: str | None, as_json: bool) -> int:
 
         render(summary)
     return 0
+
+
+@main.command()
+@click.argument("run", required=False)
+@click.argument("other", required=False)
+@click.option("--step", type=int, default=None, help="Compare the ranks at this step (default: find the first "
+              "divergent step).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def diff(run: str | None, other: str | None, step: int | None, as_json: bool) -> int:
+    """Cross-rank fingerprint diff of RUN (default: newest), or run-against-run with OTHER.
+
+    \b
+    distdebug diff RUN --step N     tensors that differ across ranks at step N
+    distdebug diff RUN              the first step where replicas diverge
+    distdebug diff RUN_A RUN_B      the first step and tensor where two runs differ
+    Exit code 1 when something differs, 0 when identical.
+    """
+    from distdebug.artifacts.runs import resolve_run
+    from distdebug.report import diffview
+
+    if other is not None:
+        if step is not None:
+            raise click.UsageError("--step applies to one run; give RUN alone, or RUN_A RUN_B without --step")
+        result = diffview.runs(resolve_run(run), resolve_run(other))
+    else:
+        result = diffview.ranks(resolve_run(run), step)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(result, indent=2))
+    else:
+        diffview.render(result)
+    return 0 if result["identical"] else 1
 
 
 @main.command("detectors")

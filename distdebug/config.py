@@ -53,6 +53,8 @@ class AttachConfig:
     stalled and dumps its stacks and Flight Recorder buffer; 0 turns hang detection off."""
     on_hang: str = "abort"
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
+    fingerprint_every: int = 1
+    """Cross-rank fingerprint check (replica_divergence) every K optimizer steps."""
     flight_recorder_entries: int = 2000
     """TORCH_FR_BUFFER_SIZE given to ranks (when the environment does not set it); 0 leaves it off."""
     launcher_log_level: str = "CRITICAL"
@@ -83,6 +85,8 @@ class AttachConfig:
             raise UserError(f"--rdzv-endpoint must be HOST:PORT, got '{self.rdzv_endpoint}'", 2)
         if self.stall_timeout < 0:
             raise UserError(f"--stall-timeout must be 0 (off) or a number of seconds, got {self.stall_timeout}", 2)
+        if self.fingerprint_every < 1:
+            raise UserError(f"--fingerprint-every must be 1 or more, got {self.fingerprint_every}", 2)
         if self.on_hang not in ON_HANG:
             raise UserError(f"--on-hang must be one of {', '.join(ON_HANG)}, got '{self.on_hang}'", 2)
         if max_n > 1 and self.standalone:

@@ -27,7 +27,10 @@ STALL_TIMEOUT = "DISTDEBUG_STALL_TIMEOUT"
 """Seconds without progress (no step, no collective finished) after which a rank dumps its
 stacks and Flight Recorder buffer; ``0`` turns stall detection off."""
 
-ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT)
+FINGERPRINT_EVERY = "DISTDEBUG_FINGERPRINT_EVERY"
+"""Cross-rank fingerprint check every K optimizer steps (default 1)."""
+
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY)
 
 
 def encode_list(items: list[str]) -> str:

@@ -53,6 +53,15 @@ class RankState:
     collective_error: str | None = None
     crash_stack: str | None = None
     step_collectives: dict[int, int] = field(default_factory=dict)
+    entered_total: int | None = None
+    """Python-level collectives entered since the start (from the stall record)."""
+
+    @property
+    def in_progress_collectives(self) -> int | None:
+        """Collectives already entered in the unfinished current step (a lower bound of its count)."""
+        if self.entered_total is None:
+            return None
+        return max(0, self.entered_total - sum(self.step_collectives.values()))
 
     @property
     def current_step(self) -> int:
@@ -108,6 +117,8 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
                 st.pg_init = r.get("phase")
             elif kind == schema.STALL:
                 st.status, st.phase, st.stack = "stalled", r.get("phase"), r.get("main_stack") or []
+                if r.get("collectives_entered") is not None:
+                    st.entered_total = int(r["collectives_entered"])
             elif kind == schema.STALL_CLEARED:
                 st.status = "running"
             elif kind == schema.SCRIPT_ERROR:
@@ -132,13 +143,21 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
 
 
 # ---------------------------------------------------------------- Flight Recorder (PyTorch's analyzer)
+HARNESS_GROUP_DESC = "distdebug_harness"  # detectors.replica_divergence.HARNESS_GROUP_DESC
+
+
 def _normalise_dump(dump: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """Make a gloo dump readable by torch's analyzer; drop the harness's own group's collectives."""
+    dump["entries"] = [e for e in dump.get("entries", [])
+                       if HARNESS_GROUP_DESC not in str(e.get("process_group", ("", ""))[1])]
     config = dict(dump.get("pg_config") or {})
-    default = config.get("") or {"ranks": str(list(range(world_size)))}
+    everyone = str(list(range(world_size)))
+    default = config.get("") or {}
+    ranks = default.get("ranks") if default.get("ranks") not in (None, "", "[]") else everyone
     for entry in dump.get("entries", []):
         name, desc = entry.get("process_group", ("", ""))
         if name not in config:
-            config[name] = {"name": name, "desc": desc, "ranks": default.get("ranks", str(list(range(world_size))))}
+            config[name] = {"name": name, "desc": desc, "ranks": ranks}
     dump["pg_config"] = config
     return dump
 
@@ -202,6 +221,9 @@ def _describe(st: RankState) -> str:
     inside = st.inflight if st.inflight_state == "inside" else None
     if inside:
         return f"rank {st.rank} is inside {inside['op']} #{inside['seq']} at step {st.current_step}"
+    if any(f"{os.sep}distdebug{os.sep}detectors{os.sep}" in str(f.get("file", "")) for f in st.stack):
+        return (f"rank {st.rank} finished step {st.step} and waits in distdebug's cross-rank check "
+                f"(called from {where(st.stack)}) for ranks that never finished that step")
     if st.status == "running":
         return (f"rank {st.rank} left no record after step {st.step} "
                 "(killed by a signal, or still running without having stalled)")
@@ -209,12 +231,22 @@ def _describe(st: RankState) -> str:
 
 
 def first_collective_count_difference(states: dict[int, RankState]) -> dict[str, Any] | None:
-    """The first step whose Python-level collective count differs across ranks that completed it."""
+    """The first step in which some rank provably issued fewer Python-level collectives than another.
+
+    Completed steps give exact counts; a rank stuck in its current step gives a lower bound (what
+    it already entered). A rank that completed step s with fewer collectives than another rank's
+    count (exact or lower bound) for s skipped one there.
+    """
     steps = sorted(set().union(*(s.step_collectives for s in states.values())) if states else [])
-    for step in steps:
-        counts = {r: s.step_collectives[step] for r, s in states.items() if step in s.step_collectives}
-        if len(set(counts.values())) > 1:
-            return {"step": step, "collectives_per_rank": counts}
+    partial = {r: (s.current_step, s.in_progress_collectives) for r, s in states.items()
+               if s.in_progress_collectives is not None}
+    for step in sorted(set(steps) | {p[0] for p in partial.values()}):
+        exact = {r: s.step_collectives[step] for r, s in states.items() if step in s.step_collectives}
+        at_least = {r: int(n) for r, (st, n) in partial.items() if st == step and n is not None}
+        if not exact:
+            continue
+        if len(set(exact.values())) > 1 or any(n > min(exact.values()) for n in at_least.values()):
+            return {"step": step, "collectives_per_rank": {**exact, **at_least}}
     return None
 
 

@@ -7,6 +7,8 @@
     RUN/rank-NNNNN/fr_trace.pkl       per rank, on a stall: PyTorch Flight Recorder dump (pickle, torch's format)
     RUN/rank-NNNNN/inflight           per rank: the collective it is inside now (memory-mapped, survives a crash)
     RUN/rank-NNNNN/crash.txt          per rank, on a fatal signal (SIGABRT, SIGSEGV): Python stacks (faulthandler)
+    RUN/rank-NNNNN/fingerprints.bin   per rank: per checked step, a fingerprint per replicated tensor (binary)
+    RUN/rank-NNNNN/fingerprint-names.json  the tensor names those fingerprints refer to
     RUN/findings.jsonl                run-level findings (cross-rank verdicts such as hangs), append-only
 """
 
@@ -22,6 +24,8 @@ STACKS = "stacks.txt"
 FR_TRACE = "fr_trace.pkl"
 RUN_FINDINGS = "findings.jsonl"
 INFLIGHT = "inflight"
+FINGERPRINTS = "fingerprints.bin"
+FINGERPRINT_NAMES = "fingerprint-names.json"
 CRASH = "crash.txt"
 DEFAULT_RUNS_ROOT = "distdebug-runs"
 LATEST_LINK = "latest"

@@ -77,6 +77,9 @@ class StepEvent:
     step_time_s: float
     backward_calls: int
     collectives: int
+    backward_total: int = 0
+    """Backward calls since the start: equal across ranks in lockstep training, even when a rank
+    skips optimizer.step (which the step number alone cannot show)."""
 
 
 class Detector:
@@ -95,3 +98,6 @@ class Detector:
 
     def on_end(self) -> Iterable[Finding]:
         return ()
+
+    def before_destroy(self) -> None:
+        """Called before the script destroys its process groups: release any group of your own."""

@@ -14,8 +14,9 @@ def _builtin() -> dict[str, type[Detector]]:
     # Imported here, not at module load, so that listing names stays cheap and a broken
     # detector module cannot break the others' import.
     from distdebug.detectors.loss_nonfinite import LossNonFinite
+    from distdebug.detectors.replica_divergence import ReplicaDivergence
 
-    return {cls.name: cls for cls in (LossNonFinite,)}
+    return {cls.name: cls for cls in (LossNonFinite, ReplicaDivergence)}
 
 
 def names() -> list[str]:

@@ -92,6 +92,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
     os.environ[envvars.TARGET_IS_MODULE] = "1" if cfg.module else "0"
     os.environ[envvars.NODE_RANK] = str(cfg.node_rank)
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
+    os.environ[envvars.FINGERPRINT_EVERY] = str(cfg.fingerprint_every)
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))

@@ -132,7 +132,9 @@ class Supervisor:
         if self._reported:
             return
         if not self._pids:
-            if time.monotonic() - self.started > self.stall_timeout:
+            # Rendezvous is done once torch's agent has started this node's workers (they may take a
+            # while to import torch and write their first record; that is not a rendezvous hang).
+            if time.monotonic() - self.started > self.stall_timeout and not _has_children():
                 self._rendezvous_hang()
             return
         if not self._stalled:
@@ -214,6 +216,15 @@ class Supervisor:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def _has_children() -> bool:
+    import psutil
+
+    try:
+        return bool(psutil.Process().children())
+    except psutil.Error:
+        return True  # when in doubt, never call it a rendezvous hang
 
 
 def _alive(pid: int) -> bool:

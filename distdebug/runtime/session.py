@@ -89,6 +89,9 @@ class RankContext:
     models: list[torch.nn.Module] = field(default_factory=list)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     discovery: dict[str, Any] = field(default_factory=dict)
+    raw_collectives: dict[str, Any] = field(default_factory=dict)
+    """torch.distributed functions as they were before the session wrapped them: the harness's own
+    collectives use these, so they are neither counted nor tracked as the training's."""
 
     @property
     def rank(self) -> int:
@@ -154,9 +157,11 @@ class Session:
 
         if dist.is_available():
             self._patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
+            self._patch(dist, "destroy_process_group", self._wrap_destroy(dist.destroy_process_group))
             for name in COLLECTIVES:
                 fn = getattr(dist, name, None)
                 if callable(fn):
+                    self.ctx.raw_collectives[name] = fn
                     self._patch(dist, name, self._wrap_collective(name, fn))
         self._emit(
             schema.record(
@@ -199,6 +204,7 @@ class Session:
             )
         for det in list(self.detectors):
             self._run_detector(det, "on_end", lambda d: d.on_end())
+        self.release_groups()
         self._emit(
             schema.record(
                 schema.END,
@@ -333,6 +339,26 @@ class Session:
 
         return init_process_group
 
+    def _wrap_destroy(self, original: Any) -> Any:
+        """Let detectors release process groups of their own before the script tears all of them down.
+
+        A group that outlives the default one is destroyed during interpreter shutdown, where gloo
+        aborts the process ("terminate called without an active exception").
+        """
+        session = self
+
+        @functools.wraps(original)
+        def destroy_process_group(group: Any = None) -> Any:
+            if group is None:
+                session.release_groups()
+            return original(group)
+
+        return destroy_process_group
+
+    def release_groups(self) -> None:
+        for det in list(self.detectors):
+            self._run_detector(det, "before_destroy", lambda d: d.before_destroy())
+
     def _wrap_collective(self, name: str, fn: Any) -> Any:
         session = self
 
@@ -374,6 +400,7 @@ class Session:
             step_time_s=(now - self._t_last) if self._t_last is not None else 0.0,
             backward_calls=self._backward_calls,
             collectives=self._collectives,
+            backward_total=self._backward_total,
         )
         self._t_last = now
         self._losses = []
@@ -480,12 +507,15 @@ class Session:
         self._emit(schema.record(schema.FINDING, rank=self.identity.rank, **finding.to_dict()))
         if self.echo:
             step = f" step {finding.step}" if finding.step is not None else ""
-            print(
-                f"distdebug[rank {self.identity.rank}] {finding.severity.value.upper()}{step} "
-                f"{finding.detector}: {finding.subject}: {finding.message}",
-                file=sys.stderr,
-                flush=True,
-            )
+            try:
+                print(
+                    f"distdebug[rank {self.identity.rank}] {finding.severity.value.upper()}{step} "
+                    f"{finding.detector}: {finding.subject}: {finding.message}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            except (OSError, ValueError):  # a closed or broken stderr must not reach the training
+                pass
 
     # ------------------------------------------------------------------ plumbing
     def _emit(self, rec: dict) -> None:

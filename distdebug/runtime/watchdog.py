@@ -77,17 +77,21 @@ class RankWatchdog:
             time.sleep(self.interval)
             try:
                 self.check()
-            except Exception as e:  # the watchdog must never take the rank down
-                print(f"distdebug: watchdog error on rank {self.session.identity.rank}: {e}", file=sys.stderr)
-                return
+            except Exception as e:  # the watchdog must never take the rank down; it keeps watching
+                try:
+                    print(f"distdebug: watchdog error on rank {self.session.identity.rank}: {e}", file=sys.stderr)
+                except Exception:
+                    pass
 
     def check(self) -> None:
         s = self.session
         if self.watch_parent and os.getppid() != self.parent:
             # Workers run in sessions of their own: a SIGKILLed launcher would leave them running.
-            s._harness_finding(Severity.CRITICAL, "launcher",
-                               "the launcher process died; ending this rank so that it is not left behind")
-            os._exit(137)
+            try:
+                s._harness_finding(Severity.CRITICAL, "launcher",
+                                   "the launcher process died; ending this rank so that it is not left behind")
+            finally:  # even if saying so fails (stderr may be a pipe nobody reads any more)
+                os._exit(137)
         if self.stall_timeout <= 0:
             return
         progress = s.last_progress

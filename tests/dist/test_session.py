@@ -23,7 +23,7 @@ from tests.helpers import spawn_ranks
 def start_session(tmp, rank, detectors=None):
     writer = EventWriter(layout.events_path(tmp, rank))
     s = Session(RankIdentity.from_env(), writer, detectors if detectors is not None else [LossNonFinite()],
-                run_dir=tmp, echo=False)
+                run_dir=tmp, rank_dir=layout.rank_dir(tmp, rank), echo=False)
     s.install()
     return s
 

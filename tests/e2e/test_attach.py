@@ -67,6 +67,9 @@ def test_recipe_under_attach_is_bitwise_identical_and_discovered(tmp_path, case)
         assert all(s["loss"] is not None and s["step_time_s"] > 0 for s in steps)
         (end,) = kinds(run_dir, rank, "end")
         assert end["exit_code"] == 0
+    # A clean run: no finding from any default detector (replica fingerprints included).
+    assert [r for rank in (0, 1) for r in kinds(run_dir, rank, "finding")] == []
+    assert not (run_dir / "findings.jsonl").exists()
     # The recipe's printed final loss on rank 0 is the loss attach recorded at the last step.
     final_loss = float(read_digests(attached)["rank0.txt"].split()[1])
     assert kinds(run_dir, 0, "step")[-1]["loss"] == final_loss

@@ -21,19 +21,24 @@ p.add_argument("--exit-code", type=int, default=None)
 p.add_argument("--raise-at", type=int, default=None)
 p.add_argument("--kill-at", type=int, default=None)
 p.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
+p.add_argument("--flip-at", type=int, default=None, help="flip one bit of one parameter on --fault-rank")
+p.add_argument("--seed", type=int, default=0)
 args = p.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
+torch.manual_seed(args.seed)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-g = torch.Generator().manual_seed(rank)
+g = torch.Generator().manual_seed(rank + 1000 * args.seed)
 for step in range(1, args.steps + 1):
     if rank == args.fault_rank and step == args.raise_at:
         raise ValueError(f"bad batch at step {step}")
     if rank == args.fault_rank and step == args.kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == args.fault_rank and step == args.flip_at:
+        with torch.no_grad():
+            model[2].weight.view(-1).view(torch.int32)[3] ^= 1 << 12  # silent data corruption
     x = torch.randn(4, 8, generator=g)
     loss = (model(x) - x[:, :1]).pow(2).mean()
     loss.backward()

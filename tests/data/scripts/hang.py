@@ -51,6 +51,9 @@ for step in range(1, args.steps + 1):
         flat = torch.cat([flat, flat])
     if not (faulty and step == args.skip_at):
         dist.all_reduce(flat)
+        flat /= world
+        torch.nn.utils.vector_to_parameters(flat[: sum(q.numel() for q in model.parameters())],
+                                            [q.grad for q in model.parameters()])
     opt.step()
     opt.zero_grad()
     if faulty:

@@ -1,0 +1,130 @@
+"""Offline fingerprint diffs from run directories: rank against rank at a step, the first divergent
+step, and run against run (the reproducibility check).
+
+Snapshots are loaded as numpy arrays (``fingerprint.snapshots``); a step's comparison is one
+vectorised ``!=`` over a ranks x tensors matrix, and only differing columns are looked at in
+Python, so thousands of ranks with thousands of tensors diff in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distdebug.artifacts import layout
+from distdebug.errors import UserError
+from distdebug.fingerprint.compare import odd_ones_out
+from distdebug.fingerprint.snapshots import _HEAD
+
+Snapshots = dict[int, dict[int, tuple[list[str], np.ndarray]]]  # rank -> step -> (names, values)
+
+
+def load_snapshots(run_dir: Path) -> Snapshots:
+    """All ranks' snapshots; identical name files (the usual case) are parsed once."""
+    parsed: dict[bytes, list[list[str]]] = {}
+    out: Snapshots = {}
+    for child in sorted(run_dir.iterdir()):
+        rank = layout.rank_of_dir(child.name)
+        if rank is None:
+            continue
+        try:
+            raw_names = (child / layout.FINGERPRINT_NAMES).read_bytes()
+            data = (child / layout.FINGERPRINTS).read_bytes()
+        except FileNotFoundError:
+            continue
+        lists = parsed.get(raw_names)
+        if lists is None:
+            lists = parsed[raw_names] = json.loads(raw_names)["names"]
+        steps: dict[int, tuple[list[str], np.ndarray]] = {}
+        pos = 0
+        while pos + _HEAD.size <= len(data):
+            step, nid, count = _HEAD.unpack_from(data, pos)
+            pos += _HEAD.size
+            if pos + 8 * count > len(data) or nid >= len(lists):
+                break
+            steps[step] = (lists[nid], np.frombuffer(data, dtype=np.uint64, count=count, offset=pos))
+            pos += 8 * count
+        out[rank] = steps
+    if not out:
+        raise UserError(f"no fingerprint snapshots in {run_dir}: was it run with the replica_divergence detector "
+                        "(on by default) and did it reach a step?")
+    return out
+
+
+@dataclass
+class TensorDiff:
+    tensor: str
+    ranks: list[int]
+    """Odd ones out by majority (3+ ranks), or every rank involved when there is none."""
+    groups: list[list[int]]
+    """Ranks grouped by equal fingerprint."""
+    by_majority: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "ranks": self.ranks, "groups": self.groups, "by_majority": self.by_majority}
+
+
+def steps_of(snaps: Snapshots) -> list[int]:
+    return sorted(set().union(*(set(s) for s in snaps.values())))
+
+
+def diff_step(snaps: Snapshots, step: int) -> list[TensorDiff]:
+    """Tensors whose fingerprints differ across the ranks that checked ``step``."""
+    rows = {r: s[step] for r, s in snaps.items() if step in s}
+    if len(rows) < 2:
+        return []
+    names0 = next(iter(rows.values()))[0]
+    if all(n is names0 or n == names0 for n, _ in rows.values()):
+        ranks = sorted(rows)
+        matrix = np.stack([rows[r][1] for r in ranks])
+        cols = np.nonzero((matrix != matrix[0]).any(axis=0))[0]
+        per_col = [(names0[c], {r: int(v) for r, v in zip(ranks, matrix[:, c], strict=True)}) for c in cols]
+    else:  # names differ between ranks (a tensor missing somewhere): align by name
+        maps = {r: dict(zip(n, v.tolist(), strict=True)) for r, (n, v) in rows.items()}
+        all_names = list(dict.fromkeys(n for names, _ in rows.values() for n in names))
+        per_col = [(name, {r: m.get(name, -1) for r, m in maps.items()}) for name in all_names]
+        per_col = [(n, v) for n, v in per_col if len(set(v.values())) > 1]
+    diffs = []
+    for name, values in per_col:
+        odd, majority = odd_ones_out(values)
+        groups: dict[int, list[int]] = {}
+        for r, v in sorted(values.items()):
+            groups.setdefault(v, []).append(r)
+        diffs.append(TensorDiff(name, odd, sorted(groups.values()), majority))
+    return diffs
+
+
+def first_divergent_step(snaps: Snapshots) -> tuple[int, list[TensorDiff]] | None:
+    for step in steps_of(snaps):
+        diffs = diff_step(snaps, step)
+        if diffs:
+            return step, diffs
+    return None
+
+
+@dataclass
+class RunDiff:
+    step: int
+    rank: int
+    tensors: list[str]
+
+
+def diff_runs(a: Snapshots, b: Snapshots) -> tuple[RunDiff | None, int]:
+    """First (step, rank) where run B differs from run A, and how many (rank, step) pairs were compared."""
+    compared = 0
+    for step in sorted(set(steps_of(a)) & set(steps_of(b))):
+        for rank in sorted(set(a) & set(b)):
+            if step not in a[rank] or step not in b[rank]:
+                continue
+            compared += 1
+            (na, va), (nb, vb) = a[rank][step], b[rank][step]
+            if na == nb and np.array_equal(va, vb):
+                continue
+            ma, mb = dict(zip(na, va.tolist(), strict=True)), dict(zip(nb, vb.tolist(), strict=True))
+            names = [n for n in dict.fromkeys(na + nb) if ma.get(n) != mb.get(n)]
+            return RunDiff(step, rank, names), compared
+    return None, compared

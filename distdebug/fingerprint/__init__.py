@@ -1,0 +1,1 @@
+"""Tensor fingerprints: which tensor differs across ranks, runs, or a checkpoint round trip."""

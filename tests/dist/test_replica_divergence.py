@@ -1,0 +1,99 @@
+"""Tier 2 (real gloo ranks, forked): replica divergence found at the exact step, tensor and rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from distdebug.artifacts import layout
+from distdebug.artifacts.reader import read_events
+from distdebug.detectors.replica_divergence import ReplicaDivergence
+from distdebug.fingerprint.snapshots import read_snapshots
+from tests.dist.test_session import start_session
+from tests.helpers import spawn_ranks
+
+
+def findings(tmp, rank):
+    return [r for r in read_events(layout.events_path(tmp, rank))[0] if r["kind"] == "finding"]
+
+
+def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=True, lr=0.1):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    s = start_session(tmp, rank, detectors=[ReplicaDivergence()])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    ddp = DDP(model, broadcast_buffers=broadcast_buffers)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    for step in range(1, steps + 1):
+        if rank == fault_rank and step == 3 and fault == "bitflip":
+            with torch.no_grad():
+                model[0].weight.view(-1).view(torch.int32)[5] ^= 1 << 20  # one bit of one parameter
+        same_data = fault == "bn_data" and rank != fault_rank
+        seed = 100 * step + (0 if same_data else rank + 1)
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        if rank == fault_rank and step == 3 and fault == "momentum":
+            opt.state[model[3].bias]["momentum_buffer"].add_(1e-3)  # only optimizer state (lr=0)
+        opt.zero_grad()
+    s.close(0)
+
+
+def test_one_flipped_bit_on_one_of_three_ranks_is_localised(tmp_path):
+    spawn_ranks(_ddp, 3, tmp=tmp_path, fault="bitflip", fault_rank=2)
+    (f,) = findings(tmp_path, 0)
+    assert (f["detector"], f["step"], f["subject"], f["ranks"]) == ("replica_divergence", 3, "0.weight", [2])
+    assert "rank(s) [2] differ from the majority" in f["message"]
+    assert [d["tensor"] for d in f["evidence"]["tensors"]] == ["0.weight"]  # nothing else differs at step 3
+    assert findings(tmp_path, 1) == [] and findings(tmp_path, 2) == []  # written once
+
+
+def test_one_flipped_bit_with_two_ranks_names_both(tmp_path):
+    spawn_ranks(_ddp, 2, tmp=tmp_path, fault="bitflip", fault_rank=1)
+    (f,) = findings(tmp_path, 0)
+    assert (f["step"], f["subject"], f["ranks"]) == (3, "0.weight", [0, 1])
+    assert "no majority with 2 ranks" in f["message"]
+
+
+def test_divergence_only_in_optimizer_state(tmp_path):
+    spawn_ranks(_ddp, 3, tmp=tmp_path, fault="momentum", fault_rank=1, lr=0.0)
+    (f,) = findings(tmp_path, 0)
+    assert (f["step"], f["ranks"]) == (4, [1])  # modified after step 3's check
+    assert [d["tensor"] for d in f["evidence"]["tensors"]] == ["optimizer.3.bias.momentum_buffer"]
+
+
+def test_divergence_only_in_batchnorm_buffers(tmp_path):
+    spawn_ranks(_ddp, 3, tmp=tmp_path, fault="bn_data", fault_rank=1, broadcast_buffers=False)
+    (f,) = findings(tmp_path, 0)
+    assert (f["step"], f["ranks"]) == (1, [1])
+    assert [d["tensor"] for d in f["evidence"]["tensors"]] == ["1.running_mean", "1.running_var"]
+
+
+def test_clean_ddp_with_batchnorm_has_no_finding_and_snapshots_agree(tmp_path):
+    spawn_ranks(_ddp, 3, tmp=tmp_path)
+    for rank in range(3):
+        assert findings(tmp_path, rank) == []
+    snaps = [read_snapshots(layout.rank_dir(tmp_path, r)) for r in range(3)]
+    assert sorted(snaps[0]) == [1, 2, 3, 4, 5]
+    names, values = snaps[0][5]
+    assert "1.running_mean" in names and "0.weight.grad" in names and "optimizer.0.weight.momentum_buffer" in names
+    assert all((snaps[r][5][1] == values).all() for r in (1, 2))
+
+
+def _skip_step(rank, world, tmp):
+    s = start_session(tmp, rank, detectors=[ReplicaDivergence()])
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 6):
+        model(torch.ones(1, 2)).sum().backward()
+        if not (rank == 1 and step == 3):
+            opt.step()
+        opt.zero_grad()
+    s.close(0)
+
+
+def test_rank_that_skips_optimizer_step_is_named(tmp_path):
+    spawn_ranks(_skip_step, 3, tmp=tmp_path)
+    (f,) = findings(tmp_path, 0)
+    assert f["subject"] == "optimizer step count" and f["ranks"] == [1] and f["step"] == 3
