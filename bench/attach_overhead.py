@@ -2,6 +2,7 @@
 
     python bench/attach_overhead.py                      # ddp_convnet, 3 rounds of 60 steps
     python bench/attach_overhead.py --recipe fsdp2_transformer --rounds 5 --steps 100
+    python bench/attach_overhead.py --attach-args "--fingerprint-every 10"
 
 Bare and attached runs alternate round by round, so machine noise hits both alike. Each run's
 recipe reports its own median step time (process start-up excluded); the result is the ratio of
@@ -27,14 +28,14 @@ def median_step_s(out_dir: Path) -> list[float]:
     return [float(p.read_text().split()[2]) for p in sorted(out_dir.glob("rank*.txt"))]
 
 
-def one(kind: str, recipe: str, steps: int, work: Path, extra: list[str]) -> list[float]:
+def one(kind: str, recipe: str, steps: int, work: Path, extra: list[str], attach_args: list[str]) -> list[float]:
     out = work / kind
     script = str(ROOT / "recipes" / f"{recipe}.py")
     args = [script, "--steps", str(steps), "--digest-out", str(out), *extra]
     if kind == "bare":
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args]
     else:
-        argv = [sys.executable, str(ROOT / "cli.py"), "attach", "--run-dir", str(work / "run"), *args]
+        argv = [sys.executable, str(ROOT / "cli.py"), "attach", "--run-dir", str(work / "run"), *attach_args, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     r = run_tree(argv, timeout=600, env=env, cwd=ROOT)
     if r.returncode != 0:
@@ -47,12 +48,13 @@ def main() -> None:
     p.add_argument("--recipe", default="ddp_convnet")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--attach-args", default="", help="options for attach, e.g. '--fingerprint-every 10'")
     args, extra = p.parse_known_args()
     times: dict[str, list[float]] = {"bare": [], "attach": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for kind in (("bare", "attach") if i % 2 == 0 else ("attach", "bare")):
-                t = one(kind, args.recipe, args.steps, Path(tmp) / f"{i}", extra)
+                t = one(kind, args.recipe, args.steps, Path(tmp) / f"{i}", extra, args.attach_args.split())
                 times[kind] += t
                 print(f"round {i + 1} {kind:6s} median step {[f'{x * 1000:.2f} ms' for x in t]}", flush=True)
     bare, att = statistics.median(times["bare"]), statistics.median(times["attach"])

@@ -221,9 +221,6 @@ def _describe(st: RankState) -> str:
     inside = st.inflight if st.inflight_state == "inside" else None
     if inside:
         return f"rank {st.rank} is inside {inside['op']} #{inside['seq']} at step {st.current_step}"
-    if any(f"{os.sep}distdebug{os.sep}detectors{os.sep}" in str(f.get("file", "")) for f in st.stack):
-        return (f"rank {st.rank} finished step {st.step} and waits in distdebug's cross-rank check "
-                f"(called from {where(st.stack)}) for ranks that never finished that step")
     if st.status == "running":
         return (f"rank {st.rank} left no record after step {st.step} "
                 "(killed by a signal, or still running without having stalled)")

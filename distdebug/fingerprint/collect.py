@@ -47,8 +47,8 @@ def replicated_params(roots: list[torch.nn.Module], optimizers: list[Any]) -> li
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 continue
-            for p, state in opt.state.items():
-                pname = names.get(id(p))
+            for param, state in opt.state.items():
+                pname = names.get(id(param))
                 if pname is None:
                     continue
                 for key, value in state.items():

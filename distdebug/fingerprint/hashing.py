@@ -1,7 +1,9 @@
 """Fingerprints of tensors that change when any bit changes.
 
 - CPU tensors: xxh3-64 over the raw bytes (zero-copy through numpy), seeded with dtype and shape so
-  that equal bytes under another dtype or shape never compare equal.
+  that equal bytes under another dtype or shape never compare equal. Tensors over CHUNK bytes are
+  hashed in fixed-size chunks on a few threads (xxhash releases the GIL) and the chunk digests are
+  hashed in order: the result does not depend on the number of threads, only on the bytes.
 - Device tensors: a fingerprint computed on the device (``device_fingerprint``) so that only 16
   bytes per tensor cross to the host: two integer sums over the tensor's 32-bit words, one plain
   and one position-weighted. Any single-bit change alters the plain sum (it moves one word by
@@ -19,29 +21,80 @@ import torch
 import xxhash
 
 _MASK64 = (1 << 64) - 1
+CHUNK = 2 << 20  # bytes per parallel piece of a large tensor
+_POOL: Any = None
+
+
+def _pool() -> Any:
+    global _POOL
+    if _POOL is None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                   thread_name_prefix="distdebug-hash")
+    return _POOL
+
+
+def _xxh(chunk: Any) -> bytes:
+    return xxhash.xxh3_64(chunk).digest()
 _ROW = 4096  # words per row of the weighted sum; bounds the temporary to one row block
 
 
 def local_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes this rank holds: a DTensor's local shard, detached, contiguous."""
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):
-        t = to_local()
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        to_local = getattr(t, "to_local", None)
+        if callable(to_local):
+            t = to_local()
     t = t.detach()
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _header(t: torch.Tensor) -> bytes:
-    return f"{t.dtype}|{tuple(t.shape)}".encode()
+_SEEDS: dict[tuple[Any, ...], int] = {}
+
+
+def _seed(t: torch.Tensor) -> int:
+    """xxh3 seed from dtype and shape (cached: the header is the same every step)."""
+    key = (t.dtype, t.shape)
+    seed = _SEEDS.get(key)
+    if seed is None:
+        seed = _SEEDS[key] = xxhash.xxh3_64_intdigest(f"{t.dtype}|{tuple(t.shape)}".encode())
+    return seed
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """A zero-copy buffer over a contiguous CPU tensor's bytes."""
+    try:
+        return t.numpy()  # any C-contiguous array is a buffer xxhash reads directly
+    except TypeError:  # dtypes numpy lacks (bfloat16, float8): read them as bytes
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _pieces(t: torch.Tensor) -> tuple[int, list[Any]]:
+    """Seed and byte pieces of a CPU tensor: one piece, or CHUNK-sized pieces when larger."""
+    t = local_view(t)
+    if not t.numel():
+        return _seed(t), []
+    data = _bytes(t)
+    if data.nbytes <= CHUNK:
+        return _seed(t), [data]
+    flat = data.reshape(-1).view("uint8")
+    return _seed(t), [flat[i:i + CHUNK] for i in range(0, flat.nbytes, CHUNK)]
+
+
+def _finish(seed: int, pieces: list[Any], digests: list[bytes] | None) -> int:
+    if digests is None:
+        return xxhash.xxh3_64_intdigest(pieces[0] if pieces else b"", seed)
+    return xxhash.xxh3_64_intdigest(b"".join(digests), seed)
 
 
 def cpu_fingerprint(t: torch.Tensor) -> int:
-    """xxh3-64 of dtype, shape and raw bytes of a CPU tensor (any dtype, including bf16 and bool)."""
-    t = local_view(t)
-    h = xxhash.xxh3_64(_header(t))
-    if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.intdigest()
+    """xxh3-64 (seeded with dtype and shape) of a CPU tensor's raw bytes; any dtype, bf16 and bool too."""
+    seed, pieces = _pieces(t)
+    if len(pieces) > 1:
+        return _finish(seed, pieces, list(_pool().map(_xxh, pieces)))
+    return _finish(seed, pieces, None)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -74,29 +127,44 @@ def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
 def combine_device(fp: Any, t: torch.Tensor) -> int:
     """Fold a device fingerprint (two int64 on the host) with dtype and shape into one 64-bit int."""
     a, b = (int(x) & _MASK64 for x in fp)
-    return xxhash.xxh3_64(_header(t) + a.to_bytes(8, "little") + b.to_bytes(8, "little")).intdigest()
+    return xxhash.xxh3_64_intdigest(a.to_bytes(8, "little") + b.to_bytes(8, "little"), _seed(t))
 
 
 def fingerprints(named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
     """Fingerprint many tensors: CPU ones by xxh3, device ones on the device with one host transfer."""
     out: dict[str, int] = {}
     device_items: list[tuple[str, torch.Tensor]] = []
+    chunked: list[tuple[str, int, list[Any]]] = []
     for name, t in named:
-        if local_view(t).device.type == "cpu":
-            out[name] = cpu_fingerprint(t)
-        else:
+        if local_view(t).device.type != "cpu":
             device_items.append((name, t))
+            continue
+        seed, pieces = _pieces(t)
+        if len(pieces) > 1:
+            chunked.append((name, seed, pieces))
+        else:
+            out[name] = _finish(seed, pieces, None)
+    if chunked:
+        # All large tensors' pieces in one batch, so that every hashing thread stays busy.
+        flat = [p for _, _, pieces in chunked for p in pieces]
+        digests = iter(list(_pool().map(_xxh, flat)))
+        for name, seed, pieces in chunked:
+            out[name] = _finish(seed, pieces, [next(digests) for _ in pieces])
     if device_items:
         stacked = torch.stack([device_fingerprint(t) for _, t in device_items]).cpu()  # one copy, 16 B each
         for (name, t), fp in zip(device_items, stacked.tolist(), strict=True):
             out[name] = combine_device(fp, t)
-    return out
+    return {name: out[name] for name, _ in named}  # the caller's order (tensor order names the first)
+
+
+_NAME_SEEDS: dict[tuple[str, ...], int] = {}
 
 
 def root_digest(fps: dict[str, int]) -> int:
-    """One 64-bit digest of a whole {name: fingerprint} map (order-independent of insertion)."""
-    h = xxhash.xxh3_64()
-    for name in sorted(fps):
-        h.update(name.encode())
-        h.update(fps[name].to_bytes(8, "little"))
-    return h.intdigest()
+    """One 64-bit digest of a whole {name: fingerprint} map: the names (cached) seed a hash of the values."""
+    names = tuple(fps)
+    seed = _NAME_SEEDS.get(names)
+    if seed is None:
+        seed = _NAME_SEEDS[names] = xxhash.xxh3_64_intdigest("\0".join(names).encode())
+    values = b"".join(v.to_bytes(8, "little") for v in fps.values())
+    return xxhash.xxh3_64_intdigest(values, seed)

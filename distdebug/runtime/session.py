@@ -89,6 +89,8 @@ class RankContext:
     models: list[torch.nn.Module] = field(default_factory=list)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     discovery: dict[str, Any] = field(default_factory=dict)
+    report: Any = None
+    """Callable(Finding): report a finding from any thread (detectors' background work)."""
     raw_collectives: dict[str, Any] = field(default_factory=dict)
     """torch.distributed functions as they were before the session wrapped them: the harness's own
     collectives use these, so they are neither counted nor tracked as the training's."""
@@ -114,6 +116,7 @@ class Session:
         self.writer = writer
         self.detectors = list(detectors)
         self.ctx = RankContext(identity, run_dir, rank_dir)
+        self.ctx.report = self.report
         self.echo = echo
         self.step = 0
         self.findings: list[Finding] = []

