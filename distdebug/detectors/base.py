@@ -90,6 +90,9 @@ class Detector:
     default: ClassVar[bool] = True
     """Whether the detector runs when ``--detectors`` is not given."""
 
+    def setup(self, ctx: RankContext) -> None:
+        """Called once per rank before the script runs (for hooks needed from the first line on)."""
+
     def attach(self, ctx: RankContext) -> None:
         """Called once per rank after discovery (first step boundary)."""
 

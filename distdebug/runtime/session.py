@@ -91,6 +91,8 @@ class RankContext:
     discovery: dict[str, Any] = field(default_factory=dict)
     report: Any = None
     """Callable(Finding): report a finding from any thread (detectors' background work)."""
+    patch: Any = None
+    """Callable(obj, name, replacement): replace an attribute until the session ends (restored then)."""
     raw_collectives: dict[str, Any] = field(default_factory=dict)
     """torch.distributed functions as they were before the session wrapped them: the harness's own
     collectives use these, so they are neither counted nor tracked as the training's."""
@@ -117,6 +119,7 @@ class Session:
         self.detectors = list(detectors)
         self.ctx = RankContext(identity, run_dir, rank_dir)
         self.ctx.report = self.report
+        self.ctx.patch = self._patch
         self.echo = echo
         self.step = 0
         self.findings: list[Finding] = []
@@ -181,6 +184,8 @@ class Session:
                 detectors=[d.name for d in self.detectors],
             )
         )
+        for det in list(self.detectors):
+            self._run_detector(det, "setup", lambda d: d.setup(self.ctx))
 
     def uninstall(self) -> None:
         global _SESSION
