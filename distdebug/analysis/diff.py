@@ -18,7 +18,7 @@ import numpy as np
 from distdebug.artifacts import layout
 from distdebug.errors import UserError
 from distdebug.fingerprint.compare import odd_ones_out
-from distdebug.fingerprint.snapshots import _HEAD
+from distdebug.fingerprint.snapshots import parse_records
 
 Snapshots = dict[int, dict[int, tuple[list[str], np.ndarray]]]  # rank -> step -> (names, values)
 
@@ -39,16 +39,7 @@ def load_snapshots(run_dir: Path) -> Snapshots:
         lists = parsed.get(raw_names)
         if lists is None:
             lists = parsed[raw_names] = json.loads(raw_names)["names"]
-        steps: dict[int, tuple[list[str], np.ndarray]] = {}
-        pos = 0
-        while pos + _HEAD.size <= len(data):
-            step, nid, count = _HEAD.unpack_from(data, pos)
-            pos += _HEAD.size
-            if pos + 8 * count > len(data) or nid >= len(lists):
-                break
-            steps[step] = (lists[nid], np.frombuffer(data, dtype=np.uint64, count=count, offset=pos))
-            pos += 8 * count
-        out[rank] = steps
+        out[rank] = parse_records(data, lists)
     if not out:
         raise UserError(f"no fingerprint snapshots in {run_dir}: was it run with the replica_divergence detector "
                         "(on by default) and did it reach a step?")

@@ -143,11 +143,10 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
 
 
 # ---------------------------------------------------------------- Flight Recorder (PyTorch's analyzer)
-HARNESS_GROUP_DESC = "distdebug_harness"  # detectors.replica_divergence.HARNESS_GROUP_DESC
-
-
 def _normalise_dump(dump: dict[str, Any], world_size: int) -> dict[str, Any]:
     """Make a gloo dump readable by torch's analyzer; drop the harness's own group's collectives."""
+    from distdebug.detectors.replica_divergence import HARNESS_GROUP_DESC
+
     dump["entries"] = [e for e in dump.get("entries", [])
                        if HARNESS_GROUP_DESC not in str(e.get("process_group", ("", ""))[1])]
     config = dict(dump.get("pg_config") or {})

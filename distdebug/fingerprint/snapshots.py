@@ -45,13 +45,8 @@ class SnapshotWriter:
         os.close(self._fd)
 
 
-def read_snapshots(rank_dir: Path) -> dict[int, tuple[list[str], np.ndarray]]:
-    """step -> (names, uint64 fingerprints) for one rank; a record cut short by a kill is dropped."""
-    try:
-        lists = json.loads((rank_dir / layout.FINGERPRINT_NAMES).read_text())["names"]
-        data = (rank_dir / layout.FINGERPRINTS).read_bytes()
-    except (FileNotFoundError, ValueError, KeyError):
-        return {}
+def parse_records(data: bytes, lists: list[list[str]]) -> dict[int, tuple[list[str], np.ndarray]]:
+    """step -> (names, uint64 fingerprints) from a fingerprints.bin; a record cut short by a kill is dropped."""
     out: dict[int, tuple[list[str], np.ndarray]] = {}
     pos = 0
     while pos + _HEAD.size <= len(data):
@@ -63,3 +58,13 @@ def read_snapshots(rank_dir: Path) -> dict[int, tuple[list[str], np.ndarray]]:
         out[step] = (lists[nid], np.frombuffer(data, dtype=np.uint64, count=count, offset=pos))
         pos = end
     return out
+
+
+def read_snapshots(rank_dir: Path) -> dict[int, tuple[list[str], np.ndarray]]:
+    """One rank's snapshots: step -> (names, uint64 fingerprints)."""
+    try:
+        lists = json.loads((rank_dir / layout.FINGERPRINT_NAMES).read_text())["names"]
+        data = (rank_dir / layout.FINGERPRINTS).read_bytes()
+    except (FileNotFoundError, ValueError, KeyError):
+        return {}
+    return parse_records(data, lists)
