@@ -63,11 +63,10 @@ def _collective_in_traceback(exc: BaseException) -> str | None:
 def _record_script_error(session, exc: BaseException) -> None:
     """The script_error record; when a collective raised, also the stacks and Flight Recorder dump."""
     from distdebug.artifacts import layout, schema
-    from distdebug.runtime.watchdog import flight_recorder_dump
+    from distdebug.runtime.watchdog import flight_recorder_dump, frames_of
 
     collective = _collective_in_traceback(exc)
-    frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()}
-              for f in traceback.extract_tb(exc.__traceback__)]
+    frames = frames_of(traceback.extract_tb(exc.__traceback__))
     fr = False
     if collective is not None and session.ctx.run_dir is not None:
         dump = flight_recorder_dump()

@@ -128,7 +128,7 @@ class Session:
         self._losses: list[torch.Tensor | float] = []
         self._backward_calls = 0
         self._backward_total = 0
-        self._collectives = 0
+        self._seq_at_boundary = 0  # collective_seq at the last step boundary
         self._t_last: float | None = None
         self._depth = 0
         self._discovering = True
@@ -372,7 +372,6 @@ class Session:
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            session._collectives += 1
             session.collective_seq += 1
             t = args[0] if args else kwargs.get("tensor")
             if session._discovering and name == "all_reduce" and isinstance(t, torch.Tensor):
@@ -407,13 +406,13 @@ class Session:
             loss=loss,
             step_time_s=(now - self._t_last) if self._t_last is not None else 0.0,
             backward_calls=self._backward_calls,
-            collectives=self._collectives,
+            collectives=self.collective_seq - self._seq_at_boundary,
             backward_total=self._backward_total,
         )
         self._t_last = now
         self._losses = []
         self._backward_calls = 0
-        self._collectives = 0
+        self._seq_at_boundary = self.collective_seq
         self._emit(
             schema.record(
                 schema.STEP,

@@ -25,6 +25,11 @@ from distdebug.detectors.base import Severity
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
+def frames_of(stack: traceback.StackSummary) -> list[dict[str, Any]]:
+    """JSON-ready frames (file, line, func, code), innermost last, as stall and error records store them."""
+    return [{"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()} for f in stack]
+
+
 def thread_stacks() -> tuple[str, list[dict[str, Any]]]:
     """All threads' Python stacks as text, and the main thread's as structured frames (innermost last)."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -40,8 +45,7 @@ def thread_stacks() -> tuple[str, list[dict[str, Any]]]:
         parts.extend(traceback.format_list(stack))
         parts.append("\n")
         if ident == main_id:
-            main_frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()}
-                           for f in stack]
+            main_frames = frames_of(stack)
     return "".join(parts), main_frames
 
 
