@@ -248,7 +248,7 @@ def first_collective_count_difference(states: dict[int, RankState]) -> dict[str,
 
 def _inflight_of(st: RankState) -> dict[str, Any] | None:
     """The collective a rank is (or was, when it failed) inside; None if it stopped elsewhere."""
-    if st.inflight_state == "inside":
+    if st.inflight_state in ("inside", "failed"):
         return st.inflight
     if st.status == "raised" and st.collective_error and st.inflight is not None:
         return st.inflight  # the collective it failed in (the slot keeps the last one)

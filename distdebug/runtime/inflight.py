@@ -5,8 +5,10 @@ process on a size mismatch; SIGKILL). A store into a shared file mapping is a me
 a system call, and the kernel keeps it after the process dies, so the supervisor can still read
 which collective (op, sequence number, shapes) the rank was in.
 
-Layout of the 4 KiB file: byte 0 state (0 empty, 1 inside, 2 finished), bytes 1-4 payload length
-(little endian), then the JSON payload.
+Layout of the 4 KiB file: byte 0 state (0 empty, 1 inside, 2 finished, 3 failed), bytes 1-4
+payload length (little endian), then the JSON payload. "failed" is written when the collective
+raised: the launcher may kill the rank before its error record reaches the event stream, and
+the slot must still say which collective failed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 SIZE = 4096
-EMPTY, INSIDE, FINISHED = 0, 1, 2
+EMPTY, INSIDE, FINISHED, FAILED = 0, 1, 2, 3
 
 
 class InflightSlot:
@@ -41,9 +43,12 @@ class InflightSlot:
     def leave(self) -> None:
         self._mm[0] = FINISHED
 
+    def fail(self) -> None:
+        self._mm[0] = FAILED
+
 
 def read_inflight(path: Path) -> tuple[str, dict[str, Any] | None]:
-    """("inside" | "finished" | "empty", the last collective's info)."""
+    """("inside" | "finished" | "failed" | "empty", the last collective's info)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -55,4 +60,4 @@ def read_inflight(path: Path) -> tuple[str, dict[str, Any] | None]:
         info = json.loads(raw[5:5 + n])
     except ValueError:
         return "empty", None
-    return ("inside" if raw[0] == INSIDE else "finished"), info
+    return {INSIDE: "inside", FAILED: "failed"}.get(raw[0], "finished"), info

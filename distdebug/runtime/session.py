@@ -382,12 +382,17 @@ class Session:
                 slot.enter(info)
             session.in_collective = {**info, "since": time.monotonic()}
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+            except BaseException:
+                if slot is not None:
+                    slot.fail()
+                raise
             finally:
                 session.in_collective = None
                 session.last_progress = time.monotonic()
-                if slot is not None:
-                    slot.leave()
+            if slot is not None:
+                slot.leave()
+            return out
 
         return collective
 

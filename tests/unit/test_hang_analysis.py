@@ -32,6 +32,9 @@ def test_inflight_slot_round_trip(tmp_path):
     assert read_inflight(tmp_path / "inflight") == ("inside", {"op": "all_reduce", "seq": 7, "shapes": [[4]]})
     slot.leave()
     assert read_inflight(tmp_path / "inflight")[0] == "finished"
+    slot.enter({"op": "broadcast", "seq": 8, "shapes": [[2]]})
+    slot.fail()  # the collective raised: the slot keeps it even if the rank is killed right after
+    assert read_inflight(tmp_path / "inflight") == ("failed", {"op": "broadcast", "seq": 8, "shapes": [[2]]})
 
 
 def test_where_prefers_the_users_frame():
