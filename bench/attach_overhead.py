@@ -1,6 +1,7 @@
 """Step-time overhead of ``distdebug attach`` (default detectors) against bare ``torchrun``, side by side.
 
-    python bench/attach_overhead.py                      # ddp_convnet, 3 rounds of 60 steps
+    python bench/attach_overhead.py                      # ddp_convnet, 6 rounds of 60 steps
+    python bench/attach_overhead.py --batch-size 128     # a heavier step (unknown options go to the recipe)
     python bench/attach_overhead.py --recipe fsdp2_transformer --rounds 5 --steps 100
     python bench/attach_overhead.py --attach-args "--fingerprint-every 10"
 
@@ -47,7 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="ddp_convnet")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--attach-args", default="", help="options for attach, e.g. '--fingerprint-every 10'")
     args, extra = p.parse_known_args()
     times: dict[str, list[float]] = {"bare": [], "attach": []}
@@ -58,7 +59,11 @@ def main() -> None:
                 times[kind] += t
                 print(f"round {i + 1} {kind:6s} median step {[f'{x * 1000:.2f} ms' for x in t]}", flush=True)
     bare, att = statistics.median(times["bare"]), statistics.median(times["attach"])
-    print(f"recipe {args.recipe}: bare {bare * 1000:.3f} ms, attach {att * 1000:.3f} ms, ratio {att / bare:.3f}")
+    # The noise floor: how far apart two bare runs of the same command land on this machine. A ratio
+    # within it says "no overhead measurable here", not a number to trust to the percent.
+    spread = max(times["bare"]) / min(times["bare"])
+    print(f"recipe {args.recipe}: bare {bare * 1000:.3f} ms, attach {att * 1000:.3f} ms, ratio {att / bare:.3f} "
+          f"(bare runs alone spread {spread:.2f}x: the noise floor)")
 
 
 if __name__ == "__main__":

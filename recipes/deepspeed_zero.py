@@ -34,6 +34,10 @@ def batch(step: int, rank: int, size: int, seed: int) -> tuple[torch.Tensor, tor
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
+    p.add_argument("--checkpoint-dir", default=None, help="where engine.save_checkpoint writes")
+    p.add_argument("--checkpoint-at", type=int, default=None,
+                   help="save a checkpoint after this step, then load it back (a resume in place)")
+    p.add_argument("--resume", action="store_true", help="load the latest checkpoint in --checkpoint-dir first")
     p.set_defaults(lr=1e-3)
     args, _unknown = p.parse_known_args()  # the deepspeed launcher adds --local_rank
     import deepspeed
@@ -52,6 +56,8 @@ def main() -> None:
         "wall_clock_breakdown": False,
     }
     engine, _, _, _ = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)
+    if args.resume:
+        engine.load_checkpoint(args.checkpoint_dir)
     loss = torch.tensor(0.0)
     timer = StepTimer()
     for step in range(args.steps):
@@ -61,6 +67,9 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         timer.tick()
+        if args.checkpoint_at == step + 1:
+            engine.save_checkpoint(args.checkpoint_dir, tag=f"step{step + 1}")
+            engine.load_checkpoint(args.checkpoint_dir, tag=f"step{step + 1}")
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=args.zero_stage == 3):
         digest = param_digest(engine.module.named_parameters())

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 recipes/fsdp2_transformer.py --steps 20
     distdebug attach recipes/fsdp2_transformer.py
+    distdebug attach --nproc-per-node 4 recipes/fsdp2_transformer.py --replicate 2   # HSDP
 
 FSDP1 refuses CPU; FSDP2 runs on CPU with gloo, with DTensor parameters sharded across ranks.
 Tokens follow a fixed rule (next = (3 * tok + 1) mod vocab) with noise, so the loss falls.
@@ -56,13 +57,24 @@ def batch(step: int, rank: int, size: int, seq: int, vocab: int, seed: int) -> t
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.set_defaults(lr=3e-3, batch_size=8)
+    p.add_argument("--replicate", type=int, default=1,
+                   help="HSDP: replicate groups of this size, sharded across world/replicate ranks each")
     args = p.parse_args()
     device = setup(args.seed)
     vocab, seq = 64, 16
     model = TinyLM(vocab=vocab, seq=seq).to(device)
+    mesh = None
+    if args.replicate > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        if world % args.replicate:
+            raise SystemExit(f"--replicate {args.replicate} must divide the world size {world}")
+        mesh = init_device_mesh(device.type, (args.replicate, world // args.replicate),
+                                mesh_dim_names=("replicate", "shard"))
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
     loss = torch.tensor(0.0)

@@ -17,7 +17,7 @@ import numpy as np
 
 from distdebug.artifacts import layout
 from distdebug.errors import UserError
-from distdebug.fingerprint.compare import odd_ones_out
+from distdebug.fingerprint.compare import compare, odd_ones_out, split_group
 from distdebug.fingerprint.snapshots import parse_records
 
 Snapshots = dict[int, dict[int, tuple[list[str], np.ndarray]]]  # rank -> step -> (names, values)
@@ -54,9 +54,12 @@ class TensorDiff:
     groups: list[list[int]]
     """Ranks grouped by equal fingerprint."""
     by_majority: bool
+    replica_group: list[int] | None = None
+    """The ranks that must agree on this tensor (an HSDP replicate group); None: every rank."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tensor": self.tensor, "ranks": self.ranks, "groups": self.groups, "by_majority": self.by_majority}
+        return {"tensor": self.tensor, "ranks": self.ranks, "groups": self.groups, "by_majority": self.by_majority,
+                "replica_group": self.replica_group}
 
 
 def steps_of(snaps: Snapshots) -> list[int]:
@@ -74,11 +77,11 @@ def diff_step(snaps: Snapshots, step: int) -> list[TensorDiff]:
         matrix = np.stack([rows[r][1] for r in ranks])
         cols = np.nonzero((matrix != matrix[0]).any(axis=0))[0]
         per_col = [(names0[c], {r: int(v) for r, v in zip(ranks, matrix[:, c], strict=True)}) for c in cols]
-    else:  # names differ between ranks (a tensor missing somewhere): align by name
+    else:  # names differ between ranks (a tensor missing somewhere, HSDP replica groups): by name
         maps = {r: dict(zip(n, v.tolist(), strict=True)) for r, (n, v) in rows.items()}
-        all_names = list(dict.fromkeys(n for names, _ in rows.values() for n in names))
-        per_col = [(name, {r: m.get(name, -1) for r, m in maps.items()}) for name in all_names]
-        per_col = [(n, v) for n, v in per_col if len(set(v.values())) > 1]
+        order = list(dict.fromkeys(n for names, _ in rows.values() for n in names))
+        return [TensorDiff(d["tensor"], d["ranks"], d["groups"], d["by_majority"], d["replica_group"])
+                for d in compare(maps, order)]
     diffs = []
     for name, values in per_col:
         odd, majority = odd_ones_out(values)
@@ -116,6 +119,6 @@ def diff_runs(a: Snapshots, b: Snapshots) -> tuple[RunDiff | None, int]:
             if na == nb and np.array_equal(va, vb):
                 continue
             ma, mb = dict(zip(na, va.tolist(), strict=True)), dict(zip(nb, vb.tolist(), strict=True))
-            names = [n for n in dict.fromkeys(na + nb) if ma.get(n) != mb.get(n)]
+            names = [split_group(n)[0] for n in dict.fromkeys(na + nb) if ma.get(n) != mb.get(n)]
             return RunDiff(step, rank, names), compared
     return None, compared

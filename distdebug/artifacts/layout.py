@@ -9,6 +9,7 @@
     RUN/rank-NNNNN/crash.txt          per rank, on a fatal signal (SIGABRT, SIGSEGV): Python stacks (faulthandler)
     RUN/rank-NNNNN/fingerprints.bin   per rank: per checked step, a fingerprint per replicated tensor (binary)
     RUN/rank-NNNNN/fingerprint-names.json  the tensor names those fingerprints refer to
+    RUN/rank-NNNNN/checkpoints.jsonl  per rank: fingerprints of every checkpoint it saved (path, step, file stamp)
     RUN/findings.jsonl                run-level findings (cross-rank verdicts such as hangs), append-only
 """
 
@@ -27,6 +28,7 @@ INFLIGHT = "inflight"
 FINGERPRINTS = "fingerprints.bin"
 FINGERPRINT_NAMES = "fingerprint-names.json"
 CRASH = "crash.txt"
+CHECKPOINTS = "checkpoints.jsonl"
 DEFAULT_RUNS_ROOT = "distdebug-runs"
 LATEST_LINK = "latest"
 

@@ -69,6 +69,11 @@ class Run:
     findings: list[dict] = field(default_factory=list)
     """Run-level finding records (cross-rank verdicts), from findings.jsonl."""
 
+    def all_findings(self) -> list[dict]:
+        """Every finding record: the ranks' own (their last attempt) and the run-level ones."""
+        return [r for s in self.ranks.values() for r in s.last_attempt() if r.get("kind") == "finding"] \
+            + list(self.findings)
+
 
 def load_run(run_dir: Path) -> Run:
     """Load everything a run directory holds; missing pieces are simply absent."""

@@ -1,23 +1,36 @@
-"""CheckpointRoundTrip: what a ``torch.load`` restores must be what ``torch.save`` wrote.
+"""CheckpointRoundTrip: what a restore reads must be what the save wrote.
 
-``torch.save`` and ``torch.load`` are wrapped from the start of the script (restores usually happen
-before the first step). At save, every tensor in the object (state dicts, optimizer state, nested
-dicts and lists) is fingerprinted under its key path and recorded in this rank's
-``rank-N/checkpoints.jsonl``. At load of a path saved earlier in this run, the loaded tensors are
-fingerprinted and compared: a tensor that differs, is missing or is extra is a finding naming it.
-A rank that saved a file of its own but restores one another rank saved (a sharded checkpoint
-restored from the wrong shard) is a finding too; loading rank 0's file everywhere, as replicated
-training does, is not.
+Covered, without code changes:
+- ``torch.save`` / ``torch.load`` of a path (state dicts, optimizer state, nested dicts and lists);
+- DeepSpeed ``engine.save_checkpoint`` / ``load_checkpoint``: DeepSpeed writes and reads every file
+  through ``torch.save`` / ``torch.load``, so each of its files is checked like the above;
+- ``torch.distributed.checkpoint`` (DCP) ``save`` / ``load``: each rank's part of the state dict
+  (the local shards of DTensors) is compared with what the same rank saved. DCP is wrapped when the
+  script imports it (an import hook), so runs without DCP never pay for importing it.
 
-Only paths (str / PathLike) are tracked; file objects and buffers pass through untouched.
-DCP and DeepSpeed's ``save_checkpoint`` are not covered yet.
+At save, every tensor is fingerprinted under its key path and recorded in this rank's
+``rank-N/checkpoints.jsonl`` with the file's size and modification time. At load of a path saved
+earlier, in this run or in an earlier run under the same runs root (the restart after a crash),
+the restored tensors are fingerprinted and compared: a tensor that differs, is missing or is extra
+is a finding naming it. A restore from an earlier run of a file that was rewritten since (its
+modification time changed) is a warning rather than an error: someone else may have saved there.
+A rank that restores the file another rank saved, while it saved a sibling file of its own (same
+name but for the rank digits: ``ckpt_0.pt`` / ``ckpt_1.pt``) is restoring the wrong shard; loading
+rank 0's file everywhere, as replicated training does, is fine.
+
+Only paths (str / PathLike) are tracked; file objects and buffers pass through untouched. DCP
+``Stateful`` objects inside a state dict are not looked into (their ``state_dict()`` may run
+collectives, which the harness must never add), nor is ``async_save``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import json
 import os
+import re
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,7 +42,54 @@ from distdebug.artifacts import layout
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
 from distdebug.fingerprint.hashing import fingerprints
 
-RECORDS = "checkpoints.jsonl"
+RECORDS = layout.CHECKPOINTS
+EARLIER_RUNS = 50
+"""Newest sibling run directories searched for a checkpoint saved by an earlier run."""
+DCP_MODULE = "torch.distributed.checkpoint"
+
+
+def siblings(a: str, b: str) -> bool:
+    """Same file name but for the digits (``ckpt_0.pt`` and ``ckpt_1.pt``), in the same directory."""
+    pa, pb = Path(a), Path(b)
+    return pa.parent == pb.parent and pa.name != pb.name and \
+        re.sub(r"\d+", "#", pa.name) == re.sub(r"\d+", "#", pb.name)
+
+
+def _file_stamp(path: str) -> dict[str, int] | None:
+    """Size and modification time of a file, or of a directory's files (DCP), to tell a rewrite."""
+    p = Path(path)
+    try:
+        files = [p] if p.is_file() else sorted(x for x in p.iterdir() if x.is_file())
+        stats = [f.stat() for f in files]
+    except OSError:
+        return None
+    return {"size": sum(st.st_size for st in stats), "mtime_ns": max((st.st_mtime_ns for st in stats), default=0)}
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Calls ``then(module)`` right after ``name`` is imported by anyone; never changes what is found."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        then = self.then
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            then(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
 
 
 def tensor_items(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -62,20 +122,38 @@ class CheckpointRoundTrip(Detector):
         self.ctx: Any = None
         self.step = 0
         self.saved: dict[str, dict[str, Any]] = {}  # abs path -> {"fps", "step"} saved by this rank
+        self._loaded: set[str] = set()
+        self._reported: set[tuple[str, tuple[str, ...]]] = set()
+        self._foreign: list[dict[str, Any]] = []  # restores of another rank's sibling file, judged later
+        self._hook: _ImportHook | None = None
         self._lock = threading.Lock()
 
     def setup(self, ctx: Any) -> None:
         self.ctx = ctx
-        self._patch("save", self._wrap_save)
-        self._patch("load", self._wrap_load)
+        self._patch(torch, "save", self._wrap_save)
+        self._patch(torch, "load", self._wrap_load)
+        if DCP_MODULE in sys.modules:
+            self._patch_dcp(sys.modules[DCP_MODULE])
+        else:
+            self._hook = _ImportHook(DCP_MODULE, self._patch_dcp)
+            sys.meta_path.insert(0, self._hook)
 
-    def _patch(self, name: str, wrapper: Any) -> None:
-        original = getattr(torch, name)
-        self.ctx.patch(torch, name, wrapper(original))
+    def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
+        self.ctx.patch(obj, name, wrapper(getattr(obj, name)))
+
+    def _patch_dcp(self, dcp: Any) -> None:
+        self._patch(dcp, "save", self._wrap_dcp_save)
+        self._patch(dcp, "load", self._wrap_dcp_load)
+
+    def on_end(self) -> Iterable[Finding]:
+        hook = self._hook
+        if hook is not None and hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+        return self._wrong_shards()
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.step = event.step
-        return ()
+        return self._wrong_shards() if self._foreign else ()
 
     # ------------------------------------------------------------------ save / load
     def _wrap_save(self, original: Any) -> Any:
@@ -102,6 +180,32 @@ class CheckpointRoundTrip(Detector):
 
         return load
 
+    def _wrap_dcp_save(self, original: Any) -> Any:
+        det = self
+
+        @functools.wraps(original)
+        def save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(state_dict, *args, **kwargs)
+            path = kwargs.get("checkpoint_id") or getattr(kwargs.get("storage_writer"), "path", None)
+            if isinstance(path, (str, os.PathLike)):
+                det._guard(det._record_save, state_dict, path)
+            return result
+
+        return save
+
+    def _wrap_dcp_load(self, original: Any) -> Any:
+        det = self
+
+        @functools.wraps(original)
+        def load(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(state_dict, *args, **kwargs)  # DCP restores in place
+            path = kwargs.get("checkpoint_id") or getattr(kwargs.get("storage_reader"), "path", None)
+            if isinstance(path, (str, os.PathLike)):
+                det._guard(det._check_load, state_dict, path)
+            return result
+
+        return load
+
     def _guard(self, fn: Any, obj: Any, f: Any) -> None:
         try:
             fn(obj, f)
@@ -124,60 +228,138 @@ class CheckpointRoundTrip(Detector):
             records.parent.mkdir(parents=True, exist_ok=True)
             with open(records, "a") as out:
                 out.write(json.dumps({"v": 1, "op": "save", "path": path, "step": self.step,
-                                      "rank": self.ctx.rank, "fps": {k: f"{v:016x}" for k, v in fps.items()}}) + "\n")
+                                      "rank": self.ctx.rank, "stamp": _file_stamp(path),
+                                      "fps": {k: f"{v:016x}" for k, v in fps.items()}}) + "\n")
 
-    def _saved_by_others(self, path: str) -> tuple[int, dict[str, int]] | None:
-        if self.ctx.run_dir is None:
-            return None
-        for rank_dir in sorted(Path(self.ctx.run_dir).glob("rank-*")):
+    @staticmethod
+    def _paths_saved_by(run_dir: Path, rank: int) -> set[str]:
+        records = layout.rank_dir(run_dir, rank) / RECORDS
+        out = set()
+        try:
+            for line in records.read_text().splitlines():
+                try:
+                    out.add(json.loads(line)["path"])
+                except (ValueError, KeyError):
+                    continue
+        except OSError:
+            pass
+        return out
+
+    @staticmethod
+    def _saves_in(run_dir: Path, path: str) -> list[tuple[int, dict[str, Any]]]:
+        """(rank, last save record of ``path``) for every rank of one run directory that saved it."""
+        out = []
+        for rank_dir in sorted(run_dir.glob("rank-*")):
             rank = layout.rank_of_dir(rank_dir.name)
-            if rank is None or rank == self.ctx.rank or not (rank_dir / RECORDS).exists():
+            records = rank_dir / RECORDS
+            if rank is None or not records.exists():
                 continue
             found = None
-            for line in (rank_dir / RECORDS).read_text().splitlines():
+            for line in records.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except ValueError:
-                    continue
+                    continue  # a line cut short by a kill
                 if rec.get("path") == path:
-                    found = (rank, {k: int(v, 16) for k, v in rec["fps"].items()})
-            if found:
-                return found
+                    found = rec
+            if found is not None:
+                out.append((rank, found))
+        return out
+
+    def _earlier_runs(self) -> list[Path]:
+        """Sibling run directories (the same runs root), newest first."""
+        if self.ctx.run_dir is None:
+            return []
+        here = Path(self.ctx.run_dir).resolve()
+        try:
+            runs = [d for d in here.parent.iterdir()
+                    if d.is_dir() and not d.is_symlink() and d.resolve() != here and (d / layout.MANIFEST).exists()]
+        except OSError:
+            return []
+        return sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True)[:EARLIER_RUNS]
+
+    def _find_save(self, path: str) -> tuple[str, int, dict[str, Any]] | None:
+        """Where ``path`` was saved, preferring this rank's own save: ("this run" or a run directory, rank, record)."""
+        rank = self.ctx.rank
+        with self._lock:
+            mine = self.saved.get(path)
+        if mine is not None:
+            return "this run", rank, {"fps": mine["fps"], "step": mine["step"]}
+        candidates: list[tuple[str, list[tuple[int, dict[str, Any]]]]] = []
+        if self.ctx.run_dir is not None:
+            candidates.append(("this run", self._saves_in(Path(self.ctx.run_dir), path)))
+        for run in self._earlier_runs():
+            saves = self._saves_in(run, path)
+            if saves:
+                candidates.append((str(run), saves))
+                break  # the newest earlier run that saved it
+        for where, saves in candidates:
+            if not saves:
+                continue
+            own = [s for s in saves if s[0] == rank]
+            r, rec = (own or saves)[0]
+            fps = {k: int(v, 16) for k, v in rec["fps"].items()}
+            # This rank's own files from that save (a restart restores what the earlier run saved).
+            run_dir = Path(self.ctx.run_dir) if where == "this run" else Path(where)
+            mine_there = {p for p in self._paths_saved_by(run_dir, rank) if siblings(p, path)}
+            return where, r, {"fps": fps, "step": rec.get("step"), "stamp": rec.get("stamp"), "own": mine_there}
         return None
 
     def _check_load(self, obj: Any, f: Any) -> None:
         path = str(Path(f).resolve())
-        with self._lock:
-            mine = self.saved.get(path)
-        other = None if mine is not None else self._saved_by_others(path)
-        if mine is None and other is None:
-            return  # not saved in this run: nothing to compare with
+        found = self._find_save(path)
+        if found is None:
+            return  # never saved under distdebug: nothing to compare with
+        where, saver, rec = found
         loaded = fingerprints(tensor_items(obj))
-        saved = mine["fps"] if mine is not None else other[1]  # type: ignore[index]
-        diff = compare_saved(saved, loaded)
+        diff = compare_saved(rec["fps"], loaded)
         rank = self.ctx.rank
-        if any(diff.values()):
-            names = diff["differ"] + diff["missing"] + diff["extra"]
+        earlier = where != "this run"
+        rewritten = earlier and rec.get("stamp") is not None and rec["stamp"] != _file_stamp(path)
+        names = diff["differ"] + diff["missing"] + diff["extra"]
+        with self._lock:
+            repeated = (path, tuple(names)) in self._reported  # DeepSpeed reads its model file twice
+            self._reported.add((path, tuple(names)))
+        if names and not repeated:
             parts = [f"{len(v)} {k}" for k, v in diff.items() if v]
+            origin = f"rank {saver} saved at step {rec.get('step')}" \
+                + (f" of run {Path(where).name}" if earlier else "")
+            note = "; the file was rewritten after that save (another job or run may have saved there)" \
+                if rewritten else ""
             self.ctx.report(Finding(
-                severity=Severity.ERROR, detector=self.name, ranks=[rank], step=self.step or None,
-                subject=names[0],
-                message=f"restored {Path(path).name} does not match what was saved ({', '.join(parts)}): "
-                        + ", ".join(names[:10]) + (" ..." if len(names) > 10 else ""),
-                evidence={"path": path, **{k: v[:200] for k, v in diff.items()}},
+                severity=Severity.WARNING if rewritten else Severity.ERROR, detector=self.name, ranks=[rank],
+                step=self.step or None, subject=names[0],
+                message=f"restored {Path(path).name} does not match what {origin} ({', '.join(parts)}): "
+                        + ", ".join(names[:10]) + (" ..." if len(names) > 10 else "") + note,
+                evidence={"path": path, "saved_by": saver, "saved_in": where, "saved_at_step": rec.get("step"),
+                          "rewritten_since": rewritten, **{k: v[:200] for k, v in diff.items()}},
                 fix="the file changed after it was written (a partial write, another job, a wrong copy); "
                     "restore from a checkpoint whose round trip checks out",
             ))
         with self._lock:
-            own_files = {p for p in self.saved}
-        if mine is None and other is not None and own_files:
-            self.ctx.report(Finding(
-                severity=Severity.ERROR, detector=self.name, ranks=[rank], step=self.step or None,
-                subject=Path(path).name,
-                message=f"rank {rank} restored {Path(path).name}, which rank {other[0]} saved, although it saved "
-                        f"its own checkpoint ({', '.join(Path(p).name for p in sorted(own_files))[:200]}): "
-                        "a sharded checkpoint restored from the wrong shard",
-                evidence={"path": path, "saved_by": other[0], "own_files": sorted(own_files)[:20]},
+            self._loaded.add(path)
+            own_files = sorted({p for p in self.saved if siblings(p, path)} | rec.get("own", set()))
+            if saver != rank and own_files:
+                # Judged at the next step boundary: DeepSpeed's elastic ZeRO load reads every rank's
+                # file, its own included, which is right; only a rank that never reads its own is wrong.
+                self._foreign.append({"path": path, "saver": saver, "step": self.step or None, "own": own_files})
+
+    def _wrong_shards(self) -> list[Finding]:
+        with self._lock:
+            pending, self._foreign = self._foreign, []
+            loaded = set(self._loaded)
+        out = []
+        for item in pending:
+            if any(p in loaded for p in item["own"]):
+                continue
+            rank, name = self.ctx.rank, Path(item["path"]).name
+            out.append(Finding(
+                severity=Severity.ERROR, detector=self.name, ranks=[rank], step=item["step"], subject=name,
+                message=f"rank {rank} restored {name}, which rank {item['saver']} saved, although it saved "
+                        f"its own ({', '.join(Path(p).name for p in item['own'])[:200]}) and did not restore "
+                        "that: a sharded checkpoint restored from the wrong shard",
+                evidence={"path": item["path"], "saved_by": item["saver"], "own_files": item["own"][:20]},
                 fix="load the file this rank saved (index paths by rank), or load through the sharding-aware API "
                     "(torch.distributed.checkpoint, engine.load_checkpoint)",
             ))
+        return out

@@ -4,11 +4,15 @@ Every K steps (``--fingerprint-every``, default 1), at the step boundary (after 
 before gradients are cleared), each rank fingerprints its replicated tensors (see
 ``fingerprint.collect``) on the training thread, because the next step changes them in place.
 Everything else happens on a background thread, so the training never waits for it: the snapshot
-write, and one 24-byte record (step, backward passes, root digest) per rank in an all_gather on a
-gloo group of the harness's own, so the training's collectives and their order are never touched.
-Only when root digests differ are the per-tensor
+write, and per checked step one 40-byte record (step, backward passes, root digest of the tensors all
+ranks share, replica-group id and root digest of the tensors shared within an HSDP replicate group)
+per rank, BATCH steps to one all_gather on a gloo group of the harness's own, so the training's
+collectives and their order are never touched. Only when root digests differ are the per-tensor
 fingerprints exchanged, to name the tensors; with 3 or more ranks the odd ones out are found by
 majority, with 2 ranks both are named.
+
+Fully sharded parameters (FSDP2 full shard, ZeRO-3) are fingerprinted as the forward sees them,
+gathered, by forward pre-hooks armed only in checked steps (see ``fingerprint.collect``).
 
 Buffers under DDP with ``broadcast_buffers=True`` are fingerprinted at the start of the forward
 (after DDP has synchronised them), because BatchNorm updates them rank-locally during forward:
@@ -28,10 +32,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import xxhash
 
 from distdebug import envvars
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
-from distdebug.fingerprint.collect import model_layout, replicated_buffers, replicated_params
+from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, odd_ones_out
 from distdebug.fingerprint.hashing import fingerprints, root_digest
 from distdebug.fingerprint.snapshots import SnapshotWriter
@@ -39,9 +44,18 @@ from distdebug.fingerprint.snapshots import SnapshotWriter
 MAX_NAMED = 10
 QUEUE_STEPS = 256
 """Checks the background exchange may fall behind before it is stopped (never blocks training)."""
+BATCH = 8
+"""Checked steps per exchange: one all_gather carries BATCH records, so the harness's collectives
+cost 1/BATCH of one per step. The first divergent step is still exact (each record carries its
+step); the finding comes at most BATCH checks later, or at the end of the run."""
 DRAIN_TIMEOUT_S = 10.0
 HARNESS_GROUP_DESC = "distdebug_harness"
 """Description of the harness's own process group; hang analysis leaves its collectives out."""
+_FIELDS = 5  # step, backward passes, root digest of world replicas, replica-group id, its root digest
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 class ReplicaDivergence(Detector):
@@ -53,10 +67,14 @@ class ReplicaDivergence(Detector):
         self.ctx: Any = None
         self.group: Any = None
         self.snapshots: SnapshotWriter | None = None
+        self.replicas: ReplicaSet | None = None
         self.synced_buffers: dict[str, int] | None = None
+        self.forward_fps: dict[str, int] = {}
+        self.armed = False  # the coming step is checked: forward hooks fingerprint
         self.reported = False
         self._hooks: list[Any] = []
         self._queue: queue.Queue | None = None
+        self._batch: list[tuple[int, int, dict[str, int]]] = []
         self._thread: threading.Thread | None = None
         self._stopped = False
 
@@ -64,46 +82,64 @@ class ReplicaDivergence(Detector):
         import torch.distributed as dist
 
         self.ctx = ctx
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.replicas = ReplicaSet(ctx.models, ctx.optimizers, world)
         if ctx.rank_dir is not None:
             self.snapshots = SnapshotWriter(ctx.rank_dir)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if world > 1:
             # A group of our own: our all_gathers never interleave with the training's collectives.
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300),
                                         group_desc=HARNESS_GROUP_DESC)
-            self._queue = queue.Queue(maxsize=QUEUE_STEPS)
+            self._queue = queue.Queue(maxsize=QUEUE_STEPS // BATCH)
             self._thread = threading.Thread(target=self._worker, name="distdebug-fingerprints", daemon=True)
             self._thread.start()
         for root in ctx.models:
             inner, _, ddp_sync = model_layout(root)
             if ddp_sync:
                 self._hooks.append(inner.register_forward_pre_hook(self._capture_synced_buffers))
+        for prefix, module, names in self.replicas.forward_modules:
+            # Registered after the framework's unshard/gather hook, so it sees gathered parameters.
+            self._hooks.append(module.register_forward_pre_hook(self._forward_hook(prefix, names)))
+        self.armed = False  # on_step arms the checked steps
+
+    def _forward_hook(self, prefix: str, names: list[str]) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self.armed and (prefix + names[0]) not in self.forward_fps:  # first forward of the step
+                self.forward_fps.update(fingerprints(ReplicaSet.unsharded(prefix, module, names)))
+        return hook
 
     def _capture_synced_buffers(self, module: torch.nn.Module, args: Any) -> None:
-        if self.synced_buffers is None:  # the first forward of the step, right after DDP's sync
-            self.synced_buffers = fingerprints(replicated_buffers(self.ctx.models))
+        if self.armed and self.synced_buffers is None and self.replicas is not None:
+            # the first forward of the step, right after DDP's sync
+            self.synced_buffers = fingerprints(self.replicas.buffers)
 
     def _local(self) -> dict[str, int]:
-        models, opts = self.ctx.models, self.ctx.optimizers
-        fps = fingerprints(replicated_params(models, opts))
-        ddp_sync = any(model_layout(m)[2] for m in models)
-        if ddp_sync:
+        assert self.replicas is not None
+        fps = fingerprints(self.replicas.tensors())
+        fps.update(self.forward_fps)
+        if self.replicas.ddp_sync:
             fps.update(self.synced_buffers or {})
         else:
-            fps.update(fingerprints(replicated_buffers(models)))
+            fps.update(fingerprints(self.replicas.buffers))
         return fps
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         if self.ctx is None or event.step % self.every:
-            self.synced_buffers = None
+            self._next(event.step)
             return ()
         fps = self._local()
-        self.synced_buffers = None
+        self._next(event.step)
+        if self.snapshots is not None:
+            # Written here, one append per check: a rank killed a moment later keeps every snapshot.
+            self.snapshots.write(event.step, fps)
         if self._queue is None or self._stopped:
-            if self.snapshots is not None:
-                self.snapshots.write(event.step, fps)
             return ()
+        self._batch.append((event.step, event.backward_total, fps))
+        if len(self._batch) < BATCH:
+            return ()
+        batch, self._batch = self._batch, []
         try:
-            self._queue.put_nowait((event.step, event.backward_total, fps))
+            self._queue.put_nowait((batch, True))  # one hand-over to the background thread per BATCH checks
         except queue.Full:
             # The exchange is stuck (a peer is gone): stop here rather than ever block training.
             self._stopped = True
@@ -114,71 +150,102 @@ class ReplicaDivergence(Detector):
             ),)
         return ()
 
+    def _next(self, step: int) -> None:
+        self.synced_buffers = None
+        self.forward_fps = {}
+        self.armed = (step + 1) % self.every == 0
+
     def _worker(self) -> None:
-        """Background: snapshot writes and the cross-rank exchange, in step order."""
+        """Background: the cross-rank exchange, in step order, BATCH checks at a time."""
         assert self._queue is not None
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            step, backward_total, fps = item
-            if self.snapshots is not None:
-                self.snapshots.write(step, fps)
-            if self.group is None:
-                continue
-            try:
-                for finding in self._exchange(step, backward_total, fps):
-                    self.ctx.report(finding)
-            except Exception as e:  # a peer that left, a destroyed group: stop checking, never raise
-                self.group = None
-                self.ctx.report(Finding(  # info: it follows from a failure that other findings explain
-                    severity=Severity.INFO, detector="harness", ranks=[self.ctx.rank], step=step,
-                    subject=f"detector:{self.name}",
-                    message=f"cross-rank exchange failed ({type(e).__name__}: {str(e)[:200]}); stopped on this rank",
-                    evidence={},
-                ))
+            pending, exchange = item
+            # A full batch, or the last (maybe empty) one when the script destroys its process
+            # group: every rank makes the same number of exchanges.
+            if exchange and self.group is not None:
+                try:
+                    for finding in self._exchange(pending):
+                        self.ctx.report(finding)
+                except Exception as e:  # a peer that left, a destroyed group: stop checking, never raise
+                    self.group = None
+                    self.ctx.report(Finding(  # info: it follows from a failure that other findings explain
+                        severity=Severity.INFO, detector="harness", ranks=[self.ctx.rank],
+                        step=pending[0][0] if pending else None, subject=f"detector:{self.name}",
+                        message=f"cross-rank exchange failed ({type(e).__name__}: {str(e)[:200]}); "
+                                "stopped on this rank", evidence={},
+                    ))
 
-    def _exchange(self, step: int, backward_total: int, fps: dict[str, int]) -> Iterable[Finding]:
+    def _row(self, step: int, backward_total: int, fps: dict[str, int]) -> list[int]:
+        world = {n: v for n, v in fps.items() if "@replicas[" not in n}
+        grouped = {n: v for n, v in fps.items() if "@replicas[" in n}
+        group_id = xxhash.xxh3_64_intdigest("|".join(sorted({n[n.index("@"):] for n in grouped})).encode())
+        return [step, backward_total, _signed(root_digest(world)), _signed(group_id),
+                _signed(root_digest(grouped)) if grouped else 0]
+
+    def _exchange(self, batch: list[tuple[int, int, dict[str, int]]]) -> Iterable[Finding]:
         import torch.distributed as dist
 
         raw = self.ctx.raw_collectives
         world = dist.get_world_size(self.group)
-        digest = root_digest(fps)
-        signed = digest - (1 << 64) if digest >= 1 << 63 else digest
-        mine = torch.tensor([step, backward_total, signed], dtype=torch.int64)
-        gathered = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+        mine = torch.full((BATCH, _FIELDS), -1, dtype=torch.int64)
+        for i, (step, backward_total, fps) in enumerate(batch):
+            mine[i] = torch.tensor(self._row(step, backward_total, fps), dtype=torch.int64)
+        gathered = [torch.zeros(BATCH, _FIELDS, dtype=torch.int64) for _ in range(world)]
         raw["all_gather"](gathered, mine, group=self.group)
-        steps = {r: int(t[0]) for r, t in enumerate(gathered)}
-        backwards = {r: int(t[1]) for r, t in enumerate(gathered)}
-        if len(set(steps.values())) > 1 or len(set(backwards.values())) > 1:
-            # A rank skipped (or repeated) optimizer.step: its step boundaries no longer line up with
-            # the others'. Every rank saw the same records, so all stop checking together, and the
-            # harness's own collectives can never pair the wrong steps or wait at the end.
-            self.group = None
-            behind, _ = odd_ones_out(backwards if len(set(steps.values())) == 1 else steps)
-            return self._emit(Finding(
-                severity=Severity.ERROR, detector=self.name, ranks=behind, step=step,
-                subject="optimizer step count",
-                message=f"optimizer steps and backward passes no longer line up across ranks (step: {steps}, "
-                        f"backward passes so far: {backwards}): rank(s) {behind} skipped or repeated optimizer.step, "
-                        "so their parameters are no longer updated in step with the others",
-                evidence={"steps": steps, "backward_total": backwards},
-                fix="every rank must call optimizer.step() once per step (look for rank-dependent conditions "
-                    "around it)",
-            ))
-        if len({int(t[2]) for t in gathered}) == 1 or self.reported:
-            return ()
-        self.reported = True
+        rows = [t.tolist() for t in gathered]
+        for i in range(BATCH):
+            steps = {r: rows[r][i][0] for r in range(world)}
+            if all(v == -1 for v in steps.values()):
+                break
+            backwards = {r: rows[r][i][1] for r in range(world)}
+            if len(set(steps.values())) > 1 or len(set(backwards.values())) > 1:
+                # A rank skipped (or repeated) optimizer.step: its step boundaries no longer line up with
+                # the others'. Every rank saw the same records, so all stop checking together, and the
+                # harness's own collectives can never pair the wrong steps or wait at the end.
+                self.group = None
+                behind, _ = odd_ones_out(backwards if len(set(steps.values())) == 1 else steps)
+                step = min(v for v in steps.values() if v >= 0)
+                return self._emit(Finding(
+                    severity=Severity.ERROR, detector=self.name, ranks=behind, step=step,
+                    subject="optimizer step count",
+                    message=f"optimizer steps and backward passes no longer line up across ranks (step: {steps}, "
+                            f"backward passes so far: {backwards}): rank(s) {behind} skipped or repeated "
+                            "optimizer.step, so their parameters are no longer updated in step with the others",
+                    evidence={"steps": steps, "backward_total": backwards},
+                    fix="every rank must call optimizer.step() once per step (look for rank-dependent conditions "
+                        "around it)",
+                ))
+            if self.reported:
+                continue
+            world_roots = {rows[r][i][2] for r in range(world)}
+            by_group: dict[int, set[int]] = {}
+            for r in range(world):
+                by_group.setdefault(rows[r][i][3], set()).add(rows[r][i][4])
+            if len(world_roots) == 1 and all(len(v) == 1 for v in by_group.values()):
+                continue
+            self.reported = True
+            step, _, fps = batch[i]
+            return self._name_tensors(step, fps, world)
+        return ()
+
+    def _name_tensors(self, step: int, fps: dict[str, int], world: int) -> Iterable[Finding]:
+        """Roots differ at ``step``: exchange per-tensor fingerprints (this once) to name the tensors."""
         per_rank: list[Any] = [None] * world
-        raw["all_gather_object"](per_rank, fps, group=self.group)
+        self.ctx.raw_collectives["all_gather_object"](per_rank, fps, group=self.group)
         diffs = compare(dict(enumerate(per_rank)), list(fps))
         if not diffs:
             return ()
         culprits = sorted({r for d in diffs for r in d["ranks"]})
         named = ", ".join(d["tensor"] for d in diffs[:MAX_NAMED]) + (" ..." if len(diffs) > MAX_NAMED else "")
-        majority = all(d["by_majority"] for d in diffs) and world >= 3
-        who = (f"rank(s) {culprits} differ from the majority" if majority
-               else f"ranks {culprits} disagree (no majority with {world} ranks)")
+        sizes = {len(d["replica_group"]) if d["replica_group"] else world for d in diffs}
+        majority = all(d["by_majority"] for d in diffs) and min(sizes) >= 3
+        groups = sorted({tuple(d["replica_group"]) for d in diffs if d["replica_group"]})
+        among = f" within replica group(s) {', '.join(str(list(g)) for g in groups)}" if groups else ""
+        who = (f"rank(s) {culprits} differ from the majority{among}" if majority
+               else f"ranks {culprits} disagree{among} (no majority with {min(sizes)} ranks)")
         return self._emit(Finding(
             severity=Severity.ERROR, detector=self.name, ranks=culprits, step=step,
             subject=diffs[0]["tensor"],
@@ -194,11 +261,25 @@ class ReplicaDivergence(Detector):
         return (finding,) if self.ctx.rank == 0 else ()
 
     def before_destroy(self) -> None:
-        """Finish the queued checks, then release the harness group (before the script destroys its own)."""
+        """The script destroys its process group (every rank does, at a clean end): the last exchange."""
+        self._finish(final_exchange=True)
+
+    def _finish(self, final_exchange: bool) -> None:
+        """Finish the queued checks, then release the harness group (before the script destroys its own).
+
+        The last, partial batch is exchanged only when the script destroys its process group, which
+        every rank does together. A rank that ends otherwise (an exception, an early exit, the end
+        of a script that never destroys its group) cannot know whether its peers will ever exchange
+        those steps, so it does not wait: their snapshots are on disk, and the launcher's check
+        after the job (``analysis.diff``) covers them.
+        """
         import torch.distributed as dist
 
         if self._thread is not None:
             assert self._queue is not None
+            batch, self._batch = self._batch, []
+            if not self._stopped and final_exchange:
+                self._queue.put((batch, True))
             self._queue.put(None)
             self._thread.join(timeout=DRAIN_TIMEOUT_S)
             self._thread = None
@@ -207,7 +288,7 @@ class ReplicaDivergence(Detector):
             dist.distributed_c10d.destroy_process_group(group)
 
     def on_end(self) -> Iterable[Finding]:
-        self.before_destroy()
+        self._finish(final_exchange=False)
         for h in self._hooks:
             h.remove()
         if self.snapshots is not None:

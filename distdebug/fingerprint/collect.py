@@ -1,12 +1,23 @@
-"""Which tensors are replicas (must be bitwise equal across data-parallel ranks), named as the user wrote them.
+"""Which tensors are replicas (must be bitwise equal across some set of ranks), named as the user wrote them.
 
 - DDP, a plain module with hand-written all-reduce, DeepSpeed ZeRO-1/2: parameters, gradients after
   reduction, buffers and optimizer state (ZeRO partitions its optimizer state: left out there).
-- FSDP2 ``fully_shard`` and ZeRO-3: parameters, gradients and optimizer state are shards that differ
-  by design and are never compared; buffers are replicated and are.
+  Every rank holds them: they are compared across all ranks.
+- HSDP (FSDP2 ``fully_shard`` on a 2-D mesh, DTensors ``(Replicate(), Shard(0))``) and any DTensor
+  replicated on some mesh dimension: the local shard of a parameter, its gradient and its optimizer
+  state are equal across the ranks that share the coordinates on the other mesh dimensions (the
+  replicate group). Such names carry their group: ``layers.0.weight@replicas[0,2]``. A group that is
+  the whole world gets no suffix.
+- Fully sharded parameters (FSDP2 full shard, ZeRO-3): shards differ by design and are never
+  compared. What is truly replicated is the unsharded parameter each rank sees in forward; it is
+  fingerprinted by a forward pre-hook that runs after the framework's own unshard/gather hook.
+- Buffers are replicated under every wrapper.
 
 Names carry no wrapper prefixes (``module.``, ``_orig_mod.``): ``features.0.weight``,
 ``features.0.weight.grad``, ``features.1.running_mean``, ``optimizer.features.0.weight.momentum_buffer``.
+
+The walk over modules and wrappers happens once (``ReplicaSet``); each check only reads the live
+tensors it recorded (and ``.grad``, which the training may replace every step).
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from typing import Any
 
 import torch
 
+from distdebug.fingerprint.compare import split_group, with_group
 from distdebug.runtime.discovery import unwrap
 
 
@@ -26,42 +38,99 @@ def model_layout(root: torch.nn.Module) -> tuple[torch.nn.Module, bool, bool]:
     return inner, sharded, ddp_sync
 
 
-def replicated_params(roots: list[torch.nn.Module], optimizers: list[Any]) -> list[tuple[str, torch.Tensor]]:
-    """Parameters, reduced gradients and optimizer state that every data-parallel rank must hold equally."""
-    out: list[tuple[str, torch.Tensor]] = []
-    names: dict[int, str] = {}
-    many = len(roots) > 1
-    sharded_any = False
-    for i, root in enumerate(roots):
-        inner, sharded, _ = model_layout(root)
-        sharded_any |= sharded or "deepspeed" in unwrap(root)[1]
-        prefix = f"{type(inner).__name__}[{i}]." if many else ""
-        for name, p in inner.named_parameters():
-            names[id(p)] = prefix + name
-            if sharded:
-                continue
-            out.append((prefix + name, p))
-            if p.grad is not None:
-                out.append((f"{prefix}{name}.grad", p.grad))
-    if not sharded_any:
-        for opt in optimizers:
-            if not isinstance(opt, torch.optim.Optimizer):
-                continue
+def replica_group(t: Any, world: int) -> list[int] | None | bool:
+    """For a DTensor: the global ranks holding the same local shard, None if that is every rank, or
+    False if it is replicated nowhere (fully sharded). Plain tensors: None (every rank)."""
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    replicated = [i for i, p in enumerate(placements) if p.is_replicate()]
+    if not replicated:
+        return False
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the mesh
+        return False
+    index = tuple(slice(None) if i in replicated else coord[i] for i in range(mesh.ndim))
+    ranks = sorted(int(r) for r in mesh.mesh[index].flatten().tolist())
+    if len(ranks) == 1:
+        return False  # a replicate dimension of size 1 (full shard written as HSDP): nobody to compare with
+    return None if len(ranks) == world else ranks
+
+
+def _is_zero3_param(p: Any) -> bool:
+    return hasattr(p, "ds_id")
+
+
+class ReplicaSet:
+    """The replicated tensors of a rank's models and optimizers, found once and read at every check."""
+
+    def __init__(self, roots: list[torch.nn.Module], optimizers: list[Any], world: int) -> None:
+        self.world = world
+        self.params: list[tuple[str, torch.nn.Parameter]] = []  # compared with .grad, named with group suffix
+        self.buffers: list[tuple[str, torch.Tensor]] = []
+        self.forward_modules: list[tuple[str, torch.nn.Module, list[str]]] = []  # (prefix, module, param names)
+        self.ddp_sync = False
+        self._opt_names: dict[int, str] = {}  # id(param) -> name used for its optimizer state
+        self._optimizers: list[Any] = []
+        many = len(roots) > 1
+        deepspeed = False
+        for i, root in enumerate(roots):
+            inner, sharded, ddp_sync = model_layout(root)
+            self.ddp_sync |= ddp_sync
+            deepspeed |= "deepspeed" in unwrap(root)[1]
+            prefix = f"{type(inner).__name__}[{i}]." if many else ""
+            self.buffers.extend((prefix + n, b) for n, b in inner.named_buffers())
+            for mod_name, mod in inner.named_modules():
+                direct = []
+                for pname, p in mod.named_parameters(recurse=False):
+                    name = prefix + (f"{mod_name}.{pname}" if mod_name else pname)
+                    group = replica_group(p, world)
+                    if group is False or (sharded and _is_zero3_param(p)):
+                        direct.append(pname)  # fully sharded: compared unsharded, in forward
+                        continue
+                    if sharded and not hasattr(p, "placements") and not _is_zero3_param(p):
+                        continue  # a sharded model's odd plain parameter: nothing known about it
+                    self.params.append((with_group(name, group), p))
+                    self._opt_names[id(p)] = name
+                if direct:
+                    self.forward_modules.append((prefix + (f"{mod_name}." if mod_name else ""), mod, direct))
+        if not deepspeed:  # ZeRO partitions optimizer state across ranks
+            self._optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters, reduced gradients and optimizer state (buffers apart: see ``ddp_sync``)."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, p in self.params:
+            out.append((name, p))
+            g = p.grad
+            if g is not None:
+                base, group = split_group(name)
+                out.append((with_group(base + ".grad", group), g))
+        for opt in self._optimizers:
             for param, state in opt.state.items():
-                pname = names.get(id(param))
+                pname = self._opt_names.get(id(param))
                 if pname is None:
                     continue
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        out.append((f"optimizer.{pname}.{key}", value))
-    return out
+                        group = replica_group(value, self.world)
+                        if group is not False:
+                            out.append((with_group(f"optimizer.{pname}.{key}", group), value))
+        return out
 
+    @staticmethod
+    def unsharded(prefix: str, module: torch.nn.Module, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """A fully sharded module's parameters as the forward sees them (gathered), or [] if they are not."""
+        out = []
+        for pname in names:
+            p = module._parameters.get(pname)
+            if p is None or replica_group(p, 0) is False:
+                continue  # still a shard: the framework has not gathered it (yet)
+            numel = getattr(p, "ds_numel", None)
+            data = p.data
+            if numel is not None and data.numel() != numel:
+                continue  # ZeRO-3 partition, not gathered
+            out.append((prefix + pname, data))
+        return out
 
-def replicated_buffers(roots: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    out: list[tuple[str, torch.Tensor]] = []
-    many = len(roots) > 1
-    for i, root in enumerate(roots):
-        inner, _, _ = model_layout(root)
-        prefix = f"{type(inner).__name__}[{i}]." if many else ""
-        out.extend((prefix + name, b) for name, b in inner.named_buffers())
-    return out

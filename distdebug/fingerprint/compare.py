@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
+
+_GROUP = re.compile(r"^(.*)@replicas\[([0-9,]*)\]$")
+
+
+def with_group(name: str, ranks: list[int] | None) -> str:
+    """A tensor name that says which ranks must agree on it (None: every rank, no suffix)."""
+    return name if ranks is None else f"{name}@replicas[{','.join(map(str, ranks))}]"
+
+
+def split_group(name: str) -> tuple[str, list[int] | None]:
+    """(name as the user wrote it, the ranks that must agree on it; None: every rank)."""
+    m = _GROUP.match(name)
+    if m is None:
+        return name, None
+    return m[1], [int(x) for x in m[2].split(",") if x]
 
 
 def odd_ones_out(values: dict[int, int]) -> tuple[list[int], bool]:
@@ -16,16 +32,23 @@ def odd_ones_out(values: dict[int, int]) -> tuple[list[int], bool]:
 
 
 def compare(per_rank: dict[int, dict[str, int]], order: list[str]) -> list[dict[str, Any]]:
-    """Tensors whose fingerprints differ across ranks, in ``order``, with culprits by majority."""
+    """Tensors whose fingerprints differ across ranks, in ``order``, with culprits by majority.
+
+    A name with a replica group (``w@replicas[0,2]``, see ``fingerprint.collect``) is compared among
+    that group's ranks only; ``tensor`` in the result is the name as the user wrote it,
+    ``replica_group`` the ranks that were compared (None: all)."""
     diffs = []
-    names = order + sorted(set().union(*per_rank.values()) - set(order))
+    seen = set(order)
+    names = order + sorted({n for fps in per_rank.values() for n in fps} - seen)
     for name in names:
-        values = {r: fps[name] for r, fps in per_rank.items() if name in fps}
-        missing = sorted(r for r, fps in per_rank.items() if name not in fps)
+        base, group = split_group(name)
+        members = per_rank if group is None else {r: per_rank.get(r, {}) for r in group}
+        values = {r: fps[name] for r, fps in members.items() if name in fps}
+        missing = sorted(r for r, fps in members.items() if name not in fps)
         if len(set(values.values())) > 1 or (missing and values):
             odd, by_majority = odd_ones_out(values) if len(set(values.values())) > 1 else (missing, True)
-            diffs.append({"tensor": name, "ranks": odd, "by_majority": by_majority, "missing_on": missing,
-                          "groups": _groups(values)})
+            diffs.append({"tensor": base, "ranks": odd, "by_majority": by_majority, "missing_on": missing,
+                          "groups": _groups(values), "replica_group": group})
     return diffs
 
 

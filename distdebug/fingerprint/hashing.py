@@ -1,6 +1,6 @@
 """Fingerprints of tensors that change when any bit changes.
 
-- CPU tensors: xxh3-64 over the raw bytes (zero-copy through numpy), seeded with dtype and shape so
+- CPU tensors: xxh3-64 over the raw bytes (zero-copy, from the data pointer), seeded with dtype and shape so
   that equal bytes under another dtype or shape never compare equal. Tensors over CHUNK bytes are
   hashed in fixed-size chunks on a few threads (xxhash releases the GIL) and the chunk digests are
   hashed in order: the result does not depend on the number of threads, only on the bytes.
@@ -15,6 +15,7 @@ contiguous first (a copy, only for them).
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import xxhash
 
 _MASK64 = (1 << 64) - 1
 CHUNK = 2 << 20  # bytes per parallel piece of a large tensor
+SMALL = 64 << 10  # tensors up to this size are copied to bytes and hashed at once
 _POOL: Any = None
 
 
@@ -43,7 +45,7 @@ _ROW = 4096  # words per row of the weighted sum; bounds the temporary to one ro
 
 def local_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes this rank holds: a DTensor's local shard, detached, contiguous."""
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:  # DTensor (also as a Parameter)
         to_local = getattr(t, "to_local", None)
         if callable(to_local):
             t = to_local()
@@ -64,23 +66,24 @@ def _seed(t: torch.Tensor) -> int:
 
 
 def _bytes(t: torch.Tensor) -> Any:
-    """A zero-copy buffer over a contiguous CPU tensor's bytes."""
-    try:
-        return t.numpy()  # any C-contiguous array is a buffer xxhash reads directly
-    except TypeError:  # dtypes numpy lacks (bfloat16, float8): read them as bytes
-        return t.reshape(-1).view(torch.uint8).numpy()
+    """A zero-copy byte view of a contiguous CPU tensor, taken from its data pointer.
+
+    Not ``Tensor.numpy()``: exporting to numpy marks the storage as non-resizable for good, and FSDP2
+    frees its gathered parameters with ``storage.resize_(0)``: hashing them that way breaks training.
+    The view does not keep the tensor alive: callers hold the tensor until the hash is done.
+    """
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
-def _pieces(t: torch.Tensor) -> tuple[int, list[Any]]:
-    """Seed and byte pieces of a CPU tensor: one piece, or CHUNK-sized pieces when larger."""
+def _pieces(t: torch.Tensor) -> tuple[int, list[Any], torch.Tensor]:
+    """Seed, byte pieces (one, or CHUNK-sized when larger) and the tensor they view (keep it alive)."""
     t = local_view(t)
     if not t.numel():
-        return _seed(t), []
+        return _seed(t), [], t
     data = _bytes(t)
     if data.nbytes <= CHUNK:
-        return _seed(t), [data]
-    flat = data.reshape(-1).view("uint8")
-    return _seed(t), [flat[i:i + CHUNK] for i in range(0, flat.nbytes, CHUNK)]
+        return _seed(t), [data], t
+    return _seed(t), [data[i:i + CHUNK] for i in range(0, data.nbytes, CHUNK)], t
 
 
 def _finish(seed: int, pieces: list[Any], digests: list[bytes] | None) -> int:
@@ -91,7 +94,7 @@ def _finish(seed: int, pieces: list[Any], digests: list[bytes] | None) -> int:
 
 def cpu_fingerprint(t: torch.Tensor) -> int:
     """xxh3-64 (seeded with dtype and shape) of a CPU tensor's raw bytes; any dtype, bf16 and bool too."""
-    seed, pieces = _pieces(t)
+    seed, pieces, _view = _pieces(t)
     if len(pieces) > 1:
         return _finish(seed, pieces, list(_pool().map(_xxh, pieces)))
     return _finish(seed, pieces, None)
@@ -134,21 +137,27 @@ def fingerprints(named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
     """Fingerprint many tensors: CPU ones by xxh3, device ones on the device with one host transfer."""
     out: dict[str, int] = {}
     device_items: list[tuple[str, torch.Tensor]] = []
-    chunked: list[tuple[str, int, list[Any]]] = []
+    chunked: list[tuple[str, int, list[Any], torch.Tensor]] = []
     for name, t in named:
-        if local_view(t).device.type != "cpu":
+        kind = type(t)
+        if (kind is torch.Tensor or kind is torch.nn.Parameter) and t.is_cpu and t.is_contiguous():
+            n = t.nbytes
+            if 0 < n <= SMALL:  # the common case, kept short: a copy of a few KiB costs less than a view
+                out[name] = xxhash.xxh3_64_intdigest(ctypes.string_at(t.data_ptr(), n), _seed(t))
+                continue
+        elif not t.is_cpu:
             device_items.append((name, t))
             continue
-        seed, pieces = _pieces(t)
+        seed, pieces, view = _pieces(t)
         if len(pieces) > 1:
-            chunked.append((name, seed, pieces))
+            chunked.append((name, seed, pieces, view))  # the view stays referenced until hashed
         else:
             out[name] = _finish(seed, pieces, None)
     if chunked:
         # All large tensors' pieces in one batch, so that every hashing thread stays busy.
-        flat = [p for _, _, pieces in chunked for p in pieces]
+        flat = [p for _, _, pieces, _ in chunked for p in pieces]
         digests = iter(list(_pool().map(_xxh, flat)))
-        for name, seed, pieces in chunked:
+        for name, seed, pieces, _ in chunked:
             out[name] = _finish(seed, pieces, [next(digests) for _ in pieces])
     if device_items:
         stacked = torch.stack([device_fingerprint(t) for _, t in device_items]).cpu()  # one copy, 16 B each

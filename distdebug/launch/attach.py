@@ -187,6 +187,8 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         code, message = EXIT_HANG, supervisor_mod.summary_line(supervisor.verdict)
     elif code != 0 and cfg.node_rank == 0:
         _post_mortem(run_dir)
+    if cfg.node_rank == 0:
+        _offline_replica_check(run_dir)
     node_info.update(ended=time.time(), exit_code=code, message=message)
     manifest_mod.write_json_atomic(node_file, node_info)
     if cfg.node_rank == 0:
@@ -208,6 +210,50 @@ def _post_mortem(run_dir: Path) -> None:
         supervisor_mod.write_run_findings(run_dir, findings)
         for f in findings:
             print(supervisor_mod.format_finding(f), file=sys.stderr, flush=True)
+
+
+OFFLINE_CHECK_MAX_BYTES = 256 << 20
+"""Snapshots larger than this in all are left to ``distdebug diff`` (it says so)."""
+
+
+def _offline_replica_check(run_dir: Path) -> None:
+    """After every job: the steps the online check did not exchange (the last few of a run that
+    crashed, hung or never destroyed its process group) are compared from the snapshots."""
+    from distdebug.analysis.diff import first_divergent_step, load_snapshots
+    from distdebug.artifacts.reader import load_run
+    from distdebug.detectors.base import Finding, Severity
+
+    try:
+        run = load_run(run_dir)
+        if any(f.get("detector") == "replica_divergence" for f in run.all_findings()):
+            return  # the online check already named the first divergent step
+        size = sum(p.stat().st_size for p in run_dir.glob(f"rank-*/{layout.FINGERPRINTS}"))
+        if not size:
+            return
+        if size > OFFLINE_CHECK_MAX_BYTES:
+            print(f"distdebug: fingerprint snapshots are {size >> 20} MiB; run 'distdebug diff {run_dir}' "
+                  "to check the last steps offline", file=sys.stderr)
+            return
+        found = first_divergent_step(load_snapshots(run_dir))
+    except Exception as e:  # an offline check must never change the job's outcome
+        print(f"distdebug: offline replica check failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return
+    if found is None:
+        return
+    step, diffs = found
+    culprits = sorted({r for d in diffs for r in d.ranks})
+    majority = all(d.by_majority for d in diffs) and len({r for d in diffs for g in d.groups for r in g}) >= 3
+    who = f"rank(s) {culprits} differ from the majority" if majority else f"ranks {culprits} disagree"
+    finding = Finding(
+        severity=Severity.ERROR, detector="replica_divergence", ranks=culprits, step=step, subject=diffs[0].tensor,
+        message=f"replicas diverged at step {step} (found from the snapshots after the job): {len(diffs)} "
+                f"tensor(s) differ ({', '.join(d.tensor for d in diffs[:10])}); {who}",
+        evidence={"tensors": [d.to_dict() for d in diffs[:200]], "count": len(diffs)},
+        fix=f"'distdebug diff {run_dir} --step {step}' lists them all. Usual causes: a rank-local update "
+            "(unsynchronised gradients or buffers), silent data corruption, non-deterministic kernels",
+    )
+    supervisor_mod.write_run_findings(run_dir, [finding])
+    print(supervisor_mod.format_finding(finding), file=sys.stderr, flush=True)
 
 
 def _record_layout(run_dir: Path) -> None:

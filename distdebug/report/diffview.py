@@ -68,5 +68,6 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
         table.add_column(col, overflow="fold")
     for t in result["tensors"][:200]:
         odd = ",".join(map(str, t["ranks"])) + ("" if t["by_majority"] else " (no majority)")
-        table.add_row(t["tensor"], odd, "  ".join("{" + ",".join(map(str, g)) + "}" for g in t["groups"]))
+        name = t["tensor"] + (f" (replicas {t['replica_group']})" if t.get("replica_group") else "")
+        table.add_row(name, odd, "  ".join("{" + ",".join(map(str, g)) + "}" for g in t["groups"]))
     console.print(table)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from distdebug.artifacts import layout
@@ -17,7 +20,8 @@ def findings(tmp, rank):
     return [r for r in read_events(layout.events_path(tmp, rank))[0] if r["kind"] == "finding"]
 
 
-def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=True, lr=0.1):
+def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=True, lr=0.1, fault_step=3,
+         destroy=True):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     s = start_session(tmp, rank, detectors=[ReplicaDivergence()])
@@ -26,7 +30,7 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=
     ddp = DDP(model, broadcast_buffers=broadcast_buffers)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     for step in range(1, steps + 1):
-        if rank == fault_rank and step == 3 and fault == "bitflip":
+        if rank == fault_rank and step == fault_step and fault == "bitflip":
             with torch.no_grad():
                 model[0].weight.view(-1).view(torch.int32)[5] ^= 1 << 20  # one bit of one parameter
         same_data = fault == "bn_data" and rank != fault_rank
@@ -37,7 +41,26 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=
         if rank == fault_rank and step == 3 and fault == "momentum":
             opt.state[model[3].bias]["momentum_buffer"].add_(1e-3)  # only optimizer state (lr=0)
         opt.zero_grad()
+        if rank == 0 and step == 9 and not destroy:
+            # The exchange of steps 1-8 ran in the background during the training: its finding is
+            # there before the end of the run (its thread writes it; give it a moment).
+            deadline = time.monotonic() + 20
+            while not findings(tmp, 0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert findings(tmp, 0), "no finding during the run"
+    if destroy:
+        dist.destroy_process_group()  # as a script ends: the last cross-rank exchange happens here
     s.close(0)
+
+
+def test_exchanges_run_during_training_and_at_the_end(tmp_path):
+    # Steps 1-8 go in one exchange during the run, 9-12 in the last one when the group is destroyed.
+    spawn_ranks(_ddp, 3, tmp=tmp_path / "late", fault="bitflip", fault_rank=0, steps=12, fault_step=10)
+    (f,) = findings(tmp_path / "late", 0)
+    assert (f["step"], f["subject"], f["ranks"]) == (10, "0.weight", [0])
+    spawn_ranks(_ddp, 3, tmp=tmp_path / "early", fault="bitflip", fault_rank=1, steps=12, destroy=False)
+    (f,) = findings(tmp_path / "early", 0)
+    assert (f["step"], f["subject"], f["ranks"]) == (3, "0.weight", [1])
 
 
 def test_one_flipped_bit_on_one_of_three_ranks_is_localised(tmp_path):
@@ -90,6 +113,7 @@ def _skip_step(rank, world, tmp):
         if not (rank == 1 and step == 3):
             opt.step()
         opt.zero_grad()
+    dist.destroy_process_group()  # as a script ends: the last cross-rank exchange happens here
     s.close(0)
 
 
@@ -97,3 +121,57 @@ def test_rank_that_skips_optimizer_step_is_named(tmp_path):
     spawn_ranks(_skip_step, 3, tmp=tmp_path)
     (f,) = findings(tmp_path, 0)
     assert f["subject"] == "optimizer step count" and f["ranks"] == [1] and f["step"] == 3
+
+
+def _fsdp(rank, world, tmp, replicate=1, fault=None, fault_rank=1, steps=5):
+    """FSDP2 on a (replicate, shard) mesh: replicate=1 is full shard, replicate>1 HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    s = start_session(tmp, rank, detectors=[ReplicaDivergence()])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if fault == "gathered":  # registered before the harness's hooks: it sees and alters the gathered weight
+        def corrupt(module, args):
+            if rank == fault_rank and s.step + 1 == 3:
+                with torch.no_grad():
+                    module.weight.view(-1)[0] += 1e-3
+        model[2].register_forward_pre_hook(corrupt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(1, steps + 1):
+        if fault == "shard" and rank == fault_rank and step == 3:
+            with torch.no_grad():
+                model[0].weight.to_local().view(-1)[0] += 1e-3  # this rank's copy of its shard only
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()  # as a script ends: the last cross-rank exchange happens here
+    s.close(0)
+
+
+def test_hsdp_compares_shards_within_replicate_groups(tmp_path):
+    # 4 ranks, mesh (replicate 2, shard 2): rank r holds shard r % 2; replicas {0, 2} and {1, 3}.
+    spawn_ranks(_fsdp, 4, tmp=tmp_path / "clean", replicate=2, timeout=120)
+    assert findings(tmp_path / "clean", 0) == []
+    names = read_snapshots(layout.rank_dir(tmp_path / "clean", 1))[2][0]
+    assert "0.weight@replicas[1,3]" in names and "optimizer.0.weight.exp_avg@replicas[1,3]" in names
+    spawn_ranks(_fsdp, 4, tmp=tmp_path / "fault", replicate=2, fault="shard", fault_rank=3, timeout=120)
+    (f,) = findings(tmp_path / "fault", 0)
+    assert (f["step"], f["subject"], f["ranks"]) == (3, "0.weight", [1, 3])
+    assert "within replica group(s) [1, 3]" in f["message"]
+    assert {d["tensor"] for d in f["evidence"]["tensors"]} == {"0.weight"}
+
+
+def test_full_shard_compares_the_gathered_parameters_seen_in_forward(tmp_path):
+    spawn_ranks(_fsdp, 2, tmp=tmp_path / "clean", timeout=120)
+    assert findings(tmp_path / "clean", 0) == []
+    names = read_snapshots(layout.rank_dir(tmp_path / "clean", 0))[2][0]
+    assert {"0.weight", "2.weight"} <= set(names)  # unsharded, as forward saw them
+    assert not any("exp_avg" in n for n in names)  # shards of optimizer state: never compared
+    spawn_ranks(_fsdp, 2, tmp=tmp_path / "fault", fault="gathered", fault_rank=1, timeout=120)
+    (f,) = findings(tmp_path / "fault", 0)
+    assert (f["step"], f["subject"], f["ranks"]) == (3, "2.weight", [0, 1])

@@ -33,6 +33,7 @@ def kinds(run_dir: Path, rank: int, kind: str) -> list[dict]:
 RECIPE_CASES = {
     "ddp": (["ddp_convnet.py", "--steps", "6"], "ddp", "ConvNet"),
     "fsdp2": (["fsdp2_transformer.py", "--steps", "6"], "fsdp2", "TinyLM"),
+    "hsdp": (["fsdp2_transformer.py", "--steps", "6", "--replicate", "2"], "fsdp2", "TinyLM"),
     "zero1": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "1"], "deepspeed-zero1", "Sequential"),
     "zero2": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "2"], "deepspeed-zero2", "Sequential"),
     "zero3": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "3"], "deepspeed-zero3", "Sequential"),

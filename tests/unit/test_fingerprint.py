@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from distdebug.detectors.replica_divergence import compare, odd_ones_out
+from distdebug.artifacts import layout
+from distdebug.fingerprint.compare import compare, odd_ones_out, split_group, with_group
 from distdebug.fingerprint.hashing import (
     combine_device,
     cpu_fingerprint,
@@ -73,7 +74,38 @@ def test_majority_and_two_rank_rules():
     assert odd_ones_out({0: 5, 1: 9}) == ([0, 1], False)  # two ranks: both named, no guess
     assert odd_ones_out({0: 1, 1: 2, 2: 3}) == ([0, 1, 2], False)
     diffs = compare({0: {"w": 1, "b": 2}, 1: {"w": 1, "b": 2}, 2: {"w": 7, "b": 2}}, ["w", "b"])
-    assert diffs == [{"tensor": "w", "ranks": [2], "by_majority": True, "missing_on": [], "groups": [[0, 1], [2]]}]
+    assert diffs == [{"tensor": "w", "ranks": [2], "by_majority": True, "missing_on": [], "groups": [[0, 1], [2]],
+                      "replica_group": None}]
+
+
+def test_replica_groups_are_compared_within_the_group_only():
+    # HSDP on 4 ranks, replicate groups {0,2} and {1,3}: each group holds its own shard of "w".
+    a, b = "w@replicas[0,2]", "w@replicas[1,3]"
+    assert split_group(a) == ("w", [0, 2]) and split_group("w") == ("w", None) and with_group("w", [1, 3]) == b
+    per_rank = {0: {a: 10, "buf": 1}, 1: {b: 20, "buf": 1}, 2: {a: 10, "buf": 1}, 3: {b: 20, "buf": 1}}
+    assert compare(per_rank, [a, "buf"]) == []  # different shards in different groups: by design
+    per_rank[3] = {b: 21, "buf": 1}
+    (d,) = compare(per_rank, [a, "buf"])
+    assert (d["tensor"], d["ranks"], d["replica_group"], d["groups"]) == ("w", [1, 3], [1, 3], [[1], [3]])
+    per_rank[3] = {"buf": 1}  # a group member that lacks the tensor
+    (d,) = compare(per_rank, [a, "buf"])
+    assert (d["tensor"], d["ranks"], d["missing_on"]) == ("w", [3], [3])
+
+
+def test_offline_diff_respects_replica_groups(tmp_path):
+    from distdebug.analysis.diff import diff_step, first_divergent_step, load_snapshots
+
+    a, b = "w@replicas[0,2]", "w@replicas[1,3]"
+    values = {0: {a: 10}, 1: {b: 20}, 2: {a: 10}, 3: {b: 20}}
+    for rank, fps in values.items():
+        w = SnapshotWriter(layout.rank_dir(tmp_path, rank))
+        w.write(1, fps)
+        w.write(2, {n: v + (1 if rank == 2 else 0) for n, v in fps.items()})
+        w.close()
+    snaps = load_snapshots(tmp_path)
+    assert diff_step(snaps, 1) == []
+    step, (d,) = first_divergent_step(snaps)
+    assert (step, d.tensor, d.ranks, d.replica_group) == (2, "w", [0, 2], [0, 2])
 
 
 def test_snapshot_round_trip_and_cut_record(tmp_path):
@@ -100,3 +132,11 @@ def test_large_tensors_hash_in_parallel_chunks_deterministically():
     assert list(fps) == ["small", "big", "tail"]  # the caller's order
     assert fps["big"] == cpu_fingerprint(big) == cpu_fingerprint(big.clone())
     assert cpu_fingerprint(flip(big, hashing.CHUNK + 7, 1)) != fps["big"]  # a bit in the second chunk
+
+
+def test_hashing_leaves_storages_resizable():
+    # FSDP2 frees gathered parameters with storage.resize_(0); Tensor.numpy() would forbid that for good.
+    t = torch.randn(300)
+    before = fingerprints([("t", t)])
+    t.untyped_storage().resize_(0)
+    assert before["t"] != 0
