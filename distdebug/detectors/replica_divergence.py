@@ -6,7 +6,7 @@ before gradients are cleared), each rank fingerprints its replicated tensors (se
 Everything else happens on a background thread, so the training never waits for it: the snapshot
 write, and per checked step one 40-byte record (step, backward passes, root digest of the tensors all
 ranks share, replica-group id and root digest of the tensors shared within an HSDP replicate group)
-per rank, BATCH steps to one all_gather on a gloo group of the harness's own, so the training's
+per rank, BATCH (32) steps to one all_gather on a gloo group of the harness's own, so the training's
 collectives and their order are never touched. Only when root digests differ are the per-tensor
 fingerprints exchanged, to name the tensors; with 3 or more ranks the odd ones out are found by
 majority, with 2 ranks both are named.
@@ -44,7 +44,7 @@ from distdebug.fingerprint.snapshots import SnapshotWriter
 MAX_NAMED = 10
 QUEUE_STEPS = 256
 """Checks the background exchange may fall behind before it is stopped (never blocks training)."""
-BATCH = 8
+BATCH = 32
 """Checked steps per exchange: one all_gather carries BATCH records, so the harness's collectives
 cost 1/BATCH of one per step. The first divergent step is still exact (each record carries its
 step); the finding comes at most BATCH checks later, or at the end of the run."""

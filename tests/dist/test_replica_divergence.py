@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
-from distdebug.detectors.replica_divergence import ReplicaDivergence
+from distdebug.detectors.replica_divergence import BATCH, ReplicaDivergence
 from distdebug.fingerprint.snapshots import read_snapshots
 from tests.dist.test_session import start_session
 from tests.helpers import spawn_ranks
@@ -41,8 +41,8 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=
         if rank == fault_rank and step == 3 and fault == "momentum":
             opt.state[model[3].bias]["momentum_buffer"].add_(1e-3)  # only optimizer state (lr=0)
         opt.zero_grad()
-        if rank == 0 and step == 9 and not destroy:
-            # The exchange of steps 1-8 ran in the background during the training: its finding is
+        if rank == 0 and step == BATCH + 1 and not destroy:
+            # The exchange of steps 1-BATCH ran in the background during the training: its finding is
             # there before the end of the run (its thread writes it; give it a moment).
             deadline = time.monotonic() + 20
             while not findings(tmp, 0) and time.monotonic() < deadline:
@@ -54,11 +54,12 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=
 
 
 def test_exchanges_run_during_training_and_at_the_end(tmp_path):
-    # Steps 1-8 go in one exchange during the run, 9-12 in the last one when the group is destroyed.
-    spawn_ranks(_ddp, 3, tmp=tmp_path / "late", fault="bitflip", fault_rank=0, steps=12, fault_step=10)
+    # Steps 1-BATCH go in one exchange during the run, the rest in the last one when the group is destroyed.
+    steps = BATCH + 4
+    spawn_ranks(_ddp, 3, tmp=tmp_path / "late", fault="bitflip", fault_rank=0, steps=steps, fault_step=BATCH + 2)
     (f,) = findings(tmp_path / "late", 0)
-    assert (f["step"], f["subject"], f["ranks"]) == (10, "0.weight", [0])
-    spawn_ranks(_ddp, 3, tmp=tmp_path / "early", fault="bitflip", fault_rank=1, steps=12, destroy=False)
+    assert (f["step"], f["subject"], f["ranks"]) == (BATCH + 2, "0.weight", [0])
+    spawn_ranks(_ddp, 3, tmp=tmp_path / "early", fault="bitflip", fault_rank=1, steps=steps, destroy=False)
     (f,) = findings(tmp_path / "early", 0)
     assert (f["step"], f["subject"], f["ranks"]) == (3, "0.weight", [1])
 
