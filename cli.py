@@ -84,6 +84,9 @@ def main() -> None:
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")
 @click.option("--fingerprint-every", type=int, default=1, show_default=True,
               help="Cross-rank fingerprint check of replicated tensors every K optimizer steps.")
+@click.option("--stop-on-nan", is_flag=True, default=False,
+              help="End the job at the first NaN/Inf (exit code 123) after reporting where it started. "
+                   "Default: report and keep going.")
 @click.option("--launcher-log-level", default="CRITICAL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")

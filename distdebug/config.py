@@ -14,6 +14,8 @@ from distdebug.errors import UserError
 NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")
 
 EXIT_HANG = 124
+EXIT_NAN = 123
+"""Exit code of a job stopped at its first NaN/Inf (``--stop-on-nan``)."""
 """attach's exit code when it ended a hung job (as timeout(1) does); other failures pass through."""
 
 ON_HANG = ("abort", "report")
@@ -54,6 +56,8 @@ class AttachConfig:
     on_hang: str = "abort"
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
     fingerprint_every: int = 1
+    stop_on_nan: bool = False
+    """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
     """Cross-rank fingerprint check (replica_divergence) every K optimizer steps."""
     flight_recorder_entries: int = 2000
     """TORCH_FR_BUFFER_SIZE given to ranks (when the environment does not set it); 0 leaves it off."""

@@ -30,7 +30,10 @@ stacks and Flight Recorder buffer; ``0`` turns stall detection off."""
 FINGERPRINT_EVERY = "DISTDEBUG_FINGERPRINT_EVERY"
 """Cross-rank fingerprint check every K optimizer steps (default 1)."""
 
-ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY)
+STOP_ON_NAN = "DISTDEBUG_STOP_ON_NAN"
+"""``1``: a rank ends with EXIT_NAN after reporting its first NaN/Inf (detector nan_origin)."""
+
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY, STOP_ON_NAN)
 
 
 def encode_list(items: list[str]) -> str:

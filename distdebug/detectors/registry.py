@@ -15,9 +15,10 @@ def _builtin() -> dict[str, type[Detector]]:
     # detector module cannot break the others' import.
     from distdebug.detectors.checkpoint_roundtrip import CheckpointRoundTrip
     from distdebug.detectors.loss_nonfinite import LossNonFinite
+    from distdebug.detectors.nan_origin import NanOrigin
     from distdebug.detectors.replica_divergence import ReplicaDivergence
 
-    return {cls.name: cls for cls in (LossNonFinite, ReplicaDivergence, CheckpointRoundTrip)}
+    return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip)}
 
 
 def names() -> list[str]:

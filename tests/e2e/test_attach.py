@@ -216,3 +216,18 @@ def test_killed_launcher_leaves_no_ranks_behind(tmp_path):
         assert not alive, f"ranks left behind: {[p.pid for p in alive]}"
     finally:
         kill_tree(proc.pid)
+
+
+def test_nan_origin_under_attach_and_stop_on_nan(tmp_path):
+    # A NaN in one input sample on rank 1 at step 3: every rank's gradients are NaN after the all-reduce,
+    # and the finding still says where it started.
+    r = distdebug("attach", "--run-dir", str(tmp_path / "go"), SCRIPT, "--steps", "5", "--nan-at", "3")
+    assert r.returncode == 0, r.output  # default: report and keep going
+    origin = [f for f in kinds(tmp_path / "go", 1, "finding") if f["detector"] == "nan_origin"][0]
+    assert (origin["step"], origin["ranks"], origin["subject"]) == (3, [1], "2.bias")
+    assert "started on rank 1 at step 3" in origin["message"] and "forward order: 0" in origin["message"]
+    r = distdebug("attach", "--run-dir", str(tmp_path / "stop"), "--stop-on-nan", SCRIPT, "--steps", "5",
+                  "--nan-at", "3")
+    assert r.returncode == 123, r.output
+    assert [s["step"] for s in kinds(tmp_path / "stop", 1, "step")] == [1, 2, 3]
+    assert "nan_origin" in r.stderr and "started on rank 1 at step 3" in r.stderr

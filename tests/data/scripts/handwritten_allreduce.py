@@ -1,7 +1,7 @@
 """A plain training script with no wrapper: gradients are all-reduced by hand.
 
 Also the test target for how attach treats scripts that end badly: --exit-code, --raise-at,
---kill-at (SIGKILL itself), each on --fault-rank only.
+--kill-at (SIGKILL itself), each on --fault-rank only; --flip-at and --nan-at for the detectors.
 """
 
 import argparse
@@ -22,6 +22,7 @@ p.add_argument("--raise-at", type=int, default=None)
 p.add_argument("--kill-at", type=int, default=None)
 p.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
 p.add_argument("--flip-at", type=int, default=None, help="flip one bit of one parameter on --fault-rank")
+p.add_argument("--nan-at", type=int, default=None, help="a NaN in one input value on --fault-rank at this step")
 p.add_argument("--seed", type=int, default=0)
 args = p.parse_args()
 
@@ -40,6 +41,8 @@ for step in range(1, args.steps + 1):
         with torch.no_grad():
             model[2].weight.view(-1).view(torch.int32)[3] ^= 1 << 12  # silent data corruption
     x = torch.randn(4, 8, generator=g)
+    if rank == args.fault_rank and step == args.nan_at:
+        x[1, 2] = float("nan")  # a bad sample: NaN from the first layer on
     loss = (model(x) - x[:, :1]).pow(2).mean()
     loss.backward()
     for prm in model.parameters():

@@ -1,0 +1,263 @@
+"""NanOrigin: where the first NaN/Inf came from: the step, the rank it started on, the first parameter
+(backward order) whose gradient was non-finite and the first module (forward order) whose output was.
+
+Why it needs more than the loss: an all-reduce spreads one rank's NaN gradient to every rank in the
+same step, so after the step every rank looks guilty. What tells them apart is each rank's *local*
+gradient before the reduction:
+
+- DDP: a communication hook sees every bucket before it is reduced; it records one fused
+  max-abs per parameter of the bucket (``torch._foreach_norm(..., inf)``: no host sync), then
+  reduces exactly as DDP does without a hook (the bucket is scaled by 1/world and summed). It is
+  registered only when the script registered no hook of its own.
+- Hand-written all_reduce: the input of each ``all_reduce`` is checked before the call (named by
+  the parameter whose ``.grad`` it is, or as a flattened buffer).
+- Modules: forward hooks on leaf modules and modules with parameters record whether each output
+  was finite (one reduction per module, no host sync).
+
+All flags are device tensors; at the step boundary one fused check over them, over the reduced
+gradients and over the parameters after the step costs a single host synchronisation. Only when
+it fails are the flags read one by one (the rare path). Hooks come in at the end of step 1
+(discovery), so a NaN in step 1 is found with its step but without its origin.
+
+FSDP2 and DeepSpeed reduce gradients inside the framework: there the finding names the step and
+the module, and says that the origin rank could not be told.
+
+``--stop-on-nan``: after the finding is written, the rank ends with EXIT_NAN (every rank sees the
+NaN in the same step once it has been reduced).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from distdebug import envvars
+from distdebug.config import EXIT_NAN
+from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.runtime.discovery import unwrap
+
+INF = float("inf")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (checking the DTensor itself would run collectives), detached."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        to_local = getattr(t, "to_local", None)
+        if callable(to_local):
+            t = to_local()
+    return t.detach()
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (list, tuple)):
+        for x in out:
+            if isinstance(x, torch.Tensor):
+                return x
+    if isinstance(out, dict):
+        for x in out.values():
+            if isinstance(x, torch.Tensor):
+                return x
+    return None
+
+
+class NanOrigin(Detector):
+    name = "nan_origin"
+    description = ("first NaN/Inf: step, origin rank (local gradients before all-reduce), first parameter in "
+                   "backward order, first module in forward order")
+
+    def __init__(self) -> None:
+        self.stop = envvars.get(envvars.STOP_ON_NAN) == "1"
+        self.ctx: Any = None
+        self.names: dict[int, str] = {}  # id(param) -> name as the user wrote it
+        self.params: list[tuple[str, torch.nn.Parameter]] = []
+        self.grad_ptrs: dict[int, str] = {}
+        self.fwd: list[tuple[str, torch.Tensor]] = []  # (module, output finite?) in forward order
+        self.local: list[tuple[list[str], torch.Tensor]] = []  # (param names, sum of their local gradients)
+        self.reduced: list[torch.Tensor] = []  # sums of DDP's buckets after the all-reduce
+        self.local_source: str | None = None  # "ddp" | "all_reduce"
+        self.first_step: int | None = None
+        self.count = 0
+        self._hooks: list[Any] = []
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, ctx: Any) -> None:
+        self.ctx = ctx
+        many = len(ctx.models) > 1
+        for i, root in enumerate(ctx.models):
+            inner, chain, _ = unwrap(root)
+            prefix = f"{type(inner).__name__}[{i}]." if many else ""
+            for name, p in inner.named_parameters():
+                self.names[id(p)] = prefix + name
+                self.params.append((prefix + name, p))
+            for mod_name, mod in inner.named_modules():
+                leaf = next(mod.children(), None) is None
+                if leaf or next(mod.parameters(recurse=False), None) is not None:
+                    label = prefix + (mod_name or type(inner).__name__)
+                    self._hooks.append(mod.register_forward_hook(self._forward_hook(label)))
+            if chain and chain[0] == "ddp" and not getattr(root, "_comm_hooks", None):
+                root.register_comm_hook(None, self._ddp_hook(root))
+                self.local_source = "ddp"
+        framework_reduces = any({"fsdp2", "deepspeed"} & set(unwrap(r)[1]) for r in ctx.models)
+        if self.local_source is None and not framework_reduces:
+            import torch.distributed as dist
+
+            raw = ctx.raw_collectives.get("all_reduce")
+            current = getattr(dist, "all_reduce", None)
+            if raw is not None and current is not None:
+                ctx.patch(dist, "all_reduce", self._all_reduce_wrapper(current))
+                self.local_source = "all_reduce"
+
+    def _forward_hook(self, label: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            t = _first_tensor(out)
+            if t is not None and t.is_floating_point():
+                # One pass, no temporary: NaN and Inf survive a sum (accumulated in fp32, so that
+                # finite fp16/bf16 activations cannot overflow it).
+                self.fwd.append((label, t.detach().sum(dtype=torch.float32)))
+        return hook
+
+    def _ddp_hook(self, ddp: Any) -> Any:
+        group = ddp.process_group
+        scale = 1.0 / group.size()
+        names: dict[int, list[str]] = {}
+        det = self
+
+        def reduced(fut):  # type: ignore[no-untyped-def]
+            out = fut.value()[0]
+            det.reduced.append(out.sum(dtype=torch.float32))
+            return out
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
+            buf = bucket.buffer()
+            index = bucket.index()
+            if index not in names:
+                names[index] = [det.names.get(id(p), "?") for p in bucket.parameters()]
+            # One pass over the whole bucket, no temporary: NaN and Inf survive the sum.
+            det.local.append((names[index], buf.sum(dtype=torch.float32).reshape(1)))
+            buf.mul_(scale)  # what DDP does without a hook: scale by 1/world, then sum
+            # The process group directly, as DDP's own reduction does: not a training collective
+            # for the harness's counters, and none of torch.distributed's Python-level overhead.
+            return group.allreduce([buf]).get_future().then(reduced)
+
+        return hook
+
+    def _all_reduce_wrapper(self, current: Any) -> Any:
+        det = self
+
+        def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                name = det._grad_name(tensor)
+                det.local.append(([name], tensor.detach().sum(dtype=torch.float32).reshape(1)))
+            return current(tensor, *args, **kwargs)
+
+        return all_reduce
+
+    def _grad_name(self, t: torch.Tensor) -> str:
+        ptr = t.data_ptr()
+        if ptr not in self.grad_ptrs:
+            self.grad_ptrs = {p.grad.data_ptr(): n for n, p in self.params if p.grad is not None}
+        name = self.grad_ptrs.get(ptr)
+        return name or f"a flattened gradient buffer {tuple(t.shape)} (all_reduce)"
+
+    # ------------------------------------------------------------------ per step
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        if self.ctx is None:
+            return ()
+        fwd, local, reduced = self.fwd, self.local, self.reduced
+        self.fwd, self.local, self.reduced = [], [], []
+        tensors = [_local(p) for _, p in self.params]
+        if self.local_source != "ddp":  # DDP's reduced gradients are checked per bucket, in its hook
+            tensors += [_local(p.grad) for _, p in self.params if p.grad is not None]
+        tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
+        parts = [t.reshape(-1) for t in (
+            torch.stack([f for _, f in fwd]) if fwd else None,
+            torch.cat([v for _, v in local]) if local else None,
+            torch.stack(reduced) if reduced else None,
+            torch.stack(torch._foreach_norm(tensors, INF)) if tensors else None,
+        ) if t is not None]
+        loss_ok = event.loss is None or math.isfinite(event.loss)
+        if loss_ok and (not parts or bool(torch.cat(parts).isfinite().all())):  # the one host sync per step
+            return ()
+        self.count += 1
+        if self.first_step is not None:
+            return ()
+        self.first_step = event.step
+        finding = self._explain(event, fwd, local)
+        if self.stop:
+            self.ctx.report(finding)
+            raise SystemExit(EXIT_NAN)
+        return (finding,)
+
+    def _explain(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]],
+                 local: list[tuple[list[str], torch.Tensor]]) -> Finding:
+        rank, step = event.rank, event.step
+        bad_module = next((name for name, total in fwd if not math.isfinite(float(total))), None)
+        # Backward order runs from the last parameters to the first.
+        bad_grads = [n for n, p in reversed(self.params)
+                     if p.grad is not None and not bool(_local(p.grad).isfinite().all())]
+        # Parameters in a bucket (or all_reduce input) that was non-finite here before the reduction;
+        # named by their gradients after it (the reduction spreads, it does not move, a NaN).
+        suspects = {n for names, v in local if not math.isfinite(float(v.sum())) for n in names}
+        bad_local = [n for n in bad_grads if n in suspects] or sorted(suspects)
+        bad_params = [n for n, p in self.params if not bool(_local(p).isfinite().all())]
+        evidence = {
+            "loss": None if event.loss is None else str(event.loss),
+            "first_nonfinite_module_output": bad_module,
+            "local_gradients_nonfinite": bad_local[:50],
+            "local_gradients_seen_by": self.local_source,
+            "reduced_gradients_nonfinite": bad_grads[:50],
+            "parameters_nonfinite_after_step": bad_params[:50],
+        }
+        where = []
+        if bad_module:
+            where.append(f"first non-finite module output in forward order: {bad_module}")
+        if event.loss is not None and not math.isfinite(event.loss):
+            where.append(f"loss {event.loss}")
+        fix = ("look at the named module's inputs and weights at that step (a log of a non-positive number, a "
+               "division by zero, an overflow in fp16/bf16, a bad batch); lower the learning rate or clip "
+               "gradients if the values grow before")
+        if bad_local:
+            where.insert(0, f"first parameter in backward order with a non-finite local gradient (before "
+                            f"all-reduce): {bad_local[0]}")
+            return Finding(
+                severity=Severity.ERROR, detector=self.name, ranks=[rank], step=step, subject=bad_local[0],
+                message=f"NaN/Inf started on rank {rank} at step {step}: " + "; ".join(where),
+                evidence={**evidence, "origin": "this rank"}, fix=fix,
+            )
+        if self.local_source and local and bad_grads:
+            return Finding(
+                severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject="gradients",
+                message=f"non-finite gradients reached rank {rank} through all-reduce at step {step}; its own local "
+                        f"gradients were finite (first non-finite after reduction: {bad_grads[0]}): the origin is "
+                        "the rank whose nan_origin finding says 'started on'",
+                evidence={**evidence, "origin": "another rank"},
+            )
+        subject = bad_module or (bad_grads[0] if bad_grads else bad_params[0] if bad_params else "loss")
+        if bad_grads:
+            where.append(f"first non-finite gradient in backward order: {bad_grads[0]}")
+        if bad_params:
+            where.append(f"first non-finite parameter after the step: {bad_params[0]}")
+        unknown = "" if self.local_source else " (gradients are reduced inside the framework here, so the rank " \
+                                                "it started on cannot be told from local gradients)"
+        return Finding(
+            severity=Severity.ERROR, detector=self.name, ranks=[rank], step=step, subject=subject,
+            message=f"NaN/Inf on rank {rank} at step {step}: " + ("; ".join(where) or "non-finite values") + unknown,
+            evidence={**evidence, "origin": "unknown" if not self.local_source else "this rank"}, fix=fix,
+        )
+
+    def on_end(self) -> Iterable[Finding]:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.count > 1 and self.ctx is not None:
+            return (Finding(
+                severity=Severity.INFO, detector=self.name, ranks=[self.ctx.rank], step=self.first_step,
+                subject="non-finite steps", message=f"values stayed non-finite in {self.count} steps from step "
+                                                     f"{self.first_step} on", evidence={"nonfinite_steps": self.count},
+            ),)
+        return ()

@@ -1,0 +1,135 @@
+"""Tier 2 (real gloo ranks, forked): the first NaN is traced to its step, origin rank, parameter and module,
+even after all-reduce has spread it to every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distdebug.detectors.nan_origin import NanOrigin
+from tests.dist.test_replica_divergence import findings
+from tests.dist.test_session import start_session
+from tests.helpers import spawn_ranks
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    s = start_session(tmp, rank, detectors=[NanOrigin()] if detector else [])
+    model = _model()
+    state = {"step": 0}
+    if fault == "grad":  # one rank's local gradient of 2.weight, before DDP reduces it
+        model[2].weight.register_hook(
+            lambda g: g * float("nan") if rank == fault_rank and state["step"] == 3 else g)
+    if fault == "activation":  # one module's output (the Tanh, "1") on one rank
+        def poison(module, args, out):
+            if rank == fault_rank and state["step"] == 3:
+                out = out.clone()
+                out[0, 0] = float("nan")
+                return out
+        model[1].register_forward_hook(poison)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(1, steps + 1):
+        state["step"] = step
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out = [float(x) for p in model.parameters() for x in p.detach().flatten()]
+    dist.destroy_process_group()
+    s.close(0)
+    return out
+
+
+def test_nan_in_one_ranks_local_gradient_names_that_rank_step_and_parameter(tmp_path):
+    spawn_ranks(_ddp, 3, tmp=tmp_path, fault="grad", fault_rank=1)
+    origin, summary = findings(tmp_path, 1)
+    assert summary["message"] == "values stayed non-finite in 3 steps from step 3 on"  # one finding, then a count
+    assert (origin["detector"], origin["severity"], origin["step"], origin["subject"], origin["ranks"]) == \
+        ("nan_origin", "error", 3, "2.weight", [1])
+    assert "NaN/Inf started on rank 1 at step 3" in origin["message"]
+    for rank in (0, 2):  # all-reduce spread it: they received it, and say so
+        f = findings(tmp_path, rank)[0]
+        assert (f["severity"], f["step"], f["subject"]) == ("warning", 3, "gradients")
+        assert "through all-reduce" in f["message"] and f["evidence"]["local_gradients_nonfinite"] == []
+
+
+def test_nan_produced_in_forward_names_the_module(tmp_path):
+    spawn_ranks(_ddp, 2, tmp=tmp_path, fault="activation", fault_rank=0)
+    f = findings(tmp_path, 0)[0]
+    assert (f["step"], f["ranks"]) == (3, [0]) and "started on rank 0" in f["message"]
+    assert f["evidence"]["first_nonfinite_module_output"] == "1"
+    assert "first non-finite module output in forward order: 1" in f["message"]
+    assert "through all-reduce" in findings(tmp_path, 1)[0]["message"]
+
+
+def test_clean_run_no_finding_and_training_bitwise_unchanged(tmp_path):
+    # The DDP communication hook must reduce exactly as DDP does on its own (3 ranks: 1/3 is inexact).
+    watched = spawn_ranks(_ddp, 3, tmp=tmp_path / "watched")
+    bare = spawn_ranks(_ddp, 3, tmp=tmp_path / "bare", detector=False)
+    assert watched == bare
+    assert all(findings(tmp_path / "watched", r) == [] for r in range(3))
+
+
+def _manual(rank, world, tmp, fault_rank=2):
+    s = start_session(tmp, rank, detectors=[NanOrigin()])
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 5):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        if rank == fault_rank and step == 2:
+            model[0].bias.grad[1] = float("inf")
+        for p in model.parameters():  # a hand-written gradient sync
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    s.close(0)
+
+
+def test_hand_written_all_reduce_loop_names_the_origin_rank(tmp_path):
+    spawn_ranks(_manual, 3, tmp=tmp_path)
+    f = findings(tmp_path, 2)[0]
+    assert (f["step"], f["subject"], f["ranks"], f["severity"]) == (2, "0.bias", [2], "error")
+    assert f["evidence"]["local_gradients_seen_by"] == "all_reduce"
+    assert findings(tmp_path, 0)[0]["severity"] == "warning"
+
+
+def _fsdp(rank, world, tmp):
+    from torch.distributed.fsdp import fully_shard
+
+    s = start_session(tmp, rank, detectors=[NanOrigin()])
+    model = _model()
+
+    def poison(module, args, out):
+        if rank == 0 and s.step + 1 == 3:
+            out = out.clone()
+            out[0, 0] = float("nan")
+            return out
+    model[0].register_forward_hook(poison)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 5):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    s.close(0)
+
+
+def test_fsdp2_names_step_and_module_and_says_the_origin_is_unknown(tmp_path):
+    spawn_ranks(_fsdp, 2, tmp=tmp_path, timeout=120)
+    f = findings(tmp_path, 0)[0]
+    assert (f["step"], f["ranks"], f["subject"]) == (3, [0], "0")
+    assert "cannot be told" in f["message"] and f["evidence"]["origin"] == "unknown"
+    assert findings(tmp_path, 1)[0]["step"] == 3  # reduce-scatter spread it
