@@ -13,12 +13,14 @@ from distdebug.errors import UserError
 def _builtin() -> dict[str, type[Detector]]:
     # Imported here, not at module load, so that listing names stays cheap and a broken
     # detector module cannot break the others' import.
+    from distdebug.detectors.bn_divergence import BatchNormDivergence
     from distdebug.detectors.checkpoint_roundtrip import CheckpointRoundTrip
     from distdebug.detectors.loss_nonfinite import LossNonFinite
     from distdebug.detectors.nan_origin import NanOrigin
     from distdebug.detectors.replica_divergence import ReplicaDivergence
 
-    return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip)}
+    return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
+                                      BatchNormDivergence)}
 
 
 def names() -> list[str]:

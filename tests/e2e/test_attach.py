@@ -231,3 +231,11 @@ def test_nan_origin_under_attach_and_stop_on_nan(tmp_path):
     assert r.returncode == 123, r.output
     assert [s["step"] for s in kinds(tmp_path / "stop", 1, "step")] == [1, 2, 3]
     assert "nan_origin" in r.stderr and "started on rank 1 at step 3" in r.stderr
+
+
+def test_ddp_recipe_without_buffer_broadcast_names_each_batchnorm(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), str(RECIPES / "ddp_convnet.py"), "--steps", "4",
+                  "--no-broadcast-buffers")
+    assert r.returncode == 0, r.output
+    bn = [f for f in kinds(tmp_path, 0, "finding") if f["detector"] == "bn_divergence"]
+    assert [(f["subject"], f["step"], f["ranks"]) for f in bn] == [("features.1", 2, [0, 1]), ("features.4", 2, [0, 1])]
