@@ -87,6 +87,10 @@ def main() -> None:
 @click.option("--stop-on-nan", is_flag=True, default=False,
               help="End the job at the first NaN/Inf (exit code 123) after reporting where it started. "
                    "Default: report and keep going.")
+@click.option("--spike-threshold", type=float, default=8.0, show_default=True,
+              help="Loss / gradient-norm spike: robust z (median and MAD of the window) above which a value counts.")
+@click.option("--spike-window", type=int, default=50, show_default=True,
+              help="Steps of history a spike is measured against.")
 @click.option("--launcher-log-level", default="CRITICAL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")

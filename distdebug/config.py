@@ -57,6 +57,9 @@ class AttachConfig:
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
     fingerprint_every: int = 1
     stop_on_nan: bool = False
+    spike_threshold: float = 8.0
+    """Robust z (median and MAD over the window) above which a loss or gradient norm is a spike."""
+    spike_window: int = 50
     """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
     """Cross-rank fingerprint check (replica_divergence) every K optimizer steps."""
     flight_recorder_entries: int = 2000
@@ -89,6 +92,10 @@ class AttachConfig:
             raise UserError(f"--rdzv-endpoint must be HOST:PORT, got '{self.rdzv_endpoint}'", 2)
         if self.stall_timeout < 0:
             raise UserError(f"--stall-timeout must be 0 (off) or a number of seconds, got {self.stall_timeout}", 2)
+        if not self.spike_threshold > 0:
+            raise UserError(f"--spike-threshold must be a positive number, got {self.spike_threshold}", 2)
+        if self.spike_window < 10:
+            raise UserError(f"--spike-window must be 10 steps or more, got {self.spike_window}", 2)
         if self.fingerprint_every < 1:
             raise UserError(f"--fingerprint-every must be 1 or more, got {self.fingerprint_every}", 2)
         if self.on_hang not in ON_HANG:

@@ -33,7 +33,14 @@ FINGERPRINT_EVERY = "DISTDEBUG_FINGERPRINT_EVERY"
 STOP_ON_NAN = "DISTDEBUG_STOP_ON_NAN"
 """``1``: a rank ends with EXIT_NAN after reporting its first NaN/Inf (detector nan_origin)."""
 
-ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY, STOP_ON_NAN)
+SPIKE_THRESHOLD = "DISTDEBUG_SPIKE_THRESHOLD"
+"""Robust z above the window's median at which a loss or gradient norm counts as a spike (default 8)."""
+
+SPIKE_WINDOW = "DISTDEBUG_SPIKE_WINDOW"
+"""Steps of history a spike is measured against (default 50)."""
+
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY, STOP_ON_NAN,
+       SPIKE_THRESHOLD, SPIKE_WINDOW)
 
 
 def encode_list(items: list[str]) -> str:

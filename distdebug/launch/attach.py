@@ -94,6 +94,8 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
     os.environ[envvars.FINGERPRINT_EVERY] = str(cfg.fingerprint_every)
     os.environ[envvars.STOP_ON_NAN] = "1" if cfg.stop_on_nan else "0"
+    os.environ[envvars.SPIKE_THRESHOLD] = repr(float(cfg.spike_threshold))
+    os.environ[envvars.SPIKE_WINDOW] = str(cfg.spike_window)
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))

@@ -239,3 +239,18 @@ def test_ddp_recipe_without_buffer_broadcast_names_each_batchnorm(tmp_path):
     assert r.returncode == 0, r.output
     bn = [f for f in kinds(tmp_path, 0, "finding") if f["detector"] == "bn_divergence"]
     assert [(f["subject"], f["step"], f["ranks"]) for f in bn] == [("features.1", 2, [0, 1]), ("features.4", 2, [0, 1])]
+
+
+def test_loss_spike_in_its_step_and_none_in_the_recipes_normal_training(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path / "spike"), SCRIPT, "--steps", "40", "--spike-at", "30")
+    assert r.returncode == 0, r.output
+    for rank in (0, 1):
+        spikes = [(f["step"], f["subject"]) for f in kinds(tmp_path / "spike", rank, "finding")
+                  if f["detector"] == "loss_spike"]
+        # found in the spiking step, nothing before it (what follows a corrupted step is no longer normal)
+        assert spikes[0] == (30, "loss") and min(step for step, _ in spikes) == 30, spikes
+    for recipe, steps in (("ddp_convnet.py", "80"), ("fsdp2_transformer.py", "60")):
+        run_dir = tmp_path / recipe
+        r = distdebug("attach", "--run-dir", str(run_dir), str(RECIPES / recipe), "--steps", steps)
+        assert r.returncode == 0, r.output
+        assert [f for rank in (0, 1) for f in kinds(run_dir, rank, "finding")] == []
