@@ -15,13 +15,14 @@ def _builtin() -> dict[str, type[Detector]]:
     # detector module cannot break the others' import.
     from distdebug.detectors.bn_divergence import BatchNormDivergence
     from distdebug.detectors.checkpoint_roundtrip import CheckpointRoundTrip
+    from distdebug.detectors.data_order import DataOrder
     from distdebug.detectors.loss_nonfinite import LossNonFinite
     from distdebug.detectors.loss_spike import LossSpike
     from distdebug.detectors.nan_origin import NanOrigin
     from distdebug.detectors.replica_divergence import ReplicaDivergence
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
-                                      BatchNormDivergence, LossSpike)}
+                                      BatchNormDivergence, LossSpike, DataOrder)}
 
 
 def names() -> list[str]:

@@ -1,0 +1,222 @@
+"""DataOrder: ranks that train on the same batches, epochs that repeat their order, and ranks that see
+the same batch but compute different losses.
+
+- Each rank fingerprints the input of its model's first forward in every step (xxh3 on CPU, a
+  device-side fingerprint on GPU: no copy to the host). At steps 2, 4, 8 and every 16 steps the
+  ranks exchange (step, batch fingerprint, loss) since the last check in one small all_gather on a
+  gloo group of the harness's own.
+- Every rank holding the same batch in every checked step means DistributedSampler (or any
+  sharding) is missing: each rank repeats the others' work. When that is meant (the seed's first
+  stage: two ranks, the same data, losses must agree), the losses are compared: the same batch
+  with losses apart by more than 1e-5 (relative) means the replicas differ.
+- ``DistributedSampler(shuffle=True)`` iterated again for a new epoch without ``set_epoch`` having
+  changed its epoch repeats the previous order exactly: found from the sampler itself (its
+  ``__iter__`` is watched from the script's first line), with the file and line of the loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import traceback
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fingerprints
+
+CHECK_EVERY = 16
+MIN_STEPS = 3
+LOSS_RTOL = 1e-5
+HARNESS_GROUP_DESC = "distdebug_harness"
+
+
+def checked(step: int) -> bool:
+    return step in (2, 4, 8) or step % CHECK_EVERY == 0
+
+
+def _first_tensor(args: Any) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            t = _first_tensor(a)
+            if t is not None:
+                return t
+        if isinstance(a, dict):
+            t = _first_tensor(list(a.values()))
+            if t is not None:
+                return t
+    return None
+
+
+def identical_batches(per_rank: dict[int, list[list[Any]]]) -> tuple[list[int], list[int]]:
+    """(steps every rank fingerprinted, those where all ranks held the same batch)."""
+    by_step: dict[int, dict[int, Any]] = {}
+    for rank, records in per_rank.items():
+        for step, digest, _ in records:
+            by_step.setdefault(step, {})[rank] = digest
+    full = sorted(s for s, d in by_step.items() if len(d) == len(per_rank))
+    same = [s for s in full if len(set(by_step[s].values())) == 1]
+    return full, same
+
+
+class DataOrder(Detector):
+    name = "data_order"
+    description = ("ranks training on identical batches (DistributedSampler missing), DistributedSampler "
+                   "without set_epoch, the same batch giving different losses")
+
+    def __init__(self) -> None:
+        self.ctx: Any = None
+        self.group: Any = None
+        self.records: list[list[Any]] = []  # [step, batch fingerprint, loss]
+        self.pending: Any = None  # this step's batch fingerprint
+        self.history: dict[int, list[list[Any]]] = {}
+        self.reported: set[str] = set()
+        self._epochs: dict[int, int] = {}  # id(sampler) -> epoch of its last iteration
+        self._hooks: list[Any] = []
+
+    def setup(self, ctx: Any) -> None:
+        self.ctx = ctx
+        from torch.utils.data.distributed import DistributedSampler
+
+        original = DistributedSampler.__iter__
+        det = self
+
+        def __iter__(sampler: Any) -> Any:
+            det._guard(det._sampler_iter, sampler)
+            return original(sampler)
+
+        ctx.patch(DistributedSampler, "__iter__", __iter__)
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # never break the user's data loading
+            pass
+
+    def _sampler_iter(self, sampler: Any) -> None:
+        key = id(sampler)
+        epoch = int(getattr(sampler, "epoch", 0))
+        before = self._epochs.get(key)
+        self._epochs[key] = epoch
+        if before is None or epoch != before or not getattr(sampler, "shuffle", False) or "set_epoch" in self.reported:
+            return
+        self.reported.add("set_epoch")
+        frame = next((f for f in reversed(traceback.extract_stack()[:-3])
+                      if "distdebug" not in f.filename and "/torch/" not in f.filename), None)
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
+        self.ctx.report(Finding(
+            severity=Severity.WARNING, detector=self.name, ranks=[self.ctx.rank], step=None,
+            subject="DistributedSampler.set_epoch",
+            message=f"DistributedSampler(shuffle=True) starts another pass over the data with epoch {epoch} again "
+                    f"(iterated at {where}): set_epoch was not called, so every epoch repeats the same order",
+            evidence={"epoch": epoch, "where": where},
+            fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the DataLoader",
+        ))
+
+    def attach(self, ctx: Any) -> None:
+        import torch.distributed as dist
+
+        from distdebug.runtime.discovery import unwrap
+
+        self.ctx = ctx
+        for root in ctx.models:
+            self._hooks.append(root.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            inner = unwrap(root)[0]
+            if inner is not root:
+                self._hooks.append(inner.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        if ctx.models and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60),
+                                        group_desc=HARNESS_GROUP_DESC)
+
+    def _pre_hook(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self.pending is not None or self.group is None:
+            return  # the step's first forward only
+        t = _first_tensor(list(args) + list(kwargs.values()))
+        if t is None:
+            return
+        if t.is_cpu:
+            self.pending = fingerprints([("batch", t)])["batch"]
+        else:  # fingerprinted on the device; read (16 bytes) only at the next exchange, no sync per step
+            self.pending = (device_fingerprint(t), t.detach())
+
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        digest, self.pending = self.pending, None
+        if self.group is None:
+            return ()
+        if digest is not None:
+            self.records.append([event.step, digest, event.loss])
+        if not checked(event.step):
+            return ()
+        import torch.distributed as dist
+
+        mine, self.records = self.records, []
+        for rec in mine:
+            if isinstance(rec[1], tuple):
+                fp, t = rec[1]
+                rec[1] = combine_device(fp.tolist(), t)
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        self.ctx.raw_collectives["all_gather_object"](gathered, mine, group=self.group)
+        for rank, records in enumerate(gathered):
+            self.history.setdefault(rank, []).extend(records or [])
+        if self.ctx.rank != 0:
+            return ()
+        return self._verdicts(event.step)
+
+    def _verdicts(self, step: int) -> list[Finding]:
+        out: list[Finding] = []
+        full, same = identical_batches(self.history)
+        ranks = sorted(self.history)
+        if len(full) >= MIN_STEPS and same == full and "identical" not in self.reported:
+            self.reported.add("identical")
+            out.append(Finding(
+                severity=Severity.WARNING, detector=self.name, ranks=ranks, step=full[0], subject="input batches",
+                message=f"every rank trained on the same batch in each of steps {full[:8]}"
+                        f"{' ...' if len(full) > 8 else ''}: the data is not sharded across ranks "
+                        "(DistributedSampler missing?), so each rank repeats the others' work",
+                evidence={"steps": full[:50], "ranks": ranks},
+                fix="DataLoader(dataset, sampler=DistributedSampler(dataset), ...) and sampler.set_epoch(epoch) "
+                    "every epoch; if every rank is meant to see the same data, ignore this",
+            ))
+        losses: dict[int, dict[int, float]] = {}
+        for rank, records in self.history.items():
+            for s, _, loss in records:
+                if s in same and loss is not None:
+                    losses.setdefault(s, {})[rank] = loss
+        for s in sorted(losses):
+            values = losses[s]
+            if len(values) < len(ranks) or "loss_mismatch" in self.reported:
+                continue
+            lo, hi = min(values.values()), max(values.values())
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                continue
+            if hi - lo > LOSS_RTOL * max(abs(lo), abs(hi), 1e-12):
+                self.reported.add("loss_mismatch")
+                out.append(Finding(
+                    severity=Severity.ERROR, detector=self.name, ranks=ranks, step=s, subject="loss",
+                    message=f"every rank had the same batch at step {s} but their losses differ: {values} "
+                            f"(more than {LOSS_RTOL:g} apart): the replicas are not the same model (different "
+                            "initialisation or seeds, an unsynchronised update) or the computation is not "
+                            "deterministic",
+                    evidence={"losses": values, "rtol": LOSS_RTOL},
+                    fix="seed every rank alike and broadcast the initial parameters (DDP does at construction); "
+                        "'distdebug diff RUN' shows which tensors differ",
+                ))
+        return out
+
+    def before_destroy(self) -> None:
+        import torch.distributed as dist
+
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            dist.distributed_c10d.destroy_process_group(group)
+
+    def on_end(self) -> Iterable[Finding]:
+        self.before_destroy()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return ()
