@@ -87,6 +87,9 @@ def main() -> None:
 @click.option("--stop-on-nan", is_flag=True, default=False,
               help="End the job at the first NaN/Inf (exit code 123) after reporting where it started. "
                    "Default: report and keep going.")
+@click.option("--deterministic", is_flag=True, default=False,
+              help="Seed Python's, numpy's and torch's generators with 0 and turn on torch's deterministic "
+                   "algorithms before the script runs.")
 @click.option("--spike-threshold", type=float, default=8.0, show_default=True,
               help="Loss / gradient-norm spike: robust z (median and MAD of the window) above which a value counts.")
 @click.option("--spike-window", type=int, default=50, show_default=True,

@@ -57,6 +57,8 @@ class AttachConfig:
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
     fingerprint_every: int = 1
     stop_on_nan: bool = False
+    deterministic: bool = False
+    """Seed every generator (0) and turn on torch.use_deterministic_algorithms before the script."""
     spike_threshold: float = 8.0
     """Robust z (median and MAD over the window) above which a loss or gradient norm is a spike."""
     spike_window: int = 50

@@ -39,8 +39,11 @@ SPIKE_THRESHOLD = "DISTDEBUG_SPIKE_THRESHOLD"
 SPIKE_WINDOW = "DISTDEBUG_SPIKE_WINDOW"
 """Steps of history a spike is measured against (default 50)."""
 
+DETERMINISTIC = "DISTDEBUG_DETERMINISTIC"
+"""``1``: seed every generator and turn on torch's deterministic algorithms before the script."""
+
 ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY, STOP_ON_NAN,
-       SPIKE_THRESHOLD, SPIKE_WINDOW)
+       SPIKE_THRESHOLD, SPIKE_WINDOW, DETERMINISTIC)
 
 
 def encode_list(items: list[str]) -> str:

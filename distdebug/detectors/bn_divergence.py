@@ -13,13 +13,12 @@ Two different problems, both invisible in a single-rank run:
   spread of the ranks' batch means in units of the pooled standard deviation.
 
 Checked at steps 2, 4, 8 and then every CHECK_EVERY steps (the same steps on every rank); one
-small all_gather_object on a gloo group of the harness's own per check. Each module is reported
-once, at the first step where it diverges.
+small all_gather_object per check, in the background (``runtime.exchange``): training never
+waits for it. Each module is reported once, at the first step where it diverges.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -35,7 +34,6 @@ BATCH_MEAN_SPREAD = 0.3
 exceeds this many pooled standard deviations. Sampling alone gives about 1/sqrt(n) for n values per
 channel per rank, whatever the number of ranks: 0.18 for 32 values (not flagged), 0.35 for 8 (a
 per-rank batch too small for per-rank statistics: flagged), 0.016 for a 16x16 image batch of 16."""
-HARNESS_GROUP_DESC = "distdebug_harness"
 
 
 def checked(step: int) -> bool:
@@ -64,7 +62,7 @@ class BatchNormDivergence(Detector):
 
     def __init__(self) -> None:
         self.ctx: Any = None
-        self.group: Any = None
+        self.exchange: Any = None
         self.modules: list[tuple[str, torch.nn.Module, bool]] = []  # (name, module, is SyncBatchNorm)
         self.armed = False
         self.seen: dict[str, dict[str, Any]] = {}  # module -> this step's statistics
@@ -85,9 +83,10 @@ class BatchNormDivergence(Detector):
                     self.modules.append((label, mod, isinstance(mod, torch.nn.SyncBatchNorm)))
                     self._hooks.append(mod.register_forward_pre_hook(self._pre_hook(label)))
         if self.modules and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60),
-                                        group_desc=HARNESS_GROUP_DESC)
-        self.armed = self.group is not None and checked(2)  # attach comes at the end of step 1
+            from distdebug.runtime.exchange import BackgroundExchange
+
+            self.exchange = BackgroundExchange(ctx, self.name)
+        self.armed = self.exchange is not None and checked(2)  # attach comes at the end of step 1
 
     def _pre_hook(self, label: str) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -109,16 +108,18 @@ class BatchNormDivergence(Detector):
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         seen, self.seen = self.seen, {}
-        was_armed, self.armed = self.armed, self.group is not None and checked(event.step + 1)
-        if not was_armed or self.group is None:
+        was_armed, self.armed = self.armed, self.exchange is not None and checked(event.step + 1)
+        if not was_armed or self.exchange is None:
             return ()
-        import torch.distributed as dist
+        step = event.step
 
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        self.ctx.raw_collectives["all_gather_object"](gathered, seen, group=self.group)
-        if self.ctx.rank != 0:
-            return ()  # every rank has the same view; one writes the verdict
-        return self._compare(event.step, dict(enumerate(gathered)))
+        def verdict(gathered: list[Any]) -> None:
+            if self.ctx.rank == 0:  # every rank has the same view; one writes the verdict
+                for f in self._compare(step, dict(enumerate(gathered))):
+                    self.ctx.report(f)
+
+        self.exchange.post(seen, verdict)
+        return ()
 
     def _compare(self, step: int, per_rank: dict[int, dict[str, dict[str, Any]]]) -> list[Finding]:
         out: list[Finding] = []
@@ -168,15 +169,16 @@ class BatchNormDivergence(Detector):
         return out
 
     def before_destroy(self) -> None:
-        import torch.distributed as dist
+        self._close(clean=True)
 
-        group, self.group = self.group, None
+    def _close(self, clean: bool) -> None:
+        exchange, self.exchange = self.exchange, None
         self.armed = False
-        if group is not None and dist.is_initialized():
-            dist.distributed_c10d.destroy_process_group(group)
+        if exchange is not None:
+            exchange.close(clean)
 
     def on_end(self) -> Iterable[Finding]:
-        self.before_destroy()
+        self._close(clean=False)
         for h in self._hooks:
             h.remove()
         self._hooks = []

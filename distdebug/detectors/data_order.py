@@ -3,8 +3,8 @@ the same batch but compute different losses.
 
 - Each rank fingerprints the input of its model's first forward in every step (xxh3 on CPU, a
   device-side fingerprint on GPU: no copy to the host). At steps 2, 4, 8 and every 16 steps the
-  ranks exchange (step, batch fingerprint, loss) since the last check in one small all_gather on a
-  gloo group of the harness's own.
+  ranks exchange (step, batch fingerprint, loss) since the last check in one small all_gather, in
+  the background (``runtime.exchange``): training never waits for it.
 - Every rank holding the same batch in every checked step means DistributedSampler (or any
   sharding) is missing: each rank repeats the others' work. When that is meant (the seed's first
   stage: two ranks, the same data, losses must agree), the losses are compared: the same batch
@@ -16,7 +16,6 @@ the same batch but compute different losses.
 
 from __future__ import annotations
 
-import datetime
 import math
 import traceback
 from collections.abc import Iterable
@@ -30,7 +29,6 @@ from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fi
 CHECK_EVERY = 16
 MIN_STEPS = 3
 LOSS_RTOL = 1e-5
-HARNESS_GROUP_DESC = "distdebug_harness"
 
 
 def checked(step: int) -> bool:
@@ -70,7 +68,7 @@ class DataOrder(Detector):
 
     def __init__(self) -> None:
         self.ctx: Any = None
-        self.group: Any = None
+        self.exchange: Any = None
         self.records: list[list[Any]] = []  # [step, batch fingerprint, loss]
         self.pending: Any = None  # this step's batch fingerprint
         self.history: dict[int, list[list[Any]]] = {}
@@ -129,11 +127,12 @@ class DataOrder(Detector):
             if inner is not root:
                 self._hooks.append(inner.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
         if ctx.models and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60),
-                                        group_desc=HARNESS_GROUP_DESC)
+            from distdebug.runtime.exchange import BackgroundExchange
+
+            self.exchange = BackgroundExchange(ctx, self.name)
 
     def _pre_hook(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self.pending is not None or self.group is None:
+        if self.pending is not None or self.exchange is None:
             return  # the step's first forward only
         t = _first_tensor(list(args) + list(kwargs.values()))
         if t is None:
@@ -145,28 +144,29 @@ class DataOrder(Detector):
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         digest, self.pending = self.pending, None
-        if self.group is None:
+        if self.exchange is None:
             return ()
         if digest is not None:
             self.records.append([event.step, digest, event.loss])
         if not checked(event.step):
             return ()
-        import torch.distributed as dist
-
         mine, self.records = self.records, []
         for rec in mine:
             if isinstance(rec[1], tuple):
                 fp, t = rec[1]
                 rec[1] = combine_device(fp.tolist(), t)
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        self.ctx.raw_collectives["all_gather_object"](gathered, mine, group=self.group)
-        for rank, records in enumerate(gathered):
-            self.history.setdefault(rank, []).extend(records or [])
-        if self.ctx.rank != 0:
-            return ()
-        return self._verdicts(event.step)
 
-    def _verdicts(self, step: int) -> list[Finding]:
+        def verdicts(gathered: list[Any]) -> None:  # on the exchange's thread
+            for rank, records in enumerate(gathered):
+                self.history.setdefault(rank, []).extend(records or [])
+            if self.ctx.rank == 0:
+                for f in self._verdicts():
+                    self.ctx.report(f)
+
+        self.exchange.post(mine, verdicts)
+        return ()
+
+    def _verdicts(self) -> list[Finding]:
         out: list[Finding] = []
         full, same = identical_batches(self.history)
         ranks = sorted(self.history)
@@ -208,14 +208,15 @@ class DataOrder(Detector):
         return out
 
     def before_destroy(self) -> None:
-        import torch.distributed as dist
+        self._close(clean=True)
 
-        group, self.group = self.group, None
-        if group is not None and dist.is_initialized():
-            dist.distributed_c10d.destroy_process_group(group)
+    def _close(self, clean: bool) -> None:
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.close(clean)
 
     def on_end(self) -> Iterable[Finding]:
-        self.before_destroy()
+        self._close(clean=False)
         for h in self._hooks:
             h.remove()
         self._hooks = []

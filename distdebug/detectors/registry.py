@@ -16,13 +16,14 @@ def _builtin() -> dict[str, type[Detector]]:
     from distdebug.detectors.bn_divergence import BatchNormDivergence
     from distdebug.detectors.checkpoint_roundtrip import CheckpointRoundTrip
     from distdebug.detectors.data_order import DataOrder
+    from distdebug.detectors.init_seed import InitSeed
     from distdebug.detectors.loss_nonfinite import LossNonFinite
     from distdebug.detectors.loss_spike import LossSpike
     from distdebug.detectors.nan_origin import NanOrigin
     from distdebug.detectors.replica_divergence import ReplicaDivergence
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
-                                      BatchNormDivergence, LossSpike, DataOrder)}
+                                      BatchNormDivergence, LossSpike, DataOrder, InitSeed)}
 
 
 def names() -> list[str]:

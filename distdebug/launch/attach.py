@@ -94,6 +94,9 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
     os.environ[envvars.FINGERPRINT_EVERY] = str(cfg.fingerprint_every)
     os.environ[envvars.STOP_ON_NAN] = "1" if cfg.stop_on_nan else "0"
+    os.environ[envvars.DETERMINISTIC] = "1" if cfg.deterministic else "0"
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
     os.environ[envvars.SPIKE_THRESHOLD] = repr(float(cfg.spike_threshold))
     os.environ[envvars.SPIKE_WINDOW] = str(cfg.spike_window)
     if cfg.flight_recorder_entries > 0:

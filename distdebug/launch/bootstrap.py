@@ -45,7 +45,28 @@ def _start_session():  # -> Session | None
         _CRASH_FILE = open(layout.crash_path(run_dir, identity.rank), "w")  # noqa: SIM115 (open for the process life)
         faulthandler.enable(file=_CRASH_FILE, all_threads=True)
     session.install()
+    if envvars.get(envvars.DETERMINISTIC) == "1":
+        _deterministic()
     return session
+
+
+def _deterministic() -> None:
+    """--deterministic: every generator seeded with 0 and torch's deterministic algorithms on, before
+    the script runs (the script may still seed on its own; CUBLAS_WORKSPACE_CONFIG is set by attach)."""
+    import random
+
+    import torch
+
+    random.seed(0)
+    try:
+        import numpy
+
+        numpy.random.seed(0)
+    except ImportError:
+        pass
+    torch.manual_seed(0)  # CPU and every CUDA device
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 _CRASH_FILE = None

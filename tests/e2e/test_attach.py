@@ -254,3 +254,15 @@ def test_loss_spike_in_its_step_and_none_in_the_recipes_normal_training(tmp_path
         r = distdebug("attach", "--run-dir", str(run_dir), str(RECIPES / recipe), "--steps", steps)
         assert r.returncode == 0, r.output
         assert [f for rank in (0, 1) for f in kinds(run_dir, rank, "finding")] == []
+
+
+def test_deterministic_seeds_every_generator_before_the_script(tmp_path):
+    probe = str(DATA / "scripts" / "deterministic_probe.py")
+    outs = []
+    for i in range(2):
+        r = distdebug("attach", "--run-dir", str(tmp_path / str(i)), "--deterministic", probe)
+        assert r.returncode == 0, r.output
+        outs.append(sorted(line for line in r.stdout.splitlines() if line.startswith("rank ")))
+    assert outs[0] == outs[1] and len(outs[0]) == 2
+    assert all("deterministic=True" in line for line in outs[0])
+    assert "torch=0.496257" in outs[0][0]  # torch.manual_seed(0); torch.rand(1)

@@ -1,0 +1,164 @@
+"""InitSeed: initial parameters that differ across ranks, and unseeded randomness.
+
+- The initial parameters are fingerprinted before anything can make them equal: DDP's constructor
+  (which broadcasts rank 0's parameters) is watched from the script's first line, and any other
+  model is fingerprinted at its first forward. At the end of step 1 the ranks exchange these
+  fingerprints once, in the background (``runtime.exchange``).
+  - Different, and nothing broadcast them (a hand-written loop, a plain module): the replicas
+    differ from step 0 and will never agree: an error naming the tensors.
+  - Different before DDP broadcast them: training is fine (DDP made them equal), but the ranks
+    were seeded differently, which also changes everything else drawn from the generator: info.
+- ``torch.manual_seed`` never called before the first step: torch's generator was seeded from the
+  OS, so no two runs are alike (info, with every rank's seed when they differ).
+
+``--deterministic`` (attach) seeds Python's, numpy's and torch's generators with 0 and turns on
+``torch.use_deterministic_algorithms`` before the script runs (see ``launch.bootstrap``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.fingerprint.compare import compare
+from distdebug.fingerprint.hashing import fingerprints
+
+MAX_NAMED = 10
+
+
+class InitSeed(Detector):
+    name = "init_seed"
+    description = "initial parameters that differ across ranks (named; before DDP's broadcast too), unseeded torch"
+
+    def __init__(self) -> None:
+        self.ctx: Any = None
+        self.initial: dict[str, int] = {}
+        self.broadcast = False  # DDP made the parameters equal after they were fingerprinted
+        self.seeded = False
+        self._hook: Any = None
+        self._seen: set[int] = set()
+        self.exchange: Any = None
+
+    def setup(self, ctx: Any) -> None:
+        self.ctx = ctx
+        from torch.nn.parallel import DistributedDataParallel
+
+        det = self
+        init = DistributedDataParallel.__init__
+        manual_seed = torch.manual_seed
+
+        def ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+            det._guard(det._record, module, True)
+            init(ddp, module, *args, **kwargs)
+
+        def seed(s: Any) -> Any:
+            det.seeded = True
+            return manual_seed(s)
+
+        ctx.patch(DistributedDataParallel, "__init__", ddp_init)
+        ctx.patch(torch, "manual_seed", seed)
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            pass  # never break the user's model construction
+
+    def _record(self, module: torch.nn.Module, broadcast: bool) -> None:
+        if id(module) in self._seen or not any(True for _ in module.parameters()):
+            return
+        if any(hasattr(p, "placements") or hasattr(p, "ds_id") for p in module.parameters()):
+            return  # already sharded (FSDP2, ZeRO-3): each rank holds other values by design
+        self._seen.add(id(module))
+        from distdebug.runtime.discovery import unwrap
+
+        inner = unwrap(module)[0]
+        self.initial.update(fingerprints([(n, p) for n, p in inner.named_parameters()]))
+        self.broadcast |= broadcast
+
+    def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
+        # The outermost module's first forward (nested modules run inside it and are skipped).
+        if not self.initial:
+            self._guard(self._record, module, False)
+
+    def attach(self, ctx: Any) -> None:
+        import torch.distributed as dist
+
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        from distdebug.runtime.exchange import BackgroundExchange
+
+        self.exchange = BackgroundExchange(ctx, self.name)
+        mine = {"fps": self.initial, "seed": torch.initial_seed(), "seeded": self.seeded,
+                "broadcast": self.broadcast}
+
+        def verdicts(gathered: list[Any]) -> None:
+            if ctx.rank == 0:
+                for f in self._verdicts(dict(enumerate(gathered))):
+                    ctx.report(f)
+
+        self.exchange.post(mine, verdicts)
+
+    def _verdicts(self, per_rank: dict[int, dict[str, Any]]) -> list[Finding]:
+        out = []
+        ranks = sorted(per_rank)
+        fps = {r: d["fps"] for r, d in per_rank.items() if d["fps"]}
+        diffs = compare(fps, list(next(iter(fps.values()), {}))) if len(fps) > 1 else []
+        broadcast = all(d["broadcast"] for d in per_rank.values())
+        seeds = {r: d["seed"] for r, d in per_rank.items()}
+        if diffs:
+            names = ", ".join(d["tensor"] for d in diffs[:MAX_NAMED]) + (" ..." if len(diffs) > MAX_NAMED else "")
+            culprits = sorted({r for d in diffs for r in d["ranks"]})
+            if broadcast:
+                out.append(Finding(
+                    severity=Severity.INFO, detector=self.name, ranks=culprits, step=0, subject=diffs[0]["tensor"],
+                    message=f"initial parameters differed across ranks before DDP broadcast rank 0's ({len(diffs)} "
+                            f"tensors: {names}); DDP made them equal, but the ranks' generators were seeded "
+                            f"differently (seeds {seeds})",
+                    evidence={"tensors": [d["tensor"] for d in diffs[:200]], "seeds": seeds},
+                    fix="harmless for the parameters; seed every rank alike where the same random draws are meant",
+                ))
+            else:
+                out.append(Finding(
+                    severity=Severity.ERROR, detector=self.name, ranks=culprits, step=0, subject=diffs[0]["tensor"],
+                    message=f"initial parameters differ across ranks and nothing broadcasts them ({len(diffs)} "
+                            f"tensors: {names}): the replicas differ from step 0 and gradient averaging will "
+                            f"never make them equal (torch seeds {seeds})",
+                    evidence={"tensors": [d["tensor"] for d in diffs[:200]], "seeds": seeds},
+                    fix="torch.manual_seed(same seed) on every rank before building the model, or broadcast the "
+                        "parameters from rank 0 (dist.broadcast(p.data, 0) for each parameter), or wrap in DDP",
+                ))
+        if not any(d["seeded"] for d in per_rank.values()):
+            out.append(Finding(
+                severity=Severity.INFO, detector=self.name, ranks=ranks, step=0, subject="torch.manual_seed",
+                message="torch.manual_seed was never called before the first step: torch's generator was seeded "
+                        f"from the OS (seeds {seeds}), so no two runs are alike",
+                evidence={"seeds": seeds},
+                fix="torch.manual_seed(seed) (and random/numpy seeds) at the start, or run with --deterministic",
+            ))
+        return out
+
+    def before_destroy(self) -> None:
+        self._close(clean=True)
+
+    def _close(self, clean: bool) -> None:
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.close(clean)
+
+    def on_end(self) -> Iterable[Finding]:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._close(clean=False)
+        return ()
+
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        return ()
