@@ -27,17 +27,14 @@ import torch
 
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
 from distdebug.runtime.discovery import unwrap
+from distdebug.runtime.exchange import ExchangeUser
+from distdebug.runtime.exchange import checked_step as checked
 
-CHECK_EVERY = 16
 BATCH_MEAN_SPREAD = 0.3
 """Plain BatchNorm is flagged when, for some channel, the standard deviation of the ranks' batch means
 exceeds this many pooled standard deviations. Sampling alone gives about 1/sqrt(n) for n values per
 channel per rank, whatever the number of ranks: 0.18 for 32 values (not flagged), 0.35 for 8 (a
 per-rank batch too small for per-rank statistics: flagged), 0.016 for a 16x16 image batch of 16."""
-
-
-def checked(step: int) -> bool:
-    return step in (2, 4, 8) or step % CHECK_EVERY == 0
 
 
 def batch_mean_spread(per_rank: dict[int, dict[str, list[float]]]) -> tuple[float, int]:
@@ -55,7 +52,7 @@ def batch_mean_spread(per_rank: dict[int, dict[str, list[float]]]) -> tuple[floa
     return worst, where
 
 
-class BatchNormDivergence(Detector):
+class BatchNormDivergence(ExchangeUser, Detector):
     name = "bn_divergence"
     description = ("BatchNorm running statistics differ across ranks (names module, max difference); plain "
                    "BatchNorm whose per-rank batch statistics disagree (recommends SyncBatchNorm)")
@@ -169,16 +166,11 @@ class BatchNormDivergence(Detector):
         return out
 
     def before_destroy(self) -> None:
-        self._close(clean=True)
-
-    def _close(self, clean: bool) -> None:
-        exchange, self.exchange = self.exchange, None
         self.armed = False
-        if exchange is not None:
-            exchange.close(clean)
+        self.close_exchange(clean=True)
 
     def on_end(self) -> Iterable[Finding]:
-        self._close(clean=False)
+        self.close_exchange(clean=False)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -25,14 +25,11 @@ import torch
 
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
 from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fingerprints
+from distdebug.runtime.exchange import ExchangeUser
+from distdebug.runtime.exchange import checked_step as checked
 
-CHECK_EVERY = 16
 MIN_STEPS = 3
 LOSS_RTOL = 1e-5
-
-
-def checked(step: int) -> bool:
-    return step in (2, 4, 8) or step % CHECK_EVERY == 0
 
 
 def _first_tensor(args: Any) -> torch.Tensor | None:
@@ -61,7 +58,7 @@ def identical_batches(per_rank: dict[int, list[list[Any]]]) -> tuple[list[int], 
     return full, same
 
 
-class DataOrder(Detector):
+class DataOrder(ExchangeUser, Detector):
     name = "data_order"
     description = ("ranks training on identical batches (DistributedSampler missing), DistributedSampler "
                    "without set_epoch, the same batch giving different losses")
@@ -207,16 +204,9 @@ class DataOrder(Detector):
                 ))
         return out
 
-    def before_destroy(self) -> None:
-        self._close(clean=True)
-
-    def _close(self, clean: bool) -> None:
-        exchange, self.exchange = self.exchange, None
-        if exchange is not None:
-            exchange.close(clean)
 
     def on_end(self) -> Iterable[Finding]:
-        self._close(clean=False)
+        self.close_exchange(clean=False)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -25,11 +25,12 @@ import torch
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
 from distdebug.fingerprint.compare import compare
 from distdebug.fingerprint.hashing import fingerprints
+from distdebug.runtime.exchange import ExchangeUser
 
 MAX_NAMED = 10
 
 
-class InitSeed(Detector):
+class InitSeed(ExchangeUser, Detector):
     name = "init_seed"
     description = "initial parameters that differ across ranks (named; before DDP's broadcast too), unseeded torch"
 
@@ -145,19 +146,12 @@ class InitSeed(Detector):
             ))
         return out
 
-    def before_destroy(self) -> None:
-        self._close(clean=True)
-
-    def _close(self, clean: bool) -> None:
-        exchange, self.exchange = self.exchange, None
-        if exchange is not None:
-            exchange.close(clean)
 
     def on_end(self) -> Iterable[Finding]:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self._close(clean=False)
+        self.close_exchange(clean=False)
         return ()
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:

@@ -28,6 +28,7 @@ import torch
 
 from distdebug import envvars
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.fingerprint.hashing import local_view
 
 MIN_HISTORY = 10
 LEVEL = 5
@@ -47,13 +48,6 @@ def spike(history: list[float], value: float, threshold: float) -> tuple[bool, f
     z = (value - level) / scale
     return z > threshold, level, z
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        to_local = getattr(t, "to_local", None)
-        if callable(to_local):
-            t = to_local()
-    return t.detach()
 
 
 class LossSpike(Detector):
@@ -76,7 +70,7 @@ class LossSpike(Detector):
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
 
     def _grad_norm(self) -> float | None:
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_view(p.grad) for p in self.params if p.grad is not None]
         grads = [g for g in grads if g.numel()]
         if not grads:
             return None

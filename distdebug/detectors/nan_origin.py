@@ -37,18 +37,11 @@ import torch
 from distdebug import envvars
 from distdebug.config import EXIT_NAN
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.discovery import unwrap
 
 INF = float("inf")
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (checking the DTensor itself would run collectives), detached."""
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        to_local = getattr(t, "to_local", None)
-        if callable(to_local):
-            t = to_local()
-    return t.detach()
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
@@ -170,9 +163,9 @@ class NanOrigin(Detector):
             return ()
         fwd, local, reduced = self.fwd, self.local, self.reduced
         self.fwd, self.local, self.reduced = [], [], []
-        tensors = [_local(p) for _, p in self.params]
+        tensors = [local_view(p) for _, p in self.params]
         if self.local_source != "ddp":  # DDP's reduced gradients are checked per bucket, in its hook
-            tensors += [_local(p.grad) for _, p in self.params if p.grad is not None]
+            tensors += [local_view(p.grad) for _, p in self.params if p.grad is not None]
         tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
         parts = [t.reshape(-1) for t in (
             torch.stack([f for _, f in fwd]) if fwd else None,
@@ -199,12 +192,12 @@ class NanOrigin(Detector):
         bad_module = next((name for name, total in fwd if not math.isfinite(float(total))), None)
         # Backward order runs from the last parameters to the first.
         bad_grads = [n for n, p in reversed(self.params)
-                     if p.grad is not None and not bool(_local(p.grad).isfinite().all())]
+                     if p.grad is not None and not bool(local_view(p.grad).isfinite().all())]
         # Parameters in a bucket (or all_reduce input) that was non-finite here before the reduction;
         # named by their gradients after it (the reduction spreads, it does not move, a NaN).
         suspects = {n for names, v in local if not math.isfinite(float(v.sum())) for n in names}
         bad_local = [n for n in bad_grads if n in suspects] or sorted(suspects)
-        bad_params = [n for n, p in self.params if not bool(_local(p).isfinite().all())]
+        bad_params = [n for n, p in self.params if not bool(local_view(p).isfinite().all())]
         evidence = {
             "loss": None if event.loss is None else str(event.loss),
             "first_nonfinite_module_output": bad_module,

@@ -22,6 +22,12 @@ from typing import Any
 
 HARNESS_GROUP_DESC = "distdebug_harness"
 DRAIN_TIMEOUT_S = 10.0
+CHECK_EVERY = 16
+
+
+def checked_step(step: int) -> bool:
+    """The steps at which the periodic checks exchange: early ones (2, 4, 8), then every CHECK_EVERY."""
+    return step in (2, 4, 8) or step % CHECK_EVERY == 0
 
 
 class BackgroundExchange:
@@ -83,3 +89,17 @@ class BackgroundExchange:
         group, self.group = self.group, None
         if group is not None and not busy and dist.is_initialized():
             dist.distributed_c10d.destroy_process_group(group)
+
+
+class ExchangeUser:
+    """Mixin for detectors with a ``BackgroundExchange`` in ``self.exchange``: drained at a clean end."""
+
+    exchange: BackgroundExchange | None = None
+
+    def before_destroy(self) -> None:
+        self.close_exchange(clean=True)
+
+    def close_exchange(self, clean: bool) -> None:
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.close(clean)
