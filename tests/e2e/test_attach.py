@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -262,7 +263,8 @@ def test_deterministic_seeds_every_generator_before_the_script(tmp_path):
     for i in range(2):
         r = distdebug("attach", "--run-dir", str(tmp_path / str(i)), "--deterministic", probe)
         assert r.returncode == 0, r.output
-        outs.append(sorted(line for line in r.stdout.splitlines() if line.startswith("rank ")))
+        # Ranks print to one pipe unbuffered (text and newline are separate writes): match, not split.
+        outs.append(sorted(re.findall(r"rank \d deterministic=\w+ torch=[\d.]+ random=[\d.]+", r.stdout)))
     assert outs[0] == outs[1] and len(outs[0]) == 2
     assert all("deterministic=True" in line for line in outs[0])
     assert "torch=0.496257" in outs[0][0]  # torch.manual_seed(0); torch.rand(1)
