@@ -145,7 +145,7 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
 # ---------------------------------------------------------------- Flight Recorder (PyTorch's analyzer)
 def _normalise_dump(dump: dict[str, Any], world_size: int) -> dict[str, Any]:
     """Make a gloo dump readable by torch's analyzer; drop the harness's own group's collectives."""
-    from distdebug.detectors.replica_divergence import HARNESS_GROUP_DESC
+    from distdebug.runtime.exchange import HARNESS_GROUP_DESC
 
     dump["entries"] = [e for e in dump.get("entries", [])
                        if HARNESS_GROUP_DESC not in str(e.get("process_group", ("", ""))[1])]

@@ -21,30 +21,15 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
 from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fingerprints
+from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
 
 MIN_STEPS = 3
 LOSS_RTOL = 1e-5
 
-
-def _first_tensor(args: Any) -> torch.Tensor | None:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, (list, tuple)):
-            t = _first_tensor(a)
-            if t is not None:
-                return t
-        if isinstance(a, dict):
-            t = _first_tensor(list(a.values()))
-            if t is not None:
-                return t
-    return None
 
 
 def identical_batches(per_rank: dict[int, list[list[Any]]]) -> tuple[list[int], list[int]]:
@@ -131,7 +116,7 @@ class DataOrder(ExchangeUser, Detector):
     def _pre_hook(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.pending is not None or self.exchange is None:
             return  # the step's first forward only
-        t = _first_tensor(list(args) + list(kwargs.values()))
+        t = first_tensor((args, kwargs))
         if t is None:
             return
         if t.is_cpu:

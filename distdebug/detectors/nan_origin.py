@@ -38,24 +38,11 @@ from distdebug import envvars
 from distdebug.config import EXIT_NAN
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
 from distdebug.fingerprint.hashing import local_view
-from distdebug.runtime.discovery import unwrap
+from distdebug.runtime.discovery import first_tensor, unwrap
 
 INF = float("inf")
 
 
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (list, tuple)):
-        for x in out:
-            if isinstance(x, torch.Tensor):
-                return x
-    if isinstance(out, dict):
-        for x in out.values():
-            if isinstance(x, torch.Tensor):
-                return x
-    return None
 
 
 class NanOrigin(Detector):
@@ -107,7 +94,7 @@ class NanOrigin(Detector):
 
     def _forward_hook(self, label: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            t = _first_tensor(out)
+            t = first_tensor(out)
             if t is not None and t.is_floating_point():
                 # One pass, no temporary: NaN and Inf survive a sum (accumulated in fp32, so that
                 # finite fp16/bf16 activations cannot overflow it).

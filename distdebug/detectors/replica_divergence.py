@@ -40,6 +40,7 @@ from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, odd_ones_out
 from distdebug.fingerprint.hashing import fingerprints, root_digest
 from distdebug.fingerprint.snapshots import SnapshotWriter
+from distdebug.runtime.exchange import HARNESS_GROUP_DESC
 
 MAX_NAMED = 10
 QUEUE_STEPS = 256
@@ -49,8 +50,6 @@ BATCH = 32
 cost 1/BATCH of one per step. The first divergent step is still exact (each record carries its
 step); the finding comes at most BATCH checks later, or at the end of the run."""
 DRAIN_TIMEOUT_S = 10.0
-HARNESS_GROUP_DESC = "distdebug_harness"
-"""Description of the harness's own process group; hang analysis leaves its collectives out."""
 _FIELDS = 5  # step, backward passes, root digest of world replicas, replica-group id, its root digest
 
 

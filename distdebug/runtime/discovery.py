@@ -12,6 +12,18 @@ from typing import Any
 import torch
 
 
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor in a module's inputs or outputs (nested tuples, lists, dicts), depth first."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for x in items:
+        t = first_tensor(x)
+        if t is not None:
+            return t
+    return None
+
+
 def is_deepspeed_engine(module: Any) -> bool:
     cls = type(module)
     return cls.__module__.startswith("deepspeed") and hasattr(module, "zero_optimization_stage")

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 HARNESS_GROUP_DESC = "distdebug_harness"
+"""Description of the harness's own process groups; hang analysis leaves their collectives out."""
 DRAIN_TIMEOUT_S = 10.0
 CHECK_EVERY = 16
 
