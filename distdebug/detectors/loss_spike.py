@@ -12,7 +12,16 @@ at its first step; after LEVEL of them the values count as a new level.
 The gradient norm is the L2 norm of this rank's gradients at the step boundary (after reduction
 under DDP; the local shards under FSDP2/ZeRO): one fused norm and one host read per step.
 
-``--spike-threshold`` (default 8) and ``--spike-window`` (default 50) set it. A finding per
+Across ranks (the loss only: after DDP's reduction every rank holds the same gradients, so their
+norms cannot differ): ranks see different batches, so their losses differ by some amount every
+step; what is not normal is one rank's loss far above the others'. At the checked steps (2, 4, 8,
+then every 16: ``runtime.exchange``) the ranks exchange their losses since the last check in the
+background; rank 0 measures, step by step, each rank's distance above the median of all ranks
+against the typical cross-rank spread of the last ``window`` steps (MAD, floored at 5% of the
+median) with the same threshold. A rank that stays above is one episode, reported at its first
+step: a rank whose replica drifted, whose data is corrupt, or whose BatchNorm statistics differ.
+
+``--spike-threshold`` (default 8) and ``--spike-window`` (default 50) set both. A finding per
 spiking step and signal, at most MAX_FINDINGS per signal (then counted).
 """
 
@@ -29,6 +38,7 @@ import torch
 from distdebug import envvars
 from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
 from distdebug.fingerprint.hashing import local_view
+from distdebug.runtime.exchange import ExchangeUser, checked_step
 
 MIN_HISTORY = 10
 LEVEL = 5
@@ -49,8 +59,64 @@ def spike(history: list[float], value: float, threshold: float) -> tuple[bool, f
     return z > threshold, level, z
 
 
+class CrossRank:
+    """Each rank's loss against the other ranks', step by step (pure; rank 0 keeps one).
 
-class LossSpike(Detector):
+    A rank's distance is its loss minus the median of the *other* ranks' losses (leave-one-out: with
+    two or three ranks a plain median would be the rank itself half the time). The scale is the
+    MAD of the distances of normal (rank, step)s over the window, floored at 5% of the median.
+    ``feed(step, {rank: loss})`` returns the ranks that start departing at that step, as
+    (rank, loss, median of the others, robust z); a rank stays in its episode (reported once) until
+    its z falls under half the threshold.
+
+    A step where most ranks' losses spike against their own history (they jumped together: a bad
+    learning rate, a corrupted update reduced into every replica) says nothing about one rank
+    against the others and is left out, for LEVEL steps in a row (then the values are a new level).
+    """
+
+    def __init__(self, threshold: float, window: int) -> None:
+        self.threshold = threshold
+        self.window = window
+        self.spread: deque[float] = deque(maxlen=window * 4)  # distances of normal (rank, step)s
+        self.steps = 0
+        self.departing: set[int] = set()
+        self.own: dict[int, deque[float]] = {}  # each rank's own recent losses
+        self.global_run = 0
+
+    def feed(self, step: int, losses: dict[int, float | None]) -> list[tuple[int, float, float, float]]:
+        values = {r: v for r, v in losses.items() if v is not None and math.isfinite(v)}
+        if len(values) < 2 or len(values) < len(losses):
+            return []  # a missing or non-finite loss is not a distance (NaN is nan_origin's)
+        jumped = [r for r, v in values.items()
+                  if spike(list(self.own.setdefault(r, deque(maxlen=self.window))), v, self.threshold)[0]]
+        if 2 * len(jumped) > len(values) and self.global_run < LEVEL:
+            self.global_run += 1
+            return []  # most ranks moved together
+        self.global_run = 0
+        for r, v in values.items():
+            if r not in jumped:
+                self.own[r].append(v)
+        others = {r: statistics.median(v for q, v in values.items() if q != r) for r in values}
+        dist = {r: values[r] - others[r] for r in values}
+        out = []
+        now: set[int] = set()
+        if self.steps >= MIN_HISTORY:
+            center = statistics.median(self.spread)
+            mad = statistics.median(abs(d - center) for d in self.spread)
+            for r in sorted(values):
+                scale = max(1.4826 * mad, REL_FLOOR * abs(others[r]), 1e-12)
+                z = (dist[r] - center) / scale
+                if z > (self.threshold / 2 if r in self.departing else self.threshold):
+                    now.add(r)
+                    if r not in self.departing:
+                        out.append((r, values[r], others[r], z))
+        self.spread.extend(d for r, d in dist.items() if r not in now)
+        self.departing = now
+        self.steps += 1
+        return out
+
+
+class LossSpike(ExchangeUser, Detector):
     name = "loss_spike"
     description = "loss or gradient norm far above its recent median (robust z over a window), per rank"
 
@@ -63,11 +129,62 @@ class LossSpike(Detector):
         self.run: dict[str, int] = {"loss": 0, "grad_norm": 0}  # consecutive spiking steps
         self.params: list[torch.nn.Parameter] = []
         self.rank = 0
+        self.ctx: Any = None
+        self.losses: list[tuple[int, float]] = []  # (step, loss) since the last exchange
+        self.cross = CrossRank(self.threshold, self.window)
+        self.cross_found = 0
 
     def attach(self, ctx: Any) -> None:
+        import torch.distributed as dist
+
         from distdebug.runtime.discovery import unwrap
 
+        self.ctx = ctx
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from distdebug.runtime.exchange import BackgroundExchange
+
+            self.exchange = BackgroundExchange(ctx, self.name)
+
+    def _cross_rank(self, event: StepEvent) -> None:
+        """Queue this rank's losses at the checked steps; rank 0 judges them on the exchange's thread."""
+        if self.exchange is None:
+            return
+        if event.loss is not None:
+            self.losses.append((event.step, event.loss))
+        if checked_step(event.step):
+            self._cross_rank_flush()
+
+    def _cross_rank_flush(self) -> None:
+        mine, self.losses = self.losses, []
+
+        def judge(gathered: list[Any]) -> None:
+            if self.ctx.rank != 0:
+                return
+            by_step: dict[int, dict[int, float]] = {}
+            for rank, records in enumerate(gathered):
+                for step, loss in records or []:
+                    by_step.setdefault(step, {})[rank] = loss
+            for step in sorted(by_step):
+                if len(by_step[step]) < len(gathered):
+                    continue
+                for rank, value, med, z in self.cross.feed(step, by_step[step]):
+                    self.cross_found += 1
+                    if self.cross_found > MAX_FINDINGS:
+                        continue
+                    self.ctx.report(Finding(
+                        severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step,
+                        subject="loss across ranks",
+                        message=f"rank {rank}'s loss departs from the other ranks' at step {step}: {value:.4g} "
+                                f"against the others' median {med:.4g} (robust z {z:.1f} > {self.threshold:g} over the "
+                                "usual spread between ranks)",
+                        evidence={"value": value, "median_of_other_ranks": med, "robust_z": z,
+                                  "losses": {str(r): v for r, v in by_step[step].items()}},
+                        fix="this rank's batch at that step (corrupt data?), its replica (distdebug diff RUN "
+                            "--step N shows which tensors differ), or its BatchNorm statistics (bn_divergence)",
+                    ))
+
+        self.exchange.post(mine, judge)
 
     def _grad_norm(self) -> float | None:
         grads = [local_view(p.grad) for p in self.params if p.grad is not None]
@@ -78,6 +195,7 @@ class LossSpike(Detector):
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.rank = event.rank
+        self._cross_rank(event)
         out = []
         for signal, value in (("loss", event.loss), ("grad_norm", self._grad_norm())):
             if value is None or not math.isfinite(value):
@@ -110,7 +228,17 @@ class LossSpike(Detector):
             hist.append(value)
         return out
 
+    def before_destroy(self) -> None:
+        """A clean end, every rank together: the losses since the last check are judged too."""
+        if self.exchange is not None and self.losses:
+            self._cross_rank_flush()
+        super().before_destroy()
+
     def on_end(self) -> Iterable[Finding]:
+        self.close_exchange(clean=False)
+        found = dict(self.found)
+        if self.cross_found:
+            found["loss across ranks"] = self.cross_found
         return [Finding(severity=Severity.INFO, detector=self.name, ranks=[self.rank], step=None, subject=signal,
                         message=f"{n} {signal} spikes in all, {MAX_FINDINGS} reported", evidence={"spikes": n})
-                for signal, n in self.found.items() if n > MAX_FINDINGS]
+                for signal, n in found.items() if n > MAX_FINDINGS]

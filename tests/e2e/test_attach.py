@@ -250,11 +250,33 @@ def test_loss_spike_in_its_step_and_none_in_the_recipes_normal_training(tmp_path
                   if f["detector"] == "loss_spike"]
         # found in the spiking step, nothing before it (what follows a corrupted step is no longer normal)
         assert spikes[0] == (30, "loss") and min(step for step, _ in spikes) == 30, spikes
+        assert "loss across ranks" not in {s for _, s in spikes}  # every rank spiked alike
+    # One rank's corrupted batch, 3 ranks: that rank's own spike, and rank 0 names it against the others.
+    r = distdebug("attach", "--nproc-per-node", "3", "--run-dir", str(tmp_path / "one"), SCRIPT, "--steps", "40",
+                  "--spike-at", "30", "--spike-rank", "2")
+    assert r.returncode == 0, r.output
+    found = {rank: [(f["subject"], f["step"], f["ranks"]) for f in kinds(tmp_path / "one", rank, "finding")
+                    if f["detector"] == "loss_spike" and f["subject"] != "grad_norm"] for rank in (0, 1, 2)}
+    # Step 31 onwards: the all-reduced gradient of that batch spoiled every replica (a consequence).
+    first = {rank: [f for f in found[rank] if f[1] <= 30] for rank in found}
+    assert first == {0: [("loss across ranks", 30, [2])], 1: [], 2: [("loss", 30, [2])]}, found
     for recipe, steps in (("ddp_convnet.py", "80"), ("fsdp2_transformer.py", "60")):
         run_dir = tmp_path / recipe
         r = distdebug("attach", "--run-dir", str(run_dir), str(RECIPES / recipe), "--steps", steps)
         assert r.returncode == 0, r.output
         assert [f for rank in (0, 1) for f in kinds(run_dir, rank, "finding")] == []
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_every_recipe_is_clean_under_every_default_detector_over_several_seeds(tmp_path, seed):
+    """False alarms are defects too: no finding on clean training, whatever the seed."""
+    for recipe in (["ddp_convnet.py", "--steps", "60"], ["fsdp2_transformer.py", "--steps", "40"],
+                   ["deepspeed_zero.py", "--steps", "24", "--zero-stage", str(seed)]):
+        run_dir = tmp_path / recipe[0]
+        r = distdebug("attach", "--run-dir", str(run_dir), str(RECIPES / recipe[0]), *recipe[1:], "--seed", str(seed))
+        assert r.returncode == 0, r.output
+        found = [f for rank in (0, 1) for f in kinds(run_dir, rank, "finding")]
+        assert found == [], (recipe, seed, found)
 
 
 def test_deterministic_seeds_every_generator_before_the_script(tmp_path):

@@ -6,7 +6,7 @@ import math
 import random
 
 from distdebug.detectors.base import StepEvent
-from distdebug.detectors.loss_spike import MIN_HISTORY, LossSpike, spike
+from distdebug.detectors.loss_spike import MIN_HISTORY, CrossRank, LossSpike, spike
 
 
 def curve(n, seed=0, noise=0.03):
@@ -41,3 +41,45 @@ def test_plateau_floor_and_short_history():
     assert spike(flat, 1.02, 8.0)[0] is False  # 5% floor: a wiggle on a plateau is not a spike
     assert spike(flat, 2.0, 8.0)[0] is True
     assert spike([1.0] * (MIN_HISTORY - 1), 100.0, 8.0)[0] is False  # the window fills first
+
+
+def departures(per_rank, threshold=8.0, window=50):
+    """Feed CrossRank step by step with {rank: curve}; (step, rank) of each reported departure."""
+    cross = CrossRank(threshold, window)
+    steps = len(next(iter(per_rank.values())))
+    return [(s + 1, r) for s in range(steps)
+            for r, *_ in cross.feed(s + 1, {rank: c[s] for rank, c in per_rank.items()})]
+
+
+def test_ranks_seeing_different_data_do_not_depart_over_many_seeds():
+    for seed in range(20):
+        for world in (2, 3, 8):
+            per_rank = {r: curve(150, seed * 100 + r, noise=0.05) for r in range(world)}
+            assert departures(per_rank) == [], (seed, world)
+
+
+def test_one_rank_departing_is_named_once_at_its_first_step():
+    per_rank = {r: curve(100, r) for r in range(5)}  # the median of all ranks holds with two departing
+    per_rank[2] = [v * 3 if i >= 50 else v for i, v in enumerate(per_rank[2])]  # from step 51 on, for good
+    per_rank[0][70] *= 6  # a single bad batch on rank 0 at step 71
+    assert departures(per_rank) == [(51, 2), (71, 0)]
+    # Two ranks: the median is their mean; the one above it is the one named.
+    two = {0: curve(60, 0), 1: curve(60, 1)}
+    two[1][40] *= 4
+    assert departures(two) == [(41, 1)]
+
+
+def test_missing_or_nonfinite_losses_are_not_judged():
+    cross = CrossRank(8.0, 50)
+    for s in range(1, 30):
+        assert cross.feed(s, {0: 1.0, 1: 1.01, 2: 0.99}) == []
+    assert cross.feed(30, {0: 1.0, 1: float("nan"), 2: 50.0}) == []
+    assert cross.feed(31, {0: 1.0, 1: None, 2: 50.0}) == []
+    assert [r for r, *_ in cross.feed(32, {0: 1.0, 1: 1.0, 2: 50.0})] == [2]
+
+
+def test_every_rank_moving_together_is_not_one_rank_departing():
+    per_rank = {r: curve(80, r) for r in range(3)}
+    for r, factor in ((0, 40), (1, 90), (2, 20)):  # a learning-rate blow-up: all jump, unequally
+        per_rank[r][50] *= factor
+    assert departures(per_rank) == []

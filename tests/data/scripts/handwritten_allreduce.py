@@ -23,7 +23,8 @@ p.add_argument("--kill-at", type=int, default=None)
 p.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
 p.add_argument("--flip-at", type=int, default=None, help="flip one bit of one parameter on --fault-rank")
 p.add_argument("--nan-at", type=int, default=None, help="a NaN in one input value on --fault-rank at this step")
-p.add_argument("--spike-at", type=int, default=None, help="a corrupted batch (inputs x 30) on every rank at this step")
+p.add_argument("--spike-at", type=int, default=None, help="a corrupted batch (inputs x 30) at this step")
+p.add_argument("--spike-rank", type=int, default=None, help="only on this rank (default: every rank)")
 p.add_argument("--seed", type=int, default=0)
 args = p.parse_args()
 
@@ -42,7 +43,7 @@ for step in range(1, args.steps + 1):
         with torch.no_grad():
             model[2].weight.view(-1).view(torch.int32)[3] ^= 1 << 12  # silent data corruption
     x = torch.randn(4, 8, generator=g)
-    if step == args.spike_at:
+    if step == args.spike_at and args.spike_rank in (None, rank):
         x = x * 30
     if rank == args.fault_rank and step == args.nan_at:
         x[1, 2] = float("nan")  # a bad sample: NaN from the first layer on
