@@ -99,10 +99,12 @@ def main() -> None:
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")
 @click.option("--detectors", default=None,
               help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones.")
+@click.option("--inject", "inject", multiple=True, metavar="FAULT[:KEY=VALUE,...]",
+              help="Inject a fault on purpose, e.g. nan_grad:rank=1,step=5 (repeatable; see: distdebug faults list).")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run_dir: Path | None,
-           module: bool, **launcher: object) -> int:
+           module: bool, inject: tuple[str, ...], **launcher: object) -> int:
     """Run SCRIPT on every rank under torch's elastic launcher, instrumented; no code changes.
 
     Options are torchrun's. Everything after SCRIPT goes to the script. The exit code is the
@@ -115,6 +117,7 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
     cfg = AttachConfig(
         target=script, target_args=list(script_args), module=module, run_dir=run_dir,
         detectors=envvars.decode_list(detectors) if detectors is not None else None,
+        inject=_resolve_faults(inject),
         **launcher,  # type: ignore[arg-type]
     )
     result = run_attach(cfg, argv=["distdebug", *sys.argv[1:]])
@@ -122,6 +125,14 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
         print(f"distdebug: training failed: {result.message}", file=sys.stderr)
     print(f"distdebug: run directory {result.run_dir} (see: distdebug report {result.run_dir})", file=sys.stderr)
     return result.exit_code
+
+
+def _resolve_faults(specs: tuple[str, ...]) -> list[dict]:
+    if not specs:
+        return []
+    from fault_injection.registry import resolve
+
+    return [resolve(s) for s in specs]
 
 
 @main.command()
@@ -186,6 +197,84 @@ def list_detectors() -> int:
     for name, cls in sorted(registry._builtin().items()):
         click.echo(f"{name:24s} {'default' if cls.default else 'opt-in ':8s} {cls.description}")
     return 0
+
+
+@main.group()
+def faults() -> None:
+    """Inject faults on purpose and prove that each detector catches its fault (fault x engine matrix)."""
+
+
+@faults.command("list")
+def faults_list() -> int:
+    """The fault catalogue: what each fault does, its parameters, the detector that must catch it."""
+    from rich.console import Console
+
+    from fault_injection.console import catalogue
+
+    out = Console()
+    catalogue(out if out.is_terminal else Console(width=160))
+    return 0
+
+
+@faults.command("replay", context_settings={"allow_interspersed_args": False})
+@click.option("--fault", "fault_names", multiple=True, help="Only this fault (repeatable). Default: every fault.")
+@click.option("--recipe", "engines", multiple=True,
+              help="Only this engine: ddp, fsdp2, zero2, zero2_resume (repeatable). Default: each fault's own.")
+@click.option("--nproc", type=int, default=2, show_default=True, help="Ranks per run.")
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a JUnit XML report here.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the replay runs go (kept). Default: a new directory under ./distdebug-runs/faults-<time>.")
+@click.argument("script", nargs=-1, type=click.UNPROCESSED)
+def faults_replay(fault_names: tuple[str, ...], engines: tuple[str, ...], nproc: int, junit: Path | None,
+                  work_dir: Path | None, script: tuple[str, ...]) -> int:
+    """Run each fault, and a clean run, under attach on the recipes (or on SCRIPT [ARGS]) and check that
+    the expected findings appear with the right rank, step and subject. Exits 1 on any miss.
+    """
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from distdebug.errors import UserError
+    from fault_injection.console import matrix
+    from fault_injection.matrix import ENGINES, junit_xml, plan, replay
+    from fault_injection.registry import FAULTS
+
+    for f in fault_names:
+        if f not in FAULTS:
+            raise UserError(f"unknown fault '{f}'; known: {', '.join(FAULTS)} (see: distdebug faults list)", 2)
+    for e in engines:
+        if e not in ENGINES:
+            raise UserError(f"unknown recipe '{e}'; known: {', '.join(ENGINES)}", 2)
+    if script and engines:
+        raise UserError("give either --recipe or a SCRIPT, not both", 2)
+    if script and not Path(script[0]).is_file():
+        raise UserError(f"script not found: {script[0]}", 2)
+    if nproc < 1:
+        raise UserError(f"--nproc must be 1 or more, got {nproc}", 2)
+    cells = plan(list(fault_names) or None, list(engines) or None, list(script) if script else None)
+    if not cells:
+        raise UserError("nothing to replay: none of the chosen faults runs on the chosen recipes "
+                        "(see: distdebug faults list)", 2)
+    work = work_dir or Path("distdebug-runs") / time.strftime("faults-%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("replaying faults", total=len(cells))
+
+        def done(cell):  # type: ignore[no-untyped-def]
+            progress.update(task, advance=1, description=f"{cell.fault}/{cell.engine}: {cell.status}")
+
+        results = replay(cells, work, nproc=nproc, script=list(script) if script else None, on_cell=done)
+    out = Console()
+    matrix(out if out.is_terminal else Console(width=160), results)
+    if junit is not None:
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.write_text(junit_xml(results))
+    click.echo(f"runs kept in {work}")
+    return 0 if all(c.ok for c in results) else 1
 
 
 if __name__ == "__main__":

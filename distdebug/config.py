@@ -56,14 +56,18 @@ class AttachConfig:
     on_hang: str = "abort"
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
     fingerprint_every: int = 1
+    """Cross-rank fingerprint check (replica_divergence) every K optimizer steps."""
     stop_on_nan: bool = False
+    """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
     deterministic: bool = False
     """Seed every generator (0) and turn on torch.use_deterministic_algorithms before the script."""
     spike_threshold: float = 8.0
     """Robust z (median and MAD over the window) above which a loss or gradient norm is a spike."""
     spike_window: int = 50
-    """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
-    """Cross-rank fingerprint check (replica_divergence) every K optimizer steps."""
+    """Steps of history a spike is measured against."""
+    inject: list[dict] = field(default_factory=list)
+    """Faults to run in every rank, resolved from ``--inject`` specs by fault_injection:
+    ``{"target": "module:Class", "params": {...}}`` each."""
     flight_recorder_entries: int = 2000
     """TORCH_FR_BUFFER_SIZE given to ranks (when the environment does not set it); 0 leaves it off."""
     launcher_log_level: str = "CRITICAL"

@@ -42,8 +42,12 @@ SPIKE_WINDOW = "DISTDEBUG_SPIKE_WINDOW"
 DETERMINISTIC = "DISTDEBUG_DETERMINISTIC"
 """``1``: seed every generator and turn on torch's deterministic algorithms before the script."""
 
+INJECT = "DISTDEBUG_INJECT"
+"""JSON list of ``{"target": "module:Class", "params": {...}}``: faults to run in every rank
+(``attach --inject``), built before the detectors so that they act first."""
+
 ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY, STOP_ON_NAN,
-       SPIKE_THRESHOLD, SPIKE_WINDOW, DETERMINISTIC)
+       SPIKE_THRESHOLD, SPIKE_WINDOW, DETERMINISTIC, INJECT)
 
 
 def encode_list(items: list[str]) -> str:

@@ -19,7 +19,8 @@ END = "end"                # exit_code, steps; absent when the rank was killed
 PG_INIT = "pg_init"        # init_process_group entered (phase "begin") or returned ("done")
 STALL = "stall"            # no progress for stall_timeout: phase, last step, collective in flight, stacks
 STALL_CLEARED = "stall_cleared"  # progress resumed after a stall record
-KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED)
+INJECTED = "injected"      # a fault acted (distdebug attach --inject): fault, step, what it did
+KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED)
 
 
 def record(kind: str, **fields: object) -> dict:

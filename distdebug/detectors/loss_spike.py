@@ -128,6 +128,7 @@ class LossSpike(ExchangeUser, Detector):
         self.found: dict[str, int] = {"loss": 0, "grad_norm": 0}
         self.run: dict[str, int] = {"loss": 0, "grad_norm": 0}  # consecutive spiking steps
         self.params: list[torch.nn.Parameter] = []
+        self.sharded = False
         self.rank = 0
         self.ctx: Any = None
         self.losses: list[tuple[int, float]] = []  # (step, loss) since the last exchange
@@ -141,6 +142,7 @@ class LossSpike(ExchangeUser, Detector):
 
         self.ctx = ctx
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
+        self.sharded = any(type(p) is not torch.nn.Parameter for p in self.params)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             from distdebug.runtime.exchange import BackgroundExchange
 
@@ -187,11 +189,15 @@ class LossSpike(ExchangeUser, Detector):
         self.exchange.post(mine, judge)
 
     def _grad_norm(self) -> float | None:
-        grads = [local_view(p.grad) for p in self.params if p.grad is not None]
+        if self.sharded:
+            grads = [local_view(p.grad) for p in self.params if p.grad is not None]
+        else:  # plain tensors as they are: no per-step view per parameter
+            grads = [p.grad for p in self.params if p.grad is not None]
         grads = [g for g in grads if g.numel()]
         if not grads:
             return None
-        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0))))
+        with torch.no_grad():
+            return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0))))
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.rank = event.rank

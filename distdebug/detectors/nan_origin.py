@@ -42,7 +42,22 @@ from distdebug.runtime.discovery import first_tensor, unwrap
 
 INF = float("inf")
 
+FINITE_PRESERVING_NAMES = frozenset({
+    "ReLU", "ReLU6", "LeakyReLU", "PReLU", "Hardtanh", "Sigmoid", "Tanh", "Hardsigmoid", "Hardswish",
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "Identity", "Flatten", "Unflatten",
+    "MaxPool1d", "MaxPool2d", "MaxPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+    "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
+    "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d", "ConstantPad3d",
+})
+"""torch.nn's parameterless modules whose output is finite whenever their input is: never the *first*
+module with a non-finite output (the module before them would be), so they get no hook; every hook
+costs time in every forward. Exact classes only: a subclass may compute anything."""
 
+
+
+def _finite_preserving(mod: torch.nn.Module) -> bool:
+    cls = type(mod)
+    return cls.__module__.startswith("torch.nn.modules.") and cls.__name__ in FINITE_PRESERVING_NAMES
 
 
 class NanOrigin(Detector):
@@ -60,6 +75,7 @@ class NanOrigin(Detector):
         self.local: list[tuple[list[str], torch.Tensor]] = []  # (param names, sum of their local gradients)
         self.reduced: list[torch.Tensor] = []  # sums of DDP's buckets after the all-reduce
         self.local_source: str | None = None  # "ddp" | "all_reduce"
+        self.sharded = False
         self.first_step: int | None = None
         self.count = 0
         self._hooks: list[Any] = []
@@ -76,13 +92,16 @@ class NanOrigin(Detector):
                 self.params.append((prefix + name, p))
             for mod_name, mod in inner.named_modules():
                 leaf = next(mod.children(), None) is None
-                if leaf or next(mod.parameters(recurse=False), None) is not None:
+                own = next(mod.parameters(recurse=False), None) is not None
+                if own or (leaf and not _finite_preserving(mod)):
                     label = prefix + (mod_name or type(inner).__name__)
                     self._hooks.append(mod.register_forward_hook(self._forward_hook(label)))
             if chain and chain[0] == "ddp" and not getattr(root, "_comm_hooks", None):
                 root.register_comm_hook(None, self._ddp_hook(root))
                 self.local_source = "ddp"
         framework_reduces = any({"fsdp2", "deepspeed"} & set(unwrap(r)[1]) for r in ctx.models)
+        # Plain tensors are read as they are (no_grad); DTensors and others through their local shard.
+        self.sharded = any(type(p) is not torch.nn.Parameter for _, p in self.params)
         if self.local_source is None and not framework_reduces:
             import torch.distributed as dist
 
@@ -93,12 +112,14 @@ class NanOrigin(Detector):
                 self.local_source = "all_reduce"
 
     def _forward_hook(self, label: str) -> Any:
+        fwd = self.fwd
+
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            t = first_tensor(out)
+            t = out if type(out) is torch.Tensor else first_tensor(out)
             if t is not None and t.is_floating_point():
                 # One pass, no temporary: NaN and Inf survive a sum (accumulated in fp32, so that
                 # finite fp16/bf16 activations cannot overflow it).
-                self.fwd.append((label, t.detach().sum(dtype=torch.float32)))
+                fwd.append((label, t.detach().sum(dtype=torch.float32)))
         return hook
 
     def _ddp_hook(self, ddp: Any) -> Any:
@@ -148,20 +169,20 @@ class NanOrigin(Detector):
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         if self.ctx is None:
             return ()
-        fwd, local, reduced = self.fwd, self.local, self.reduced
-        self.fwd, self.local, self.reduced = [], [], []
-        tensors = [local_view(p) for _, p in self.params]
+        fwd = list(self.fwd)
+        self.fwd.clear()  # the hooks hold this list
+        local, reduced = self.local, self.reduced
+        self.local, self.reduced = [], []
+        tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
         if self.local_source != "ddp":  # DDP's reduced gradients are checked per bucket, in its hook
-            tensors += [local_view(p.grad) for _, p in self.params if p.grad is not None]
+            tensors += [local_view(p.grad) if self.sharded else p.grad for _, p in self.params if p.grad is not None]
         tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
-        parts = [t.reshape(-1) for t in (
-            torch.stack([f for _, f in fwd]) if fwd else None,
-            torch.cat([v for _, v in local]) if local else None,
-            torch.stack(reduced) if reduced else None,
-            torch.stack(torch._foreach_norm(tensors, INF)) if tensors else None,
-        ) if t is not None]
-        loss_ok = event.loss is None or math.isfinite(event.loss)
-        if loss_ok and (not parts or bool(torch.cat(parts).isfinite().all())):  # the one host sync per step
+        with torch.no_grad():
+            parts = [f for _, f in fwd] + [v.reshape(()) for _, v in local] + reduced
+            if tensors:
+                parts += torch._foreach_norm(tensors, INF)
+            finite = not parts or bool(torch.stack(parts).isfinite().all())  # the one host sync per step
+        if finite and (event.loss is None or math.isfinite(event.loss)):
             return ()
         self.count += 1
         if self.first_step is not None:

@@ -85,3 +85,18 @@ def build(specs: list[str]) -> list[Detector]:
             det.name = spec  # type: ignore[misc]
         detectors.append(det)
     return detectors
+
+
+def build_injected(encoded: str | None) -> list[Detector]:
+    """The faults of ``attach --inject`` (envvars.INJECT), each built with its parameters.
+
+    Faults live outside this package (fault_injection/) and reach the ranks by import path only,
+    so that distdebug never imports them; to the session they are detectors that act.
+    """
+    import json
+
+    out: list[Detector] = []
+    for item in json.loads(encoded or "[]"):
+        cls = _load_plugin(item["target"])
+        out.append(cls(**item.get("params", {})))
+    return out

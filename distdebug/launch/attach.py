@@ -7,6 +7,7 @@ Everything else (rendezvous, restarts, signal handling, worker teardown) is torc
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -99,6 +100,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
     os.environ[envvars.SPIKE_THRESHOLD] = repr(float(cfg.spike_threshold))
     os.environ[envvars.SPIKE_WINDOW] = str(cfg.spike_window)
+    os.environ[envvars.INJECT] = json.dumps(cfg.inject)
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))

@@ -31,7 +31,7 @@ def _start_session():  # -> Session | None
         rank_dir = layout.rank_dir(run_dir, identity.rank)
         writer = EventWriter(layout.events_path(run_dir, identity.rank))
     specs = envvars.decode_list(envvars.get(envvars.DETECTORS))
-    detectors = registry.build(specs)
+    detectors = registry.build_injected(envvars.get(envvars.INJECT)) + registry.build(specs)
     session = Session(identity, writer, detectors, run_dir=run_dir, rank_dir=rank_dir)
     if run_dir is not None:
         import faulthandler

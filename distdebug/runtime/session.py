@@ -93,6 +93,8 @@ class RankContext:
     """Callable(Finding): report a finding from any thread (detectors' background work)."""
     patch: Any = None
     """Callable(obj, name, replacement): replace an attribute until the session ends (restored then)."""
+    emit: Any = None
+    """Callable(kind, **fields): append one record of that kind to this rank's event stream."""
     raw_collectives: dict[str, Any] = field(default_factory=dict)
     """torch.distributed functions as they were before the session wrapped them: the harness's own
     collectives use these, so they are neither counted nor tracked as the training's."""
@@ -120,6 +122,8 @@ class Session:
         self.ctx = RankContext(identity, run_dir, rank_dir)
         self.ctx.report = self.report
         self.ctx.patch = self._patch
+        self.ctx.emit = lambda kind, **fields: self._emit(schema.record(kind, rank=identity.rank, time=time.time(),
+                                                                         **fields))
         self.echo = echo
         self.step = 0
         self.findings: list[Finding] = []

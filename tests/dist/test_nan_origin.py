@@ -15,7 +15,7 @@ from tests.helpers import spawn_ranks
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
 def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5):
@@ -27,13 +27,13 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5):
     if fault == "grad":  # one rank's local gradient of 2.weight, before DDP reduces it
         model[2].weight.register_hook(
             lambda g: g * float("nan") if rank == fault_rank and state["step"] == 3 else g)
-    if fault == "activation":  # one module's output (the Tanh, "1") on one rank
+    if fault == "activation":  # one module's output (the middle Linear, "2") on one rank
         def poison(module, args, out):
             if rank == fault_rank and state["step"] == 3:
                 out = out.clone()
                 out[0, 0] = float("nan")
                 return out
-        model[1].register_forward_hook(poison)
+        model[2].register_forward_hook(poison)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(1, steps + 1):
@@ -65,8 +65,8 @@ def test_nan_produced_in_forward_names_the_module(tmp_path):
     spawn_ranks(_ddp, 2, tmp=tmp_path, fault="activation", fault_rank=0)
     f = findings(tmp_path, 0)[0]
     assert (f["step"], f["ranks"]) == (3, [0]) and "started on rank 0" in f["message"]
-    assert f["evidence"]["first_nonfinite_module_output"] == "1"
-    assert "first non-finite module output in forward order: 1" in f["message"]
+    assert f["evidence"]["first_nonfinite_module_output"] == "2"
+    assert "first non-finite module output in forward order: 2" in f["message"]
     assert "through all-reduce" in findings(tmp_path, 1)[0]["message"]
 
 

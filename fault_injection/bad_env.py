@@ -1,0 +1,31 @@
+"""bad_env: a dangerous communication variable set in every rank before the process group starts
+(by default GLOO_SOCKET_IFNAME naming an interface this host does not have).
+
+The seed puts most distributed failures on the environment. What must catch it is the environment
+check (``distdebug doctor``'s checks, run inside attach too); until that exists this fault is a miss.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fault_injection.base import Expect, Fault, Param
+
+
+class BadEnv(Fault):
+    name = "bad_env"
+    description = "a dangerous NCCL/GLOO variable (default GLOO_SOCKET_IFNAME=an interface that does not exist)"
+    params = (Param("var", str, "GLOO_SOCKET_IFNAME", "variable name"),
+              Param("value", str, "distdebug_missing0", "its value"))
+    catcher = "env_check"
+    engines = ("ddp",)
+    exit_codes = (0, 1)  # a missing interface ends the job at init_process_group
+
+    def setup(self, ctx: Any) -> None:
+        super().setup(ctx)
+        os.environ[self.var] = self.value
+        self.injected(var=self.var, value=self.value)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("env_check", subject=next((i["var"] for i in injected), self.var))]

@@ -1,0 +1,152 @@
+"""What a fault is: a small object that runs inside every rank and breaks one thing on purpose, plus
+the findings it must cause; and the spec grammar of ``distdebug attach --inject``.
+
+Why faults are detectors to the runtime: a fault needs exactly what a detector gets (a hook before
+the script runs, the discovered models and optimizers, every step boundary) and nothing more, so
+``distdebug.detectors.base.Detector`` is the interface. It reaches the ranks by import path
+(``fault_injection.nan_grad:NanGrad``), so distdebug itself never imports this package. Faults run
+before the detectors in each rank (their hooks come first), and each writes an ``injected`` record
+when it acts: rank, step and what it hit (the parameter, the module, the file), which is what
+the replay checks the findings' localisation against.
+
+Spec grammar (``--inject``, repeatable)::
+
+    SPEC   := NAME [ ":" PARAM ( "," PARAM )* ]
+    PARAM  := KEY "=" VALUE
+
+``rank`` is the rank the fault acts on (``-1``: every rank), ``step`` the optimizer step it acts in
+(1-based; a fault acts from the end of step 1 on, when the models are known, so ``step`` >= 2).
+Other keys are per fault (``distdebug faults list``). Values are typed by the fault's parameters;
+a bad spec is a one-line error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from distdebug.detectors.base import Detector, StepEvent
+from distdebug.errors import UserError
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a fault: its name, type (int, float or str), default and meaning."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+
+
+@dataclass(frozen=True)
+class Expect:
+    """A finding a fault must cause. None: not checked. ``ranks`` is compared as a set."""
+
+    detector: str
+    ranks: list[int] | None = None
+    step: int | None = None
+    subject: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        parts = [self.detector]
+        if self.ranks is not None:
+            parts.append(f"ranks {sorted(self.ranks)}")
+        if self.step is not None:
+            parts.append(f"step {self.step}")
+        if self.subject is not None:
+            parts.append(f"subject {self.subject}")
+        parts += [f"{k}={v}" for k, v in self.evidence.items()]
+        return ", ".join(parts)
+
+
+RANK = Param("rank", int, 1, "the rank it acts on (-1: every rank)")
+STEP = Param("step", int, 3, "the optimizer step it acts in (>= 2)")
+
+
+class Fault(Detector):
+    """Base of every fault. Subclasses set name, description, params, catcher and the engines
+    (recipes) the replay runs it on, and override the Detector methods they act from."""
+
+    default: ClassVar[bool] = False
+    params: ClassVar[tuple[Param, ...]] = (RANK, STEP)
+    catcher: ClassVar[str] = ""
+    """The detector that must catch it (for the matrix; may not be built yet: then it is a miss)."""
+    engines: ClassVar[tuple[str, ...]] = ("ddp",)
+    """Recipes the replay runs it on (keys of fault_injection.matrix.ENGINES)."""
+    attach_args: ClassVar[tuple[str, ...]] = ()
+    """Extra ``distdebug attach`` options its replay run needs (a short stall timeout for a hang)."""
+    exit_codes: ClassVar[tuple[int, ...]] = (0,)
+    """Exit codes of a run with this fault that are expected (a hang ends the job with 124)."""
+    min_world: ClassVar[int] = 2
+
+    def __init__(self, **params: Any) -> None:
+        for p in self.params:
+            setattr(self, p.name, params.get(p.name, p.default))
+        self.ctx: Any = None
+        self.current = 1  # the step being run now: 1 until the first boundary
+        self.acted = False
+
+    # ---------------------------------------------------------------- helpers for subclasses
+    def here(self, step: int | None = None) -> bool:
+        """This rank, in the fault's step (or ``step``), and not acted yet."""
+        rank = getattr(self, "rank", -1)
+        mine = rank == -1 or self.ctx is None or rank == self.ctx.rank
+        return mine and self.current == (self.step if step is None else step) and not self.acted
+
+    def mine(self) -> bool:
+        rank = getattr(self, "rank", -1)
+        return rank == -1 or (self.ctx is not None and rank == self.ctx.rank)
+
+    def injected(self, **what: Any) -> None:
+        """Record that the fault acted (once per step at most)."""
+        self.acted = True
+        if self.ctx is not None and self.ctx.emit is not None:
+            self.ctx.emit("injected", fault=self.name, step=self.current, **what)
+
+    def setup(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def attach(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def on_step(self, event: StepEvent) -> tuple[()]:
+        self.current = event.step + 1
+        return ()
+
+    # ---------------------------------------------------------------- what the replay checks
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        """The findings this fault must cause, given the world size and its ``injected`` records."""
+        return [Expect(self.catcher)]
+
+    def spec(self) -> str:
+        vals = ",".join(f"{p.name}={getattr(self, p.name)}" for p in self.params)
+        return f"{self.name}:{vals}" if vals else self.name
+
+
+def parse_spec(spec: str, known: dict[str, type[Fault]]) -> tuple[type[Fault], dict[str, Any]]:
+    """``NAME[:k=v,...]`` -> (fault class, typed parameters). UserError on anything wrong."""
+    name, _, rest = spec.strip().partition(":")
+    cls = known.get(name)
+    if cls is None:
+        raise UserError(f"unknown fault '{name}' in --inject {spec}; known: {', '.join(sorted(known))} "
+                        "(see: distdebug faults list)", 2)
+    declared = {p.name: p for p in cls.params}
+    params: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UserError(f"--inject {spec}: '{item}' is not KEY=VALUE (grammar: NAME[:KEY=VALUE,...])", 2)
+        p = declared.get(key)
+        if p is None:
+            raise UserError(f"--inject {spec}: fault {name} has no parameter '{key}'; it takes "
+                            f"{', '.join(declared) or 'none'}", 2)
+        try:
+            params[key] = p.type(value)
+        except ValueError:
+            raise UserError(f"--inject {spec}: {key} must be {p.type.__name__}, got '{value}'", 2) from None
+    if "step" in declared and params.get("step", declared["step"].default) < 2:
+        raise UserError(f"--inject {spec}: step must be 2 or more (faults act once the models are known, "
+                        "after step 1)", 2)
+    return cls, params

@@ -1,0 +1,56 @@
+"""checkpoint_corruption: a tensor restored by ``torch.load`` on one rank is altered (+1 on its first
+element): the silent half of "loss jumps after restore". checkpoint_roundtrip must name the rank
+and the tensor. Acts on the first load of the run that holds a floating-point tensor, wherever
+the script (or DeepSpeed) loads from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fault_injection.base import Expect, Fault, Param
+
+
+class CheckpointCorruption(Fault):
+    name = "checkpoint_corruption"
+    description = "the first tensor torch.load restores on one rank is altered (+1 on one element)"
+    params = (Param("rank", int, 1, "the rank it acts on"),)
+    catcher = "checkpoint_roundtrip"
+    engines = ("zero2_resume",)
+
+    def setup(self, ctx: Any) -> None:
+        super().setup(ctx)
+        if not self.mine():
+            return
+        import torch
+
+        original = torch.load
+        fault = self
+
+        def load(*args: Any, **kwargs: Any) -> Any:
+            obj = original(*args, **kwargs)
+            if not fault.acted:
+                hit = _alter_first(obj, "")
+                if hit is not None:
+                    fault.injected(tensor=hit, file=str(args[0]) if args else "?")
+            return obj
+
+        ctx.patch(torch, "load", load)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("checkpoint_roundtrip", ranks=[i["rank"]], subject=i["tensor"]) for i in injected]
+
+
+def _alter_first(obj: Any, prefix: str) -> str | None:
+    import torch
+
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.numel():
+        with torch.no_grad():
+            obj.view(-1)[0] += 1.0
+        return prefix
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        hit = _alter_first(value, f"{prefix}.{key}" if prefix else str(key))
+        if hit is not None:
+            return hit
+    return None

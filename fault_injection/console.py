@@ -1,0 +1,39 @@
+"""The terminal side of ``distdebug faults``: the catalogue and the replay matrix (rich lives here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fault_injection.matrix import Cell
+from fault_injection.registry import FAULTS
+
+STYLE = {"caught-localised": "green", "clean": "green", "caught": "yellow", "miss": "red", "false-alarm": "red",
+         "error": "red"}
+
+
+def catalogue(console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title="faults (distdebug attach --inject NAME[:KEY=VALUE,...])", show_lines=False)
+    for col in ("fault", "what it does", "parameters (default)", "caught by", "replayed on"):
+        t.add_column(col, no_wrap=col in ("fault", "caught by"))
+    for name, cls in FAULTS.items():
+        params = ", ".join(f"{p.name}={p.default}" for p in cls.params) or "-"
+        t.add_row(name, cls.description, params, cls.catcher, ", ".join(cls.engines))
+    console.print(t)
+
+
+def matrix(console: Any, cells: list[Cell]) -> None:
+    from rich.table import Table
+
+    t = Table(title="fault replay: fault x engine")
+    for col in ("fault", "engine", "result", "detector", "steps to detection", "wall s", "why"):
+        t.add_column(col, no_wrap=col in ("fault", "engine", "result"))
+    for c in cells:
+        t.add_row(c.fault, c.engine, f"[{STYLE.get(c.status, 'white')}]{c.status}[/]", c.detector or "-",
+                  "-" if c.steps_to_detection is None else str(c.steps_to_detection), f"{c.wall_s:.1f}",
+                  c.reason or "")
+    console.print(t)
+    bad = [c for c in cells if not c.ok]
+    console.print(f"{len(cells) - len(bad)} of {len(cells)} cells caught and localised (or clean); "
+                  f"{len(bad)} missed" + (": " + ", ".join(f"{c.fault}/{c.engine}" for c in bad) if bad else ""))

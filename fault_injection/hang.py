@@ -1,0 +1,35 @@
+"""hang: one rank stops in the middle of a step and never reaches its next collective, so every
+other rank waits in the gradient all-reduce (the seed's 30-minute timeout).
+
+The hang diagnosis (launcher side, after --stall-timeout) must name that rank and that step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fault_injection.base import Expect, Fault
+
+
+class Hang(Fault):
+    name = "hang"
+    description = "one rank blocks in its forward at one step and never joins the next collective"
+    catcher = "hang"
+    engines = ("ddp", "manual")
+    attach_args = ("--stall-timeout", "4")
+    exit_codes = (124,)
+
+    def attach(self, ctx: Any) -> None:
+        super().attach(ctx)
+        if ctx.models and self.mine():
+            ctx.models[0].register_forward_pre_hook(self._pre)
+
+    def _pre(self, module: Any, args: Any) -> None:
+        if self.here():
+            self.injected(where="forward")
+            while True:  # stuck until the job is ended
+                time.sleep(3600)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("hang", ranks=[i["rank"]], step=i["step"]) for i in injected]

@@ -1,0 +1,45 @@
+"""loss_spike: a corrupted step: the model's output is multiplied by `factor` in one step, which is
+what a corrupted batch does to the loss (scaling the input instead would be undone by the first
+BatchNorm).
+
+``rank=-1`` (the default) corrupts every rank's step: each rank's own loss spikes. One rank only
+also makes that rank's loss depart from the others' (loss_spike's cross-rank check, 3+ ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fault_injection._targets import inner
+from fault_injection.base import Expect, Fault, Param
+
+
+class LossSpike(Fault):
+    name = "loss_spike"
+    description = "a corrupted step: the model's output times `factor` at one step"
+    params = (Param("rank", int, -1, "the rank it acts on (-1: every rank)"),
+              Param("step", int, 20, "the step (>= 12: the spike rule needs a history)"),
+              Param("factor", float, 30.0, "the multiplier"))
+    catcher = "loss_spike"
+    engines = ("ddp", "fsdp2", "zero2", "manual")
+
+    def attach(self, ctx: Any) -> None:
+        super().attach(ctx)
+        model = inner(ctx)
+        if model is not None and self.mine():
+            model.register_forward_hook(self._post)
+
+    def _post(self, module: Any, args: Any, out: Any) -> Any:
+        import torch
+
+        if self.here() and isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.injected(factor=self.factor)
+            return out * self.factor
+        return None
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        out = [Expect("loss_spike", ranks=[i["rank"]], step=i["step"], subject="loss") for i in injected]
+        if len(injected) == 1 and world > 2:
+            out.append(Expect("loss_spike", ranks=[injected[0]["rank"]], step=injected[0]["step"],
+                              subject="loss across ranks"))
+        return out

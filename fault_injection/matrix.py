@@ -1,0 +1,250 @@
+"""``distdebug faults replay``: run every fault (and a clean run) under attach and check that the right
+detector caught it, with the right rank, step and subject. The matrix is fault x engine.
+
+Stages, as in the rest of distdebug: run (one ``distdebug attach --inject`` per cell, each in its own
+process tree, killed on timeout) -> load (the run directory: ``injected`` records and findings)
+-> verdict (``judge``: pure, tested on synthetic records) -> render (the CLI's table and JUnit XML).
+
+A cell is
+- caught: a finding of the fault's detector, not before the fault acted;
+- localised: every finding the fault declares (``Fault.expect``, built from what the fault actually
+  hit: rank, step, parameter, module, file) is there;
+- a miss otherwise, also when the detector is not built yet or the fault never acted.
+A clean run per engine must have no finding at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fault_injection.base import Expect, Fault
+from fault_injection.registry import FAULTS
+
+REPLAY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A recipe run the replay uses: script and arguments (steps are added per fault)."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    prepare: tuple[str, ...] | None = None
+    """Arguments of a run before the faulty one (a checkpoint to resume from), or None."""
+    resume: tuple[str, ...] = ()
+    """Arguments of the faulty run after a prepare run."""
+
+
+def _recipes() -> Path:
+    import recipes
+
+    return Path(recipes.__file__).resolve().parent
+
+
+ENGINES: dict[str, Engine] = {
+    "ddp": Engine("ddp_convnet.py"),
+    "manual": Engine("manual_allreduce.py"),
+    "fsdp2": Engine("fsdp2_transformer.py"),
+    "zero2": Engine("deepspeed_zero.py", ("--zero-stage", "2")),
+    "zero2_resume": Engine("deepspeed_zero.py", ("--zero-stage", "2"),
+                           prepare=("--steps", "4", "--checkpoint-at", "3"), resume=("--steps", "2", "--resume")),
+}
+"""Engine name -> recipe. ``zero2_resume`` saves a checkpoint in one run and resumes it in the next."""
+
+
+@dataclass
+class Cell:
+    fault: str
+    engine: str
+    spec: str
+    status: str = "miss"
+    """caught-localised | caught | miss | clean | false-alarm | error"""
+    detector: str = ""
+    steps_to_detection: int | None = None
+    wall_s: float = 0.0
+    exit_code: int | None = None
+    expected: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    reason: str = ""
+    run_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("caught-localised", "clean")
+
+
+def _matches(f: dict[str, Any], e: Expect) -> bool:
+    if f.get("detector") != e.detector:
+        return False
+    if e.ranks is not None and sorted(f.get("ranks") or []) != sorted(e.ranks):
+        return False
+    if e.step is not None and f.get("step") != e.step:
+        return False
+    if e.subject is not None and f.get("subject") != e.subject:
+        return False
+    evidence = f.get("evidence") or {}
+    return all(evidence.get(k) == v for k, v in e.evidence.items())
+
+
+def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findings: list[dict[str, Any]],
+          cell: Cell) -> Cell:
+    """Fill in the verdict of one cell from what the run recorded (pure)."""
+    if fault is None:  # the clean run
+        cell.status = "clean" if not findings else "false-alarm"
+        if findings:
+            cell.reason = "; ".join(f"{f.get('detector')}: {f.get('subject')} (step {f.get('step')})"
+                                    for f in findings[:5])
+        return cell
+    cell.detector = fault.catcher
+    if not injected:
+        cell.status, cell.reason = "miss", "the fault never acted on this run (nothing it targets was there)"
+        return cell
+    first = min((i["step"] for i in injected if i.get("step") is not None), default=None)
+    # A finding before the fault acted is not its catch (a fault that acts at set-up, step 1, can be
+    # found at any step, step 0 included: the initial parameters).
+    caught = [f for f in findings if f.get("detector") == fault.catcher
+              and (first is None or first <= 1 or f.get("step") is None or f["step"] >= first)]
+    expects = fault.expect(world, injected)
+    cell.expected = [e.describe() for e in expects]
+    cell.missing = [e.describe() for e in expects if not any(_matches(f, e) for f in findings)]
+    steps = [f["step"] for f in caught if isinstance(f.get("step"), int)]
+    if steps and first is not None:
+        cell.steps_to_detection = max(0, min(steps) - first)
+    if not caught:
+        cell.status = "miss"
+        cell.reason = f"no finding from {fault.catcher}" + ("" if _built(fault.catcher) else " (detector not built)")
+    elif cell.missing:
+        cell.status, cell.reason = "caught", "not localised: missing " + "; ".join(cell.missing)
+    else:
+        cell.status = "caught-localised"
+    return cell
+
+
+def _built(detector: str) -> bool:
+    from distdebug.detectors.registry import names
+
+    return detector in names() or detector == "hang"
+
+
+def _cli() -> list[str]:
+    exe = shutil.which("distdebug")
+    return [exe] if exe else [sys.executable, "-m", "cli"]
+
+
+def _steps(fault: Fault | None) -> int:
+    step = int(getattr(fault, "step", 0) or 0)
+    return max(10, step + 4)
+
+
+def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, script: list[str] | None = None,
+             timeout: float = REPLAY_TIMEOUT_S) -> Cell:
+    """Run one cell (a fault on an engine, or the clean run when fault is None) and judge it."""
+    from distdebug.artifacts.reader import load_run
+    from distdebug.procs import run_tree
+
+    name = fault.name if fault is not None else "clean"
+    cell = Cell(fault=name, engine=engine_name, spec=fault.spec() if fault is not None else "")
+    runs = work / f"{name}-{engine_name}"
+    shutil.rmtree(runs, ignore_errors=True)
+    runs.mkdir(parents=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    base = [*_cli(), "attach", "--nproc-per-node", str(nproc)]
+    if script is not None:
+        target = list(script)
+    else:
+        engine = ENGINES[engine_name]
+        target = [str(_recipes() / engine.script), *engine.args]
+        if engine.prepare is not None:
+            target += ["--checkpoint-dir", str(runs / "ckpt")]
+            prep = run_tree([*base, "--run-dir", str(runs / "prepare"), *target, *engine.prepare],
+                            timeout=timeout, env=env)
+            if prep.returncode != 0:
+                cell.status, cell.reason = "error", f"the preparing run failed ({prep.returncode})"
+                return cell
+            target += list(engine.resume)
+        else:
+            target += ["--steps", str(_steps(fault))]
+    run_dir = runs / "run"
+    cell.run_dir = str(run_dir)
+    argv = [*base, "--run-dir", str(run_dir)]
+    if fault is not None:
+        argv += [*fault.attach_args, "--inject", fault.spec()]
+    t0 = time.monotonic()
+    r = run_tree([*argv, *target], timeout=timeout, env=env)
+    cell.wall_s = time.monotonic() - t0
+    cell.exit_code = r.returncode
+    if r.timed_out:
+        cell.status, cell.reason = "error", f"timed out after {timeout:.0f} s"
+        return cell
+    if not run_dir.is_dir():
+        cell.status, cell.reason = "error", f"attach failed ({r.returncode}): {r.stderr.strip()[-300:]}"
+        return cell
+    run = load_run(run_dir)
+    findings = run.all_findings()
+    injected = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == "injected"]
+    # Setup-time faults act on every rank the same way: judged once per rank that acted.
+    judge(fault, world=nproc, injected=injected, findings=findings, cell=cell)
+    expected_exits = fault.exit_codes if fault is not None else (0,)
+    if cell.ok and r.returncode not in expected_exits:
+        cell.status, cell.reason = "error", f"exit code {r.returncode}, expected {list(expected_exits)}"
+    return cell
+
+
+def plan(faults: list[str] | None, engines: list[str] | None, script: list[str] | None) -> list[tuple[str, str]]:
+    """(fault or 'clean', engine) cells in run order: each engine's clean run first."""
+    chosen = faults or list(FAULTS)
+    cells: list[tuple[str, str]] = []
+    if script is not None:
+        return [("clean", "script")] + [(f, "script") for f in chosen]
+    used: list[str] = []
+    for f in chosen:
+        for e in FAULTS[f].engines:
+            if engines and e not in engines:
+                continue
+            cells.append((f, e))
+            if e not in used:
+                used.append(e)
+    return [("clean", e) for e in used if ENGINES[e].prepare is None] + cells
+
+
+def replay(cells: list[tuple[str, str]], work: Path, nproc: int = 2, script: list[str] | None = None,
+           on_cell: Callable[[Cell], None] | None = None) -> list[Cell]:
+    out = []
+    for fault_name, engine in cells:
+        fault = FAULTS[fault_name]() if fault_name != "clean" else None
+        if fault is not None and nproc < fault.min_world:
+            cell = Cell(fault=fault_name, engine=engine, spec=fault.spec(), status="error",
+                        reason=f"needs {fault.min_world} ranks or more")
+        else:
+            cell = run_cell(fault, engine, work, nproc, script=script)
+        out.append(cell)
+        if on_cell is not None:
+            on_cell(cell)
+    return out
+
+
+def junit_xml(cells: list[Cell]) -> str:
+    """JUnit XML: one test case per cell; a miss, false alarm or error is a failure."""
+    from xml.etree import ElementTree as ET
+
+    suite = ET.Element("testsuite", name="distdebug-faults", tests=str(len(cells)),
+                       failures=str(sum(not c.ok for c in cells)),
+                       time=f"{sum(c.wall_s for c in cells):.1f}")
+    for c in cells:
+        case = ET.SubElement(suite, "testcase", classname=f"faults.{c.engine}", name=c.fault,
+                             time=f"{c.wall_s:.1f}")
+        if not c.ok:
+            fail = ET.SubElement(case, "failure", message=f"{c.status}: {c.reason}"[:500])
+            fail.text = "\n".join([f"spec: {c.spec}", f"expected: {c.expected}", f"missing: {c.missing}",
+                                   f"run dir: {c.run_dir}"])
+        else:
+            ET.SubElement(case, "system-out").text = (
+                f"{c.status}; steps to detection {c.steps_to_detection}; run dir {c.run_dir}")
+    return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode")

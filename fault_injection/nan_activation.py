@@ -1,0 +1,44 @@
+"""nan_activation: one module's output gets a NaN on one rank in one step (a bad kernel, a log of 0).
+
+nan_origin must name that module as the first in forward order with a non-finite output, and the
+rank it started on. A forward hook registered before the detectors' replaces the output, so
+every later hook (nan_origin's included) sees the poisoned tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fault_injection._targets import module
+from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+
+class NanActivation(Fault):
+    name = "nan_activation"
+    description = "one module's output on one rank holds a NaN in one step"
+    params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
+    catcher = "nan_origin"
+    engines = ("ddp", "manual")
+
+    def attach(self, ctx: Any) -> None:
+        super().attach(ctx)
+        found = module(ctx, self.module)
+        if found is None or not self.mine():
+            return
+        name, mod = found
+
+        def hook(m: Any, args: Any, out: Any) -> Any:
+            import torch
+
+            if self.here() and isinstance(out, torch.Tensor) and out.is_floating_point():
+                self.injected(module=name)
+                out = out.clone()
+                out.view(-1)[0] = float("nan")
+                return out
+            return None
+
+        mod.register_forward_hook(hook)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"],
+                       evidence={"first_nonfinite_module_output": i["module"]}) for i in injected]

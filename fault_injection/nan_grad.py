@@ -1,0 +1,39 @@
+"""nan_grad: one rank's local gradient of one parameter becomes NaN in one step, before any all-reduce.
+
+The case nan_origin exists for: after the reduction every rank holds the NaN; only the local
+gradient shows where it started. Acts through a tensor hook on the parameter, which runs before
+DDP's reducer (or a hand-written all_reduce) sees the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fault_injection._targets import parameter
+from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+
+class NanGrad(Fault):
+    name = "nan_grad"
+    description = "one rank's local gradient of one parameter is NaN in one step (before all-reduce)"
+    params = (RANK, STEP, Param("param", str, "", "parameter name (default: the last weight)"))
+    catcher = "nan_origin"
+    engines = ("ddp", "manual")
+
+    def attach(self, ctx: Any) -> None:
+        super().attach(ctx)
+        found = parameter(ctx, self.param)
+        if found is None or not self.mine():
+            return
+        name, p = found
+
+        def hook(grad: Any) -> Any:
+            if self.here():
+                self.injected(param=name)
+                return grad * float("nan")
+            return grad
+
+        p.register_hook(hook)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"], subject=i["param"]) for i in injected]

@@ -1,0 +1,36 @@
+"""The catalogue: fault name -> class. A plain dict; one module per fault."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fault_injection.bad_env import BadEnv
+from fault_injection.base import Fault, parse_spec
+from fault_injection.bitflip_param import BitflipParam
+from fault_injection.checkpoint_corruption import CheckpointCorruption
+from fault_injection.duplicate_data import DuplicateData
+from fault_injection.hang import Hang
+from fault_injection.loss_spike import LossSpike
+from fault_injection.nan_activation import NanActivation
+from fault_injection.nan_grad import NanGrad
+from fault_injection.seed_mismatch import SeedMismatch
+from fault_injection.skip_step import SkipStep
+from fault_injection.slow_dataloader import SlowDataloader
+from fault_injection.slow_link import SlowLink
+from fault_injection.straggler import Straggler
+from fault_injection.unsynced_bn import UnsyncedBn
+
+FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
+    NanGrad, NanActivation, BitflipParam, SkipStep, UnsyncedBn, BadEnv, Hang, Straggler, SlowDataloader,
+    LossSpike, DuplicateData, SeedMismatch, CheckpointCorruption, SlowLink)}
+
+
+def resolve(spec: str) -> dict[str, Any]:
+    """``--inject`` spec -> what the ranks load (import path and typed parameters)."""
+    cls, params = parse_spec(spec, FAULTS)
+    return {"target": f"{cls.__module__}:{cls.__name__}", "params": params}
+
+
+def encode(specs: list[str]) -> str:
+    return json.dumps([resolve(s) for s in specs])

@@ -1,0 +1,37 @@
+"""seed_mismatch: every rank seeds torch differently (``torch.manual_seed(s)`` becomes ``s + rank``),
+so the initial parameters differ per rank. Under DDP the constructor's broadcast repairs the
+parameters (init_seed reports it as information); in a hand-written loop the replicas diverge
+from step 0 (an error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fault_injection.base import Expect, Fault
+
+
+class SeedMismatch(Fault):
+    name = "seed_mismatch"
+    description = "torch.manual_seed(s) becomes manual_seed(s + rank): a different init on every rank"
+    params = ()
+    catcher = "init_seed"
+    engines = ("ddp", "manual")
+
+    def setup(self, ctx: Any) -> None:
+        super().setup(ctx)
+        import torch
+
+        original = torch.manual_seed
+        fault = self
+
+        def manual_seed(seed: Any) -> Any:
+            if not fault.acted:
+                fault.injected(seed=int(seed), became=int(seed) + ctx.rank)
+            return original(int(seed) + ctx.rank)
+
+        ctx.patch(torch, "manual_seed", manual_seed)
+        ctx.patch(torch.random, "manual_seed", manual_seed)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("init_seed", step=0)] if injected else []

@@ -1,0 +1,38 @@
+"""slow_dataloader: one rank's DataLoader takes `delay` seconds longer for every batch (a slow disk,
+too few workers): the rank is slow because it waits for data, not because it computes slowly.
+Caught by the straggler score with its data-wait share (not built yet: a miss).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fault_injection.base import RANK, Expect, Fault, Param
+
+
+class SlowDataloader(Fault):
+    name = "slow_dataloader"
+    description = "one rank's DataLoader sleeps `delay` seconds before every batch"
+    params = (RANK, Param("delay", float, 0.05, "seconds added to each batch"))
+    catcher = "straggler"
+
+    def setup(self, ctx: Any) -> None:
+        super().setup(ctx)
+        if not self.mine():
+            return
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        original = _BaseDataLoaderIter.__next__
+        fault = self
+
+        def __next__(it: Any) -> Any:
+            if not fault.acted:
+                fault.injected(delay=fault.delay)
+            time.sleep(fault.delay)
+            return original(it)
+
+        ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("straggler", ranks=[i["rank"]], evidence={"cause": "data loader"}) for i in injected[:1]]

@@ -1,0 +1,42 @@
+"""slow_link: point-to-point traffic between one pair of ranks is slowed (a bad cable, a PCIe link
+through the CPU: the seed's cards 2 and 5). Only a pairwise link matrix shows it
+(``distdebug doctor --bandwidth``, not built yet: a miss).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fault_injection.base import Expect, Fault, Param
+
+
+class SlowLink(Fault):
+    name = "slow_link"
+    description = "send/recv between ranks `a` and `b` take `delay` seconds longer"
+    params = (Param("a", int, 0, "one end"), Param("b", int, 1, "the other end"),
+              Param("delay", float, 0.01, "seconds added to each send/recv between them"))
+    catcher = "link_matrix"
+
+    def setup(self, ctx: Any) -> None:
+        super().setup(ctx)
+        if ctx.rank not in (self.a, self.b):
+            return
+        import torch.distributed as dist
+
+        peer = self.b if ctx.rank == self.a else self.a
+        fault = self
+        for fn in ("send", "recv", "isend", "irecv"):
+            original = getattr(dist, fn)
+
+            def slowed(tensor: Any, other: Any = None, *args: Any, _orig: Any = original, **kwargs: Any) -> Any:
+                if other == peer:
+                    if not fault.acted:
+                        fault.injected(pair=[fault.a, fault.b], delay=fault.delay)
+                    time.sleep(fault.delay)
+                return _orig(tensor, other, *args, **kwargs)
+
+            ctx.patch(dist, fn, slowed)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("link_matrix", ranks=sorted({self.a, self.b}))]

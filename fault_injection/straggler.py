@@ -1,0 +1,33 @@
+"""straggler: one rank is slower in every step from ``step`` on (a throttled GPU, a noisy neighbour).
+
+Every other rank then waits for it in each all-reduce. What must catch it is the straggler score
+(issue: performance diagnosis); until that exists this fault is a miss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+
+class Straggler(Fault):
+    name = "straggler"
+    description = "one rank sleeps `delay` seconds in every forward from `step` on"
+    params = (RANK, STEP, Param("delay", float, 0.05, "seconds added to each of its steps"))
+    catcher = "straggler"
+
+    def attach(self, ctx: Any) -> None:
+        super().attach(ctx)
+        if ctx.models and self.mine():
+            ctx.models[0].register_forward_pre_hook(self._pre)
+
+    def _pre(self, module: Any, args: Any) -> None:
+        if self.current >= self.step and self.mine():
+            if not self.acted:
+                self.injected(delay=self.delay)
+            time.sleep(self.delay)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("straggler", ranks=[i["rank"]]) for i in injected[:1]]

@@ -1,0 +1,55 @@
+"""unsynced_bn: BatchNorm statistics left to drift apart across ranks.
+
+``mode=buffers`` makes every DDP wrap use broadcast_buffers=False (running statistics are no
+longer copied from rank 0 each forward); ``mode=sync`` makes SyncBatchNorm.convert_sync_batchnorm
+return the model unchanged (plain BatchNorm where the script asked for synchronised statistics).
+Both are changes made from outside the script, before it builds its model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fault_injection.base import Expect, Fault, Param
+
+
+class UnsyncedBn(Fault):
+    name = "unsynced_bn"
+    description = "DDP broadcast_buffers=False (mode=buffers) or SyncBatchNorm conversion skipped (mode=sync)"
+    params = (Param("mode", str, "buffers", "buffers or sync"),)
+    catcher = "bn_divergence"
+    engines = ("ddp",)
+
+    def setup(self, ctx: Any) -> None:
+        super().setup(ctx)
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        fault = self
+        if self.mode == "sync":
+            def convert(cls: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+                fault.injected(mode="sync", modules=_bn_names(module))
+                return module
+
+            ctx.patch(torch.nn.SyncBatchNorm, "convert_sync_batchnorm", classmethod(convert))
+            return
+        original = DDP.__init__
+
+        def init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+            kwargs.pop("forward_sync_buffers", None)
+            kwargs["broadcast_buffers"] = False
+            fault.injected(mode="buffers", modules=_bn_names(module))
+            original(ddp, module, *args, **kwargs)
+
+        ctx.patch(DDP, "__init__", init)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        mods = next((i["modules"] for i in injected if i.get("modules")), [])
+        # Running statistics apart on every rank; compared first at step 2.
+        return [Expect("bn_divergence", ranks=list(range(world)), step=2, subject=m) for m in mods[:1]]
+
+
+def _bn_names(module: Any) -> list[str]:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [n for n, m in module.named_modules() if isinstance(m, _BatchNorm)]
