@@ -134,8 +134,9 @@ def _built(detector: str) -> bool:
 
 
 def _cli() -> list[str]:
-    exe = shutil.which("distdebug")
-    return [exe] if exe else [sys.executable, "-m", "cli"]
+    """This checkout's CLI (the cli.py beside this package), else the installed one, with this Python."""
+    here = Path(__file__).resolve().parents[1] / "cli.py"
+    return [sys.executable, str(here)] if here.is_file() else [sys.executable, "-m", "cli"]
 
 
 def _steps(fault: Fault | None) -> int:

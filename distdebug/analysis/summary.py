@@ -41,6 +41,8 @@ class RunSummary:
     ranks: list[RankSummary] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     discovery: dict[str, Any] | None = None
+    injected: list[dict[str, Any]] = field(default_factory=list)
+    """Faults injected on purpose (attach --inject), as each rank recorded them acting."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -67,6 +69,7 @@ def _merge(findings: list[Finding]) -> list[Finding]:
 def summarize(run: Run) -> RunSummary:
     ranks: list[RankSummary] = []
     findings: list[Finding] = []
+    injected: list[dict[str, Any]] = []
     discovery = None
     world_size = None
     for rank, stream in sorted(run.ranks.items()):
@@ -74,6 +77,7 @@ def summarize(run: Run) -> RunSummary:
         start = next((r for r in records if r.get("kind") == schema.START), {})
         world_size = world_size or start.get("world_size")
         steps = [r for r in records if r.get("kind") == schema.STEP]
+        injected += [r for r in records if r.get("kind") == schema.INJECTED]
         losses = [r["loss"] for r in steps if r.get("loss") is not None]
         times = [r["step_time_s"] for r in steps if r.get("step_time_s") is not None]
         disc = next((r for r in records if r.get("kind") == schema.DISCOVERY), None)
@@ -120,6 +124,7 @@ def summarize(run: Run) -> RunSummary:
         exit_code=exit_code,
         failure=failure,
         ranks=ranks,
+        injected=injected,
         findings=_merge(findings),
         discovery=discovery,
     )

@@ -154,7 +154,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
             layout.manifest_path(run_dir),
             manifest_mod.build_manifest(
                 argv=argv or sys.argv, target=cfg.target, target_args=cfg.target_args, module=cfg.module,
-                launcher=launcher, detectors=detectors, run_dir=run_dir,
+                launcher=launcher, detectors=detectors, run_dir=run_dir, faults=cfg.inject,
             ),
         )
     node_file = layout.node_path(run_dir, cfg.node_rank)

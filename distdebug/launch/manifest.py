@@ -81,7 +81,8 @@ def versions() -> dict[str, Any]:
 
 
 def build_manifest(*, argv: list[str], target: str, target_args: list[str], module: bool,
-                   launcher: dict[str, Any], detectors: list[str], run_dir: Path) -> dict[str, Any]:
+                   launcher: dict[str, Any], detectors: list[str], run_dir: Path,
+                   faults: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "schema": MANIFEST_SCHEMA,
         "v": SCHEMA_VERSION,
@@ -96,6 +97,7 @@ def build_manifest(*, argv: list[str], target: str, target_args: list[str], modu
         "world_size": None,  # filled in from the ranks' start records when the run ends
         "layout": {},
         "detectors": detectors,
+        "faults": faults or [],
         "host": socket.gethostname(),
         "python_executable": sys.executable,
         "versions": versions(),

@@ -46,6 +46,10 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
     if disc.get("step_source"):
         parts.append(f"steps from {disc['step_source']}")
     console.print("; ".join(parts))
+    for inj in summary.injected:
+        what = ", ".join(f"{k} {v}" for k, v in inj.items() if k not in ("v", "kind", "rank", "time", "fault", "step"))
+        console.print(f"[magenta]fault injected on purpose[/magenta]: {inj.get('fault')} on rank {inj.get('rank')} "
+                      f"at step {inj.get('step')}" + (f" ({what})" if what else ""))
     if summary.exit_code is not None:
         style = "green" if summary.exit_code == 0 else "bold red"
         tail = f" ({summary.failure})" if summary.failure else ""

@@ -38,6 +38,7 @@ RECIPE_CASES = {
     "zero1": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "1"], "deepspeed-zero1", "Sequential"),
     "zero2": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "2"], "deepspeed-zero2", "Sequential"),
     "zero3": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "3"], "deepspeed-zero3", "Sequential"),
+    "manual": (["manual_allreduce.py", "--steps", "6"], "manual", "Sequential"),
 }
 
 

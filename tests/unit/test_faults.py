@@ -1,0 +1,112 @@
+"""Tier 1 (pure): the fault catalogue, the --inject grammar, and the replay's verdict on synthetic records."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from distdebug.errors import UserError
+from fault_injection.base import parse_spec
+from fault_injection.matrix import ENGINES, Cell, judge, junit_xml, plan
+from fault_injection.registry import FAULTS, resolve
+
+CATALOGUE = {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "unsynced_bn", "bad_env", "hang",
+             "straggler", "slow_dataloader", "loss_spike", "duplicate_data", "seed_mismatch",
+             "checkpoint_corruption", "slow_link"}
+
+
+def test_catalogue_is_complete_and_each_fault_declares_its_catcher_and_engines():
+    assert set(FAULTS) == CATALOGUE
+    for name, cls in FAULTS.items():
+        assert cls.name == name and cls.catcher and cls.description
+        assert cls.engines and set(cls.engines) <= set(ENGINES), name
+        assert cls.__module__ == f"fault_injection.{name}"  # one module per fault
+
+
+def test_spec_grammar_types_values_and_defaults():
+    cls, params = parse_spec("nan_grad:rank=0,step=7,param=head.weight", FAULTS)
+    assert cls is FAULTS["nan_grad"] and params == {"rank": 0, "step": 7, "param": "head.weight"}
+    assert parse_spec("duplicate_data", FAULTS)[1] == {}
+    assert parse_spec("straggler:delay=0.5", FAULTS)[1] == {"delay": 0.5}
+    fault = FAULTS["bitflip_param"](**parse_spec("bitflip_param:bit=3", FAULTS)[1])
+    assert (fault.rank, fault.step, fault.bit) == (1, 3, 3)
+    assert resolve("hang:rank=0") == {"target": "fault_injection.hang:Hang", "params": {"rank": 0}}
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nan_gradz", "unknown fault 'nan_gradz'"),
+    ("nan_grad:rank", "'rank' is not KEY=VALUE"),
+    ("nan_grad:rnak=1", "fault nan_grad has no parameter 'rnak'; it takes rank, step, param"),
+    ("nan_grad:rank=one", "rank must be int, got 'one'"),
+    ("nan_grad:step=1", "step must be 2 or more"),
+])
+def test_bad_specs_are_one_clear_line(spec, message):
+    with pytest.raises(UserError) as e:
+        parse_spec(spec, FAULTS)
+    assert message in str(e.value) and "\n" not in str(e.value) and e.value.exit_code == 2
+
+
+def _finding(detector, ranks, step, subject, **evidence):
+    return {"kind": "finding", "detector": detector, "ranks": ranks, "step": step, "subject": subject,
+            "evidence": evidence}
+
+
+def _judge(fault_name, injected, findings, world=2):
+    fault = FAULTS[fault_name]() if fault_name else None
+    return judge(fault, world, injected, findings, Cell(fault=fault_name or "clean", engine="ddp", spec=""))
+
+
+NAN = [{"kind": "injected", "rank": 1, "step": 3, "fault": "nan_grad", "param": "head.weight"}]
+
+
+def test_verdicts_caught_localised_mislocalised_and_missed():
+    right = _finding("nan_origin", [1], 3, "head.weight")
+    cell = _judge("nan_grad", NAN, [_finding("nan_origin", [0], 3, "gradients"), right])
+    assert (cell.status, cell.steps_to_detection) == ("caught-localised", 0)
+    wrong_rank = _judge("nan_grad", NAN, [_finding("nan_origin", [0], 3, "head.weight")])
+    assert wrong_rank.status == "caught" and "ranks [1]" in wrong_rank.reason
+    wrong_subject = _judge("nan_grad", NAN, [_finding("nan_origin", [1], 3, "head.bias")])
+    assert wrong_subject.status == "caught" and "subject head.weight" in wrong_subject.reason
+    late = _judge("nan_grad", NAN, [_finding("nan_origin", [1], 5, "head.weight")])
+    assert late.status == "caught" and late.steps_to_detection == 2
+    # A finding before the fault acted is not its catch; another detector's finding is not either.
+    early = _judge("nan_grad", NAN, [_finding("nan_origin", [1], 2, "head.weight"),
+                                     _finding("loss_nonfinite", [1], 3, "loss")])
+    assert early.status == "miss"
+    never = _judge("nan_grad", [], [right])
+    assert never.status == "miss" and "never acted" in never.reason
+
+
+def test_detector_not_built_is_a_miss_and_clean_runs_need_no_finding():
+    cell = _judge("straggler", [{"kind": "injected", "rank": 1, "step": 3, "fault": "straggler"}], [])
+    assert cell.status == "miss" and "(detector not built)" in cell.reason
+    assert _judge(None, [], []).status == "clean"
+    alarm = _judge(None, [], [_finding("loss_spike", [0], 9, "loss")])
+    assert alarm.status == "false-alarm" and "loss_spike: loss (step 9)" in alarm.reason
+
+
+def test_expectations_follow_what_the_fault_hit_and_the_world_size():
+    inj = [{"kind": "injected", "rank": 2, "step": 4, "fault": "bitflip_param", "param": "0.weight"}]
+    three = FAULTS["bitflip_param"]().expect(3, inj)
+    two = FAULTS["bitflip_param"]().expect(2, inj)
+    assert [(e.ranks, e.step, e.subject) for e in three] == [([2], 4, "0.weight")]
+    assert two[0].ranks == [0, 1]  # two ranks: nobody can say which one is right
+    bn = FAULTS["unsynced_bn"]().expect(2, [{"rank": 0, "step": 1, "modules": ["features.1", "features.4"]}])
+    assert [(e.detector, e.ranks, e.step, e.subject) for e in bn] == [("bn_divergence", [0, 1], 2, "features.1")]
+
+
+def test_plan_and_junit():
+    cells = plan(["nan_grad", "unsynced_bn"], None, None)
+    assert cells == [("clean", "ddp"), ("clean", "manual"), ("nan_grad", "ddp"), ("nan_grad", "manual"),
+                     ("unsynced_bn", "ddp")]
+    assert plan(["checkpoint_corruption"], None, None) == [("checkpoint_corruption", "zero2_resume")]
+    assert plan(["nan_grad"], ["fsdp2"], None) == []
+    assert plan(["hang"], None, ["train.py"]) == [("clean", "script"), ("hang", "script")]
+    ok = Cell(fault="nan_grad", engine="ddp", spec="nan_grad:rank=1,step=3", status="caught-localised", wall_s=1.5)
+    bad = Cell(fault="straggler", engine="ddp", spec="straggler", status="miss", reason="no finding")
+    suite = ET.fromstring(junit_xml([ok, bad]))
+    assert (suite.get("tests"), suite.get("failures")) == ("2", "1")
+    cases = {c.get("name"): c for c in suite}
+    assert cases["nan_grad"].find("failure") is None
+    assert cases["straggler"].find("failure").get("message") == "miss: no finding"
