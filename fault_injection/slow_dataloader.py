@@ -1,6 +1,6 @@
 """slow_dataloader: one rank's DataLoader takes `delay` seconds longer for every batch (a slow disk,
 too few workers): the rank is slow because it waits for data, not because it computes slowly.
-Caught by the straggler score with its data-wait share (not built yet: a miss).
+The straggler detector must name it and blame its data loader.
 """
 
 from __future__ import annotations
@@ -35,4 +35,5 @@ class SlowDataloader(Fault):
         ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
-        return [Expect("straggler", ranks=[i["rank"]], evidence={"cause": "data loader"}) for i in injected[:1]]
+        return [Expect("straggler", ranks=[i["rank"]], subject="data loader", evidence={"cause": "data loader"})
+                for i in injected[:1]]

@@ -1,7 +1,7 @@
 """straggler: one rank is slower in every step from ``step`` on (a throttled GPU, a noisy neighbour).
 
-Every other rank then waits for it in each all-reduce. What must catch it is the straggler score
-(issue: performance diagnosis); until that exists this fault is a miss.
+Every other rank then waits for it in each all-reduce. The straggler detector must name it, and say
+that it computes slower (its data loader is not the cause).
 """
 
 from __future__ import annotations
@@ -30,4 +30,4 @@ class Straggler(Fault):
             time.sleep(self.delay)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
-        return [Expect("straggler", ranks=[i["rank"]]) for i in injected[:1]]
+        return [Expect("straggler", ranks=[i["rank"]], subject="compute") for i in injected[:1]]

@@ -20,7 +20,9 @@ PG_INIT = "pg_init"        # init_process_group entered (phase "begin") or retur
 STALL = "stall"            # no progress for stall_timeout: phase, last step, collective in flight, stacks
 STALL_CLEARED = "stall_cleared"  # progress resumed after a stall record
 INJECTED = "injected"      # a fault acted (distdebug attach --inject): fault, step, what it did
-KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED)
+STRAGGLER_SCORES = "straggler_scores"  # rank 0: per-rank relative speed score, work, data wait, lateness
+KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED,
+         STRAGGLER_SCORES)
 
 
 def record(kind: str, **fields: object) -> dict:

@@ -21,9 +21,10 @@ def _builtin() -> dict[str, type[Detector]]:
     from distdebug.detectors.loss_spike import LossSpike
     from distdebug.detectors.nan_origin import NanOrigin
     from distdebug.detectors.replica_divergence import ReplicaDivergence
+    from distdebug.detectors.straggler import Straggler
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
-                                      BatchNormDivergence, LossSpike, DataOrder, InitSeed)}
+                                      BatchNormDivergence, LossSpike, DataOrder, InitSeed, Straggler)}
 
 
 def names() -> list[str]:

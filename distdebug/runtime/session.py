@@ -95,6 +95,8 @@ class RankContext:
     """Callable(obj, name, replacement): replace an attribute until the session ends (restored then)."""
     emit: Any = None
     """Callable(kind, **fields): append one record of that kind to this rank's event stream."""
+    backward_t: float | None = None
+    """time.monotonic() of the step's first backward call (arrival at the gradient reduction)."""
     raw_collectives: dict[str, Any] = field(default_factory=dict)
     """torch.distributed functions as they were before the session wrapped them: the harness's own
     collectives use these, so they are neither counted nor tracked as the training's."""
@@ -289,6 +291,8 @@ class Session:
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         self._backward_calls += 1
         self._backward_total += 1
+        if self._backward_calls == 1:
+            self.ctx.backward_t = time.monotonic()
         if self._t_last is None:
             self._t_last = time.perf_counter()
         if isinstance(t, torch.Tensor) and t.numel() == 1:

@@ -291,3 +291,15 @@ def test_deterministic_seeds_every_generator_before_the_script(tmp_path):
     assert outs[0] == outs[1] and len(outs[0]) == 2
     assert all("deterministic=True" in line for line in outs[0])
     assert "torch=0.496257" in outs[0][0]  # torch.manual_seed(0); torch.rand(1)
+
+
+def test_rank_slowed_by_a_sleep_in_its_step_is_a_straggler_not_blamed_on_data(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), SCRIPT, "--steps", "20", "--sleep", "0.03",
+                  "--sleep-rank", "1")
+    assert r.returncode == 0, r.output
+    (f,) = [f for f in kinds(tmp_path, 0, "finding") if f["detector"] == "straggler"]
+    assert (f["ranks"], f["subject"], f["evidence"]["cause"]) == ([1], "compute", "compute")
+    assert f["evidence"]["scores"]["0"] == 1.0 and f["evidence"]["scores"]["1"] < 0.7
+    assert 0.025 < f["evidence"]["lateness_s"] < 0.06  # the 30 ms sleep, as the others waited for it
+    scores = kinds(tmp_path, 0, "straggler_scores")[-1]["ranks"]
+    assert set(scores) == {"0", "1"}

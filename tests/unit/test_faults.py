@@ -79,7 +79,7 @@ def test_verdicts_caught_localised_mislocalised_and_missed():
 
 
 def test_detector_not_built_is_a_miss_and_clean_runs_need_no_finding():
-    cell = _judge("straggler", [{"kind": "injected", "rank": 1, "step": 3, "fault": "straggler"}], [])
+    cell = _judge("bad_env", [{"kind": "injected", "rank": 1, "step": 1, "fault": "bad_env", "var": "X"}], [])
     assert cell.status == "miss" and "(detector not built)" in cell.reason
     assert _judge(None, [], []).status == "clean"
     alarm = _judge(None, [], [_finding("loss_spike", [0], 9, "loss")])

@@ -21,6 +21,7 @@ p.add_argument("--exit-code", type=int, default=None)
 p.add_argument("--raise-at", type=int, default=None)
 p.add_argument("--kill-at", type=int, default=None)
 p.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
+p.add_argument("--sleep-rank", type=int, default=None, help="sleep on this rank only (default: every rank)")
 p.add_argument("--flip-at", type=int, default=None, help="flip one bit of one parameter on --fault-rank")
 p.add_argument("--nan-at", type=int, default=None, help="a NaN in one input value on --fault-rank at this step")
 p.add_argument("--spike-at", type=int, default=None, help="a corrupted batch (inputs x 30) at this step")
@@ -54,7 +55,8 @@ for step in range(1, args.steps + 1):
         prm.grad /= world
     opt.step()
     opt.zero_grad()
-    time.sleep(args.sleep)
+    if args.sleep_rank in (None, rank):
+        time.sleep(args.sleep)
 print(f"rank {rank} done", flush=True)
 if args.exit_code is not None and rank == args.fault_rank:
     sys.exit(args.exit_code)
