@@ -29,6 +29,10 @@ class RankSummary:
     """``exit 0``, ``exit N``, ``script raised X`` or ``no end record (killed or still running)``."""
     wrapper: str | None = None
     damaged_lines: int = 0
+    memory_peak: dict[str, Any] | None = None
+    """Bytes at this rank's largest step: parameters, gradients, optimizer_state, activations, other."""
+    straggler_score: float | None = None
+    """Fastest rank's median work over this rank's (1.0: as fast as the fastest), from rank 0's last scores."""
 
 
 @dataclass
@@ -70,6 +74,7 @@ def summarize(run: Run) -> RunSummary:
     ranks: list[RankSummary] = []
     findings: list[Finding] = []
     injected: list[dict[str, Any]] = []
+    straggler_scores: dict[int, float] = {}
     discovery = None
     world_size = None
     for rank, stream in sorted(run.ranks.items()):
@@ -94,6 +99,12 @@ def summarize(run: Run) -> RunSummary:
         else:
             status = "no end record (killed, or still running)"
         models = (disc or {}).get("models") or []
+        peaks = [r for r in records if r.get("kind") == schema.MEMORY_PEAK]
+        mems = [r for r in records if r.get("kind") == schema.MEMORY]  # a killed rank has no peak record
+        peak = peaks[-1] if peaks else (max(mems, key=lambda r: r.get("total", 0)) if mems else None)
+        scored = [r for r in records if r.get("kind") == schema.STRAGGLER_SCORES]
+        if scored:
+            straggler_scores = {int(k): v.get("score") for k, v in (scored[-1].get("ranks") or {}).items()}
         ranks.append(
             RankSummary(
                 rank=rank,
@@ -107,8 +118,11 @@ def summarize(run: Run) -> RunSummary:
                 status=status,
                 wrapper=models[0].get("wrapper") if models else None,
                 damaged_lines=stream.damaged_lines,
+                memory_peak={k: v for k, v in peak.items() if k not in ("v", "kind", "rank", "time")} if peak else None,
             )
         )
+    for r in ranks:
+        r.straggler_score = straggler_scores.get(r.rank)
     findings.extend(Finding.from_dict(r) for r in run.findings if r.get("kind") == schema.FINDING)
     exit_code = None
     failure = None

@@ -21,8 +21,10 @@ STALL = "stall"            # no progress for stall_timeout: phase, last step, co
 STALL_CLEARED = "stall_cleared"  # progress resumed after a stall record
 INJECTED = "injected"      # a fault acted (distdebug attach --inject): fault, step, what it did
 STRAGGLER_SCORES = "straggler_scores"  # rank 0: per-rank relative speed score, work, data wait, lateness
+MEMORY = "memory"          # bytes: parameters, gradients, optimizer_state, activations, other (GPU), total
+MEMORY_PEAK = "memory_peak"  # the step and breakdown with the largest total
 KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED,
-         STRAGGLER_SCORES)
+         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK)
 
 
 def record(kind: str, **fields: object) -> dict:

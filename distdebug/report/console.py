@@ -69,16 +69,28 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         console.print("[green]No findings.[/green]")
 
     table = Table(title="Ranks")
-    for col in ("rank", "node", "host", "steps", "first loss", "last loss", "median step (ms)", "findings", "status"):
+    for col in ("rank", "node", "host", "steps", "first loss", "last loss", "median step (ms)", "speed score",
+                "peak memory (MB): params / grads / optim / activations", "findings", "status"):
         table.add_column(col, justify="right" if col not in ("host", "status") else "left")
     for r in summary.ranks:
         ms = None if r.median_step_time_s is None else r.median_step_time_s * 1000
         status = r.status + (f" [dim]({r.damaged_lines} damaged lines)[/dim]" if r.damaged_lines else "")
         style = "" if r.status == "exit 0" else "[yellow]"
         table.add_row(str(r.rank), "-" if r.node is None else str(r.node), r.host or "-", str(r.steps),
-                      _fmt(r.first_loss), _fmt(r.last_loss), _fmt(ms, 3), str(r.findings),
+                      _fmt(r.first_loss), _fmt(r.last_loss), _fmt(ms, 3), _fmt(r.straggler_score, 3),
+                      _memory(r.memory_peak), str(r.findings),
                       f"{style}{status}" if style else status)
     console.print(table)
+
+
+def _memory(peak: dict | None) -> str:
+    if not peak:
+        return "-"
+    mb = [peak.get(k, 0) / 2**20 for k in ("parameters", "gradients", "optimizer_state", "activations")]
+    text = " / ".join(f"{v:.3g}" for v in mb)
+    if peak.get("other") is not None:
+        text += f" + other {peak['other'] / 2**20:.3g}"
+    return f"{text} (step {peak.get('step')})"
 
 
 def render_json(summary: RunSummary) -> str:

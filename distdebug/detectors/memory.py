@@ -1,0 +1,179 @@
+"""Memory: where each rank's bytes go (parameters, gradients, optimizer state, activations, other), per
+step and at the peak, against the static estimate, so that "OOM in forward means activations" (the
+seed's table) is a reading, not a guess.
+
+- Parameters, gradients and optimizer state: the bytes of the tensors this rank holds (a DTensor's
+  local shard), each storage counted once, read at the step boundary (after the optimizer step,
+  before the next zero_grad). Their sizes only change in the first steps (Adam creates its state at
+  its first step), so they are read at steps 1, 2, 4, 8 and every 16, not every step.
+- Activations: the bytes autograd saves for backward, counted by a saved-tensors hook as they are
+  saved (each storage once, parameters left out): the step's activation peak. The hook hands every
+  tensor back unchanged; it is not installed for torch.compile'd models.
+- Other: on GPU, what the CUDA caching allocator holds beyond the four (temporaries, workspace,
+  fragmentation), from ``torch.cuda.memory_allocated``; the peak from ``max_memory_allocated``.
+  On CPU there is no allocator to ask: "other" is not measured.
+
+Each checked step writes a ``memory`` record; the end writes the peak. The static estimate for one
+dtype is parameters : gradients : optimizer state = 1 : 1 : k, with k = 2 for Adam and AdamW, 1 for
+SGD with momentum, 0 without; a category more than OUTGROW times its estimate gets an info finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.runtime.exchange import checked_step
+
+OUTGROW = 1.5
+
+
+def optimizer_factor(opt: Any) -> float:
+    """State bytes per parameter byte a plain optimizer of this class keeps (the static estimate)."""
+    name = type(opt).__name__
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adafactor"):
+        return 2.0
+    if name == "SGD":
+        return 1.0 if any(g.get("momentum", 0) for g in getattr(opt, "param_groups", [])) else 0.0
+    if name in ("RMSprop", "Adagrad", "Adadelta"):
+        return 1.0
+    return 2.0
+
+
+def _bytes(tensors: Iterable[Any], seen: set[int]) -> int:
+    from distdebug.fingerprint.hashing import local_view
+
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = local_view(t)
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes() if t.numel() else 0
+    return total
+
+
+def breakdown(params: list[Any], optimizers: list[Any]) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds (pure over live tensors)."""
+    import torch
+
+    seen: set[int] = set()
+    p_bytes = _bytes(params, seen)
+    g_bytes = _bytes((p.grad for p in params), seen)
+    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"parameters": p_bytes, "gradients": g_bytes, "optimizer_state": _bytes(state, seen)}
+
+
+class Memory(Detector):
+    name = "memory"
+    description = "bytes per rank in parameters, gradients, optimizer state, activations, other; per step, at peak"
+
+    def __init__(self) -> None:
+        self.ctx: Any = None
+        self.params: list[Any] = []
+        self.param_keys: set[int] = set()
+        self.saved: set[int] = set()
+        self.activations = 0
+        self.step_activations = 0  # at the step's first backward: the peak of saved tensors
+        self.static: dict[str, int] = {}
+        self.peak: dict[str, Any] = {"total": -1}
+        self._hooks: Any = None
+        self.cuda = False
+        self.reported: set[str] = set()
+
+    def attach(self, ctx: Any) -> None:
+        import torch
+
+        from distdebug.runtime.discovery import unwrap
+
+        self.ctx = ctx
+        self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
+        self.param_keys = {p.untyped_storage().data_ptr() for p in self.params if p.numel()}
+        self.cuda = any(p.is_cuda for p in self.params)
+        # torch.compile'd models are left alone: a saved-tensors hook would change how they compile.
+        if not any("torch.compile" in unwrap(root)[1] for root in ctx.models):
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        self._read(0)
+
+    def _pack(self, t: Any) -> Any:
+        try:
+            if t.numel():
+                key = t.untyped_storage().data_ptr()
+                if key not in self.param_keys and key not in self.saved:
+                    self.saved.add(key)
+                    self.activations += t.untyped_storage().nbytes()
+        except Exception:  # a tensor without storage (a fake or nested one): not counted
+            pass
+        return t
+
+    @staticmethod
+    def _unpack(t: Any) -> Any:
+        return t
+
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        # The step's saved tensors are all counted by its first backward; backward frees them.
+        act = self.activations
+        self.activations = 0
+        self.saved = set()
+        if self.ctx is None:
+            return ()
+        if checked_step(event.step) or event.step == 1:
+            self._read(event.step, act)
+        else:
+            self._track_peak(event.step, {**self.static, "activations": act})
+        return self._verdicts(event.step)
+
+    def _read(self, step: int, activations: int = 0) -> None:
+        import torch
+
+        self.static = breakdown(self.params, self.ctx.optimizers)
+        row: dict[str, Any] = {**self.static, "activations": activations}
+        if self.cuda:
+            allocated = torch.cuda.memory_allocated()
+            row["other"] = max(0, allocated - sum(row.values()))
+            row["allocator_peak"] = torch.cuda.max_memory_allocated()
+        self._track_peak(step, row)
+        if step:
+            self.ctx.emit("memory", step=step, **row, total=sum(v for k, v in row.items() if k != "allocator_peak"))
+
+    def _track_peak(self, step: int, row: dict[str, Any]) -> None:
+        total = sum(v for k, v in row.items() if k != "allocator_peak")
+        if total > self.peak["total"]:
+            self.peak = {"step": step, **row, "total": total}
+
+    def _verdicts(self, step: int) -> list[Finding]:
+        params = self.static.get("parameters", 0)
+        if not params or not self.ctx.optimizers or step < 2:
+            return []
+        out = []
+        k = optimizer_factor(self.ctx.optimizers[0])
+        for cat, factor in (("gradients", 1.0), ("optimizer_state", k)):
+            have = self.static.get(cat, 0)
+            if factor and have > OUTGROW * factor * params and cat not in self.reported:
+                self.reported.add(cat)
+                out.append(Finding(
+                    severity=Severity.INFO, detector=self.name, ranks=[self.ctx.rank], step=step, subject=cat,
+                    message=f"{cat.replace('_', ' ')} hold {have / params:.1f}x the parameters' bytes; the static "
+                            f"estimate for {type(self.ctx.optimizers[0]).__name__} is {factor:g}x "
+                            f"(parameters {params} B, {cat} {have} B)",
+                    evidence={"parameters": params, cat: have, "estimate_factor": factor},
+                    fix="fp32 master copies or extra buffers (mixed precision, EMA), gradients kept in another "
+                        "dtype, or state not sharded (ZeRO/FSDP shard optimizer state)",
+                ))
+        return out
+
+    def on_end(self) -> Iterable[Finding]:
+        if self._hooks is not None:
+            try:
+                self._hooks.__exit__(None, None, None)
+            except Exception:  # exited from another thread than it was entered: nothing to undo there
+                pass
+            self._hooks = None
+        if self.ctx is not None and self.peak.get("total", -1) >= 0:
+            self.ctx.emit("memory_peak", **self.peak)
+        return ()
