@@ -94,6 +94,11 @@ def main() -> None:
               help="Loss / gradient-norm spike: robust z (median and MAD of the window) above which a value counts.")
 @click.option("--spike-window", type=int, default=50, show_default=True,
               help="Steps of history a spike is measured against.")
+@click.option("--profile-steps", default="", metavar="A:B[,C:D]",
+              help="Trace these optimizer steps with torch.profiler on every rank (gzip Chrome traces in the run "
+                   "directory, for Perfetto and Holistic Trace Analysis), e.g. 4995:5005.")
+@click.option("--profile-on-finding", type=int, default=5, show_default=True,
+              help="Steps traced on every rank after a spike, NaN or straggler finding (once per run); 0: off.")
 @click.option("--launcher-log-level", default="CRITICAL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")

@@ -65,6 +65,10 @@ class AttachConfig:
     """Robust z (median and MAD over the window) above which a loss or gradient norm is a spike."""
     spike_window: int = 50
     """Steps of history a spike is measured against."""
+    profile_steps: str = ""
+    """``A:B[,C:D]``: trace these optimizer steps with torch.profiler on every rank."""
+    profile_on_finding: int = 5
+    """Steps traced on every rank after a detector fires (once per run); 0: off."""
     inject: list[dict] = field(default_factory=list)
     """Faults to run in every rank, resolved from ``--inject`` specs by fault_injection:
     ``{"target": "module:Class", "params": {...}}`` each."""
@@ -76,6 +80,14 @@ class AttachConfig:
     def __post_init__(self) -> None:
         if not self.target:
             raise UserError("no script given: distdebug attach [OPTIONS] SCRIPT [ARGS]...", 2)
+        from distdebug.detectors.profiler import parse_windows
+
+        try:
+            parse_windows(self.profile_steps)
+        except ValueError as e:
+            raise UserError(f"--profile-steps {self.profile_steps}: {e}", 2) from None
+        if self.profile_on_finding < 0:
+            raise UserError(f"--profile-on-finding must be 0 or more, got {self.profile_on_finding}", 2)
         if not self.module:
             path = Path(self.target)
             if not path.is_file():

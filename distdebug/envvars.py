@@ -46,8 +46,13 @@ INJECT = "DISTDEBUG_INJECT"
 """JSON list of ``{"target": "module:Class", "params": {...}}``: faults to run in every rank
 (``attach --inject``), built before the detectors so that they act first."""
 
+PROFILE_STEPS = "DISTDEBUG_PROFILE_STEPS"
+"""``A:B[,C:D]``: optimizer steps to trace with torch.profiler on every rank."""
+PROFILE_ON_FINDING = "DISTDEBUG_PROFILE_ON_FINDING"
+"""Steps to trace on every rank after a detector fires (0: off)."""
+
 ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, FINGERPRINT_EVERY, STOP_ON_NAN,
-       SPIKE_THRESHOLD, SPIKE_WINDOW, DETERMINISTIC, INJECT)
+       SPIKE_THRESHOLD, SPIKE_WINDOW, DETERMINISTIC, INJECT, PROFILE_STEPS, PROFILE_ON_FINDING)
 
 
 def encode_list(items: list[str]) -> str:

@@ -10,6 +10,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from distdebug.analysis.traces import analyze_run
 from distdebug.artifacts import schema
 from distdebug.artifacts.reader import Run
 from distdebug.detectors.base import Finding, Severity
@@ -47,6 +48,8 @@ class RunSummary:
     discovery: dict[str, Any] | None = None
     injected: list[dict[str, Any]] = field(default_factory=list)
     """Faults injected on purpose (attach --inject), as each rank recorded them acting."""
+    windows: list[dict[str, Any]] = field(default_factory=list)
+    """Profiler windows (analysis.traces.analyze_window each): shares, overlap, top operators, verdicts."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -139,6 +142,7 @@ def summarize(run: Run) -> RunSummary:
         failure=failure,
         ranks=ranks,
         injected=injected,
+        windows=analyze_run(run.path),
         findings=_merge(findings),
         discovery=discovery,
     )

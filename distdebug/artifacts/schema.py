@@ -23,8 +23,9 @@ INJECTED = "injected"      # a fault acted (distdebug attach --inject): fault, s
 STRAGGLER_SCORES = "straggler_scores"  # rank 0: per-rank relative speed score, work, data wait, lateness
 MEMORY = "memory"          # bytes: parameters, gradients, optimizer_state, activations, other (GPU), total
 MEMORY_PEAK = "memory_peak"  # the step and breakdown with the largest total
+TRACE = "trace"            # a profiler window written: steps [A, B], path of this rank's gzip Chrome trace
 KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED,
-         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK)
+         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE)
 
 
 def record(kind: str, **fields: object) -> dict:

@@ -48,12 +48,17 @@ def _bytes(tensors: Iterable[Any], seen: set[int]) -> int:
     for t in tensors:
         if t is None:
             continue
-        t = local_view(t)
-        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
-        if key in seen:
+        try:
+            t = local_view(t)
+            if not t.numel():
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a storage that was freed (FSDP2's unsharded parameters): holds no bytes
             continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes() if t.numel() else 0
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
     return total
 
 
@@ -92,7 +97,16 @@ class Memory(Detector):
 
         self.ctx = ctx
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
-        self.param_keys = {p.untyped_storage().data_ptr() for p in self.params if p.numel()}
+        from distdebug.fingerprint.hashing import local_view
+
+        self.param_keys = set()
+        for p in self.params:
+            try:  # a DTensor's local shard; storages FSDP2 freed or never had cannot be asked
+                t = local_view(p)
+                if t.numel():
+                    self.param_keys.add(t.untyped_storage().data_ptr())
+            except RuntimeError:
+                pass
         self.cuda = any(p.is_cuda for p in self.params)
         # torch.compile'd models are left alone: a saved-tensors hook would change how they compile.
         if not any("torch.compile" in unwrap(root)[1] for root in ctx.models):

@@ -21,11 +21,13 @@ def _builtin() -> dict[str, type[Detector]]:
     from distdebug.detectors.loss_spike import LossSpike
     from distdebug.detectors.memory import Memory
     from distdebug.detectors.nan_origin import NanOrigin
+    from distdebug.detectors.profiler import Profiler
     from distdebug.detectors.replica_divergence import ReplicaDivergence
     from distdebug.detectors.straggler import Straggler
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
-                                      BatchNormDivergence, LossSpike, DataOrder, InitSeed, Straggler, Memory)}
+                                      BatchNormDivergence, LossSpike, DataOrder, InitSeed, Straggler, Memory,
+                                      Profiler)}
 
 
 def names() -> list[str]:

@@ -101,6 +101,8 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
     os.environ[envvars.SPIKE_THRESHOLD] = repr(float(cfg.spike_threshold))
     os.environ[envvars.SPIKE_WINDOW] = str(cfg.spike_window)
     os.environ[envvars.INJECT] = json.dumps(cfg.inject)
+    os.environ[envvars.PROFILE_STEPS] = cfg.profile_steps
+    os.environ[envvars.PROFILE_ON_FINDING] = str(cfg.profile_on_finding)
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))

@@ -81,6 +81,31 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
                       _memory(r.memory_peak), str(r.findings),
                       f"{style}{status}" if style else status)
     console.print(table)
+    _windows(console, summary.windows)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _windows(console: Console, windows: list[dict]) -> None:
+    if not windows:
+        return
+    table = Table(title="Profiler windows (median over ranks, min-max)")
+    for col in ("steps", "ranks", "overlap of comm with compute", "comm share", "data loader share",
+                "top operator (rank 0)", "verdict", "traces"):
+        table.add_column(col, overflow="fold")
+    for w in windows:
+        s = w["summary"]
+        cells = []
+        for key in ("overlap_ratio", "comm_share", "data_share"):
+            cells.append(f"{_pct(s.get(key))} ({_pct(s.get(key + '_min'))}-{_pct(s.get(key + '_max'))})")
+        first = next(iter(w["ranks"].values()), {})
+        top = (first.get("top_ops") or [{}])[0]
+        table.add_row(f"{w['steps'][0]}-{w['steps'][1]}" if w.get("steps") else "?", str(len(w["ranks"])), *cells,
+                      f"{top.get('name', '-')} ({top.get('total_us', 0) / 1000:.1f} ms)" if top else "-",
+                      "; ".join(w["verdicts"]) or "healthy", w["dir"])
+    console.print(table)
 
 
 def _memory(peak: dict | None) -> str:

@@ -95,6 +95,8 @@ class RankContext:
     """Callable(obj, name, replacement): replace an attribute until the session ends (restored then)."""
     emit: Any = None
     """Callable(kind, **fields): append one record of that kind to this rank's event stream."""
+    finding_listeners: list[Any] = field(default_factory=list)
+    """Callables(Finding) told of every finding this rank reports (from any thread)."""
     backward_t: float | None = None
     """time.monotonic() of the step's first backward call (arrival at the gradient reduction)."""
     raw_collectives: dict[str, Any] = field(default_factory=dict)
@@ -535,6 +537,11 @@ class Session:
                     flush=True,
                 )
             except (OSError, ValueError):  # a closed or broken stderr must not reach the training
+                pass
+        for listener in list(self.ctx.finding_listeners):
+            try:
+                listener(finding)
+            except Exception:  # a listener must not turn a finding into a failure
                 pass
 
     # ------------------------------------------------------------------ plumbing

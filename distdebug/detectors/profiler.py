@@ -1,0 +1,150 @@
+"""Profiler: torch.profiler traces of chosen steps on every rank (the seed's "profile steps 4995-5005
+and read the timeline", made automatic), and of the steps right after a detector fires.
+
+- ``--profile-steps A:B[,C:D...]``: torch.profiler runs from the start of step A to the end of step B
+  (A >= 2: step boundaries are known from the end of step 1 on). Each step is marked
+  ``ProfilerStep#N`` with N the optimizer step, the same on every rank, so windows line up across
+  ranks. Each rank writes ``traces/steps-A-B/rank-NNNNN.pt.trace.json.gz``: torch's own gzip
+  Chrome trace, with its ``distributedInfo``, which Perfetto and Holistic Trace Analysis open as is.
+- ``--profile-on-finding N`` (default 5, 0: off): when loss_spike, nan_origin, loss_nonfinite or
+  straggler reports a warning or worse, the next N steps are profiled on every rank, once per run.
+  The rank that saw it writes the window's first step into the job's own store (the one
+  init_process_group made); every rank looks for it every CHECK_EVERY steps, and the window
+  starts at a multiple of CHECK_EVERY that every rank checks before it (lockstep training keeps
+  ranks within a step of each other).
+
+Outside windows a boundary costs one set lookup (and a store lookup every CHECK_EVERY steps
+when triggered windows are on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from distdebug import envvars
+from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+
+CHECK_EVERY = 8
+TRIGGERS = ("loss_spike", "nan_origin", "loss_nonfinite", "straggler")
+STORE_KEY = "distdebug/profile_trigger"
+
+
+def parse_windows(text: str | None) -> list[tuple[int, int]]:
+    """``"5:8,20:22"`` -> [(5, 8), (20, 22)]; ValueError with the reason on anything else."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        a, sep, b = part.partition(":")
+        if not sep:
+            a = b = part
+        try:
+            start, end = int(a), int(b)
+        except ValueError:
+            raise ValueError(f"'{part}' is not A:B (optimizer steps)") from None
+        if start < 2 or end < start:
+            raise ValueError(f"'{part}': need 2 <= A <= B (step 1 is when the models are found)")
+        out.append((start, end))
+    return sorted(out)
+
+
+def trace_dir(run_dir: Path, start: int, end: int) -> Path:
+    return run_dir / "traces" / f"steps-{start}-{end}"
+
+
+class Profiler(Detector):
+    name = "profiler"
+    description = "torch.profiler traces of --profile-steps windows and of the steps after a detector fires"
+
+    def __init__(self) -> None:
+        self.windows = parse_windows(envvars.get(envvars.PROFILE_STEPS))
+        self.on_finding = int(envvars.get(envvars.PROFILE_ON_FINDING) or 0)
+        self.starts = {a - 1: (a, b) for a, b in self.windows}  # boundary before the window -> window
+        self.ctx: Any = None
+        self.prof: Any = None
+        self.window: tuple[int, int] | None = None
+        self.current = 1
+        self.fired = False  # this rank wrote a trigger
+        self.seen = False  # a trigger was read from the store (by every rank, this one included)
+        self.store: Any = None
+
+    def attach(self, ctx: Any) -> None:
+        self.ctx = ctx
+        if self.on_finding > 0:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                try:
+                    self.store = dist.distributed_c10d._get_default_store()
+                except Exception:  # no store (a fake group): triggered windows stay off
+                    self.store = None
+            ctx.finding_listeners.append(self._on_finding)
+
+    def _on_finding(self, finding: Finding) -> None:
+        """Called from any thread for every finding of this rank."""
+        if (self.fired or self.seen or self.store is None or finding.detector not in TRIGGERS
+                or Severity(finding.severity).rank < Severity.WARNING.rank):
+            return
+        self.fired = True
+        start = (self.current + CHECK_EVERY + 1 + CHECK_EVERY - 1) // CHECK_EVERY * CHECK_EVERY
+        try:
+            self.store.set(STORE_KEY, f"{start}:{start + self.on_finding - 1}:{finding.detector}")
+        except Exception:  # the store went away (job ending): no window
+            pass
+
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        self.current = event.step + 1
+        if self.prof is not None:
+            assert self.window is not None
+            if event.step >= self.window[1]:
+                self._stop()
+            else:
+                self.prof.step()
+        if self.store is not None and event.step % CHECK_EVERY == 0 and not self.seen:
+            self._look_for_trigger(event.step)
+        window = self.starts.pop(event.step, None)
+        if window is not None and self.prof is None:
+            self._start(window)
+        return ()
+
+    def _look_for_trigger(self, step: int) -> None:
+        """A triggered window in the store (written by any rank): schedule it on this rank."""
+        try:
+            if not self.store.check([STORE_KEY]):
+                return
+            a, b, _ = self.store.get(STORE_KEY).decode().split(":", 2)
+        except Exception:  # the store went away (job ending)
+            return
+        self.seen = True
+        start, end = int(a), int(b)
+        if start - 1 >= step:
+            self.starts[start - 1] = (start, end)
+
+    def _start(self, window: tuple[int, int]) -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
+        prof.record_steps = True  # ProfilerStep#N marks, as with a schedule
+        prof.step_num = window[0]
+        prof.start()
+        self.prof, self.window = prof, window
+
+    def _stop(self) -> None:
+        prof, window = self.prof, self.window
+        self.prof, self.window = None, None
+        assert window is not None
+        prof.stop()
+        if self.ctx is not None and self.ctx.run_dir is not None:
+            out = trace_dir(Path(self.ctx.run_dir), *window)
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / f"rank-{self.ctx.rank:05d}.pt.trace.json.gz"
+            prof.export_chrome_trace(str(path))
+            self.ctx.emit("trace", steps=list(window), path=str(path))
+
+    def on_end(self) -> Iterable[Finding]:
+        if self.prof is not None:  # the script ended inside a window: keep what it has
+            self._stop()
+        return ()

@@ -1,0 +1,58 @@
+"""Tier 3 (CLI end to end): profiler windows on every rank, aligned by step, their analysis in the
+report, a window triggered by a finding, and a bad window spec."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+from tests.helpers import RECIPES, distdebug
+
+
+def step_marks(path):
+    events = json.load(gzip.open(path, "rt"))["traceEvents"]
+    return sorted(int(m.group(1)) for e in events if (m := re.fullmatch(r"ProfilerStep#(\d+)", e.get("name", ""))))
+
+
+def test_windows_hold_exactly_the_requested_steps_on_every_rank_and_are_analysed(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--profile-steps", "3:5,8:8",
+                  str(RECIPES / "ddp_convnet.py"), "--steps", "10")
+    assert r.returncode == 0, r.output
+    for window, steps in (("steps-3-5", [3, 4, 5]), ("steps-8-8", [8])):
+        files = sorted((tmp_path / "traces" / window).glob("rank-*.pt.trace.json.gz"))
+        assert [f.name for f in files] == ["rank-00000.pt.trace.json.gz", "rank-00001.pt.trace.json.gz"]
+        for rank, f in enumerate(files):
+            assert step_marks(f) == steps
+            trace = json.load(gzip.open(f, "rt"))
+            # What Holistic Trace Analysis reads to place a trace: the rank and world size.
+            assert trace["distributedInfo"]["rank"] == rank and trace["distributedInfo"]["world_size"] == 2
+    rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
+    w = rep["windows"][0]
+    assert w["steps"] == [3, 5] and sorted(w["ranks"]) == ["0", "1"]
+    for rank in ("0", "1"):
+        a = w["ranks"][rank]
+        assert a["device"] == "cpu" and [s["step"] for s in a["steps"]] == [3, 4, 5]
+        assert 0 < a["comm_share"] < 1 and 0 <= a["overlap_ratio"] <= 1 and 0 < a["data_share"] < 0.5
+        assert a["top_ops"] and all(s["compute_us"] > 0 for s in a["steps"])
+    assert "Profiler windows" in distdebug("report", str(tmp_path)).stdout
+
+
+def test_a_finding_triggers_a_window_on_every_rank(tmp_path):
+    # A corrupted step at 20 -> loss_spike at the boundary of step 20 -> a window of 5 steps that
+    # starts at the first multiple of 8 at least 9 steps on: steps 32 to 36, on both ranks.
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--inject", "loss_spike", str(RECIPES / "ddp_convnet.py"),
+                  "--steps", "38")
+    assert r.returncode == 0, r.output
+    files = sorted((tmp_path / "traces").glob("*/rank-*.gz"))
+    assert [f"{f.parent.name}/{f.name}" for f in files] == ["steps-32-36/rank-00000.pt.trace.json.gz",
+                                                            "steps-32-36/rank-00001.pt.trace.json.gz"]
+    assert all(step_marks(f) == [32, 33, 34, 35, 36] for f in files)
+
+
+def test_bad_profile_steps_is_one_line(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path / "x"), "--profile-steps", "1:5",
+                  str(RECIPES / "ddp_convnet.py"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("distdebug: error: --profile-steps 1:5: '1:5': need 2 <= A <= B (step 1 is when "
+                                "the models are found)")
