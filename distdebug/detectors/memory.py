@@ -7,13 +7,16 @@ seed's table) is a reading, not a guess.
   before the next zero_grad). Their sizes only change in the first steps (Adam creates its state at
   its first step), so they are read at steps 1, 2, 4, 8 and every 16, not every step.
 - Activations: the bytes autograd saves for backward, counted by a saved-tensors hook as they are
-  saved (each storage once, parameters left out): the step's activation peak. The hook hands every
-  tensor back unchanged; it is not installed for torch.compile'd models.
+  saved (each storage once, parameters left out): the step's activation peak. The hook is a Python
+  call per saved tensor, so it is on only in the checked steps (it is pushed at the boundary
+  before one and popped at its end); it hands every tensor back unchanged, and is never installed
+  for torch.compile'd models.
 - Other: on GPU, what the CUDA caching allocator holds beyond the four (temporaries, workspace,
   fragmentation), from ``torch.cuda.memory_allocated``; the peak from ``max_memory_allocated``.
   On CPU there is no allocator to ask: "other" is not measured.
 
-Each checked step writes a ``memory`` record; the end writes the peak. The static estimate for one
+Each checked step (2, 4, 8, then every 16) writes a ``memory`` record; the end writes the largest of
+them as the peak. The static estimate for one
 dtype is parameters : gradients : optimizer state = 1 : 1 : k, with k = 2 for Adam and AdamW, 1 for
 SGD with momentum, 0 without; a category more than OUTGROW times its estimate gets an info finding.
 """
@@ -87,11 +90,11 @@ class Memory(Detector):
         self.static: dict[str, int] = {}
         self.peak: dict[str, Any] = {"total": -1}
         self._hooks: Any = None
+        self.hookable = False
         self.cuda = False
         self.reported: set[str] = set()
 
     def attach(self, ctx: Any) -> None:
-        import torch
 
         from distdebug.runtime.discovery import unwrap
 
@@ -109,10 +112,25 @@ class Memory(Detector):
                 pass
         self.cuda = any(p.is_cuda for p in self.params)
         # torch.compile'd models are left alone: a saved-tensors hook would change how they compile.
-        if not any("torch.compile" in unwrap(root)[1] for root in ctx.models):
+        self.hookable = not any("torch.compile" in unwrap(root)[1] for root in ctx.models)
+        self._read(0)
+        self._arm(2)
+
+    def _arm(self, step: int) -> None:
+        """Count saved tensors during ``step`` only if it is a checked one."""
+        import torch
+
+        if self.hookable and self._hooks is None and checked_step(step):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
-        self._read(0)
+
+    def _disarm(self) -> None:
+        if self._hooks is not None:
+            try:
+                self._hooks.__exit__(None, None, None)
+            except Exception:  # exited from another thread than it was entered: nothing to undo there
+                pass
+            self._hooks = None
 
     def _pack(self, t: Any) -> Any:
         try:
@@ -136,10 +154,10 @@ class Memory(Detector):
         self.saved = set()
         if self.ctx is None:
             return ()
+        self._disarm()
         if checked_step(event.step) or event.step == 1:
             self._read(event.step, act)
-        else:
-            self._track_peak(event.step, {**self.static, "activations": act})
+        self._arm(event.step + 1)
         return self._verdicts(event.step)
 
     def _read(self, step: int, activations: int = 0) -> None:
@@ -182,12 +200,7 @@ class Memory(Detector):
         return out
 
     def on_end(self) -> Iterable[Finding]:
-        if self._hooks is not None:
-            try:
-                self._hooks.__exit__(None, None, None)
-            except Exception:  # exited from another thread than it was entered: nothing to undo there
-                pass
-            self._hooks = None
+        self._disarm()
         if self.ctx is not None and self.peak.get("total", -1) >= 0:
             self.ctx.emit("memory_peak", **self.peak)
         return ()
