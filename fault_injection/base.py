@@ -80,6 +80,8 @@ class Fault(Detector):
     exit_codes: ClassVar[tuple[int, ...]] = (0,)
     """Exit codes of a run with this fault that are expected (a hang ends the job with 124)."""
     min_world: ClassVar[int] = 2
+    steps: ClassVar[int] = 10
+    """Optimizer steps its replay run on a recipe needs (the fault's step and the detector's checks after it)."""
 
     def __init__(self, **params: Any) -> None:
         for p in self.params:

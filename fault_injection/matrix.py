@@ -141,7 +141,7 @@ def _cli() -> list[str]:
 
 def _steps(fault: Fault | None) -> int:
     step = int(getattr(fault, "step", 0) or 0)
-    return max(10, step + 4)
+    return max(fault.steps if fault is not None else 10, step + 4)
 
 
 def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, script: list[str] | None = None,

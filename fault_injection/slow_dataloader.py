@@ -16,6 +16,7 @@ class SlowDataloader(Fault):
     description = "one rank's DataLoader sleeps `delay` seconds before every batch"
     params = (RANK, Param("delay", float, 0.05, "seconds added to each batch"))
     catcher = "straggler"
+    steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
     def setup(self, ctx: Any) -> None:
         super().setup(ctx)

@@ -17,6 +17,7 @@ class Straggler(Fault):
     description = "one rank sleeps `delay` seconds in every forward from `step` on"
     params = (RANK, STEP, Param("delay", float, 0.05, "seconds added to each of its steps"))
     catcher = "straggler"
+    steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
     def attach(self, ctx: Any) -> None:
         super().attach(ctx)

@@ -197,6 +197,13 @@ class Straggler(ExchangeUser, Detector):
                      "on its GPU, a slower card; profile it with --profile-steps"),
             ))
 
+    def before_destroy(self) -> None:
+        """A clean end, every rank together: the rows since the last check are judged too."""
+        if self.exchange is not None and self.rows:
+            mine, self.rows = self.rows, []
+            self.exchange.post(mine, self._judge)
+        super().before_destroy()
+
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)
         for h in self._hooks:

@@ -152,7 +152,8 @@ def test_sigkilled_rank_leaves_a_readable_run_dir(tmp_path):
     assert "rank 1 was killed by SIGKILL" in r.stderr
     records, damaged = read_events(layout.events_path(tmp_path, 1))
     assert damaged == 0
-    assert [x["kind"] for x in records] == ["start", "pg_init", "pg_init", "discovery", "step", "step"]
+    assert [x["kind"] for x in records] == ["start", "pg_init", "pg_init", "discovery", "step", "memory", "step",
+                                            "memory"]
     rep = distdebug("report", "--json", str(tmp_path))
     assert rep.returncode == 0, rep.output
     summary = json.loads(rep.stdout)
