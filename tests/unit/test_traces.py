@@ -49,3 +49,17 @@ def test_window_grammar():
     for bad, why in (("1:5", "2 <= A <= B"), ("9:3", "2 <= A <= B"), ("a:b", "is not A:B")):
         with pytest.raises(ValueError, match=why):
             parse_windows(bad)
+
+
+def test_gpu_trace_uses_kernels_nccl_for_communication():
+    """A GPU window (synthetic, by hand): compute kernels [60, 100) and [120, 140), an NCCL kernel
+    [90, 150) in a 200 us step: 60 us of communication, 10 + 20 of it overlapped (50%), data loader
+    [0, 50). The CPU-side nccl annotation is not communication time."""
+    (w,) = analyze_run(DATA / "traces_gpu")
+    r = w["ranks"][3]
+    assert r["device"] == "gpu"
+    assert [(s["step_us"], s["compute_us"], s["comm_us"], s["overlap_us"], s["data_us"]) for s in r["steps"]] == \
+        [(200, 60, 60, 30, 50)]
+    assert r["overlap_ratio"] == pytest.approx(0.5) and r["data_share"] == pytest.approx(0.25)
+    assert w["verdicts"] == ["data loading takes 25% of the step: more DataLoader workers, pin_memory, prefetching"]
+    assert r["top_ops"][0]["name"] == "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
