@@ -152,12 +152,13 @@ class LossSpike(ExchangeUser, Detector):
         """Queue this rank's losses at the checked steps; rank 0 judges them on the exchange's thread."""
         if self.exchange is None:
             return
+        self.last_step = event.step
         if event.loss is not None:
             self.losses.append((event.step, event.loss))
         if checked_step(event.step):
-            self._cross_rank_flush()
+            self.flush_pending()
 
-    def _cross_rank_flush(self) -> None:
+    def flush_pending(self) -> None:
         mine, self.losses = self.losses, []
 
         def judge(gathered: list[Any]) -> None:
@@ -233,12 +234,6 @@ class LossSpike(ExchangeUser, Detector):
             self.run[signal] = 0
             hist.append(value)
         return out
-
-    def before_destroy(self) -> None:
-        """A clean end, every rank together: the losses since the last check are judged too."""
-        if self.exchange is not None and self.losses:
-            self._cross_rank_flush()
-        super().before_destroy()
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)

@@ -156,9 +156,9 @@ class Straggler(ExchangeUser, Detector):
         if self.exchange is None or event.step < 2:  # step 1 holds start-up and discovery
             return ()
         self.rows.append(row)
+        self.last_step = event.step
         if checked_step(event.step):
-            mine, self.rows = self.rows, []
-            self.exchange.post(mine, self._judge)
+            self.flush_pending()
         return ()
 
     def _judge(self, gathered: list[Any]) -> None:  # on the exchange's thread
@@ -197,12 +197,9 @@ class Straggler(ExchangeUser, Detector):
                      "on its GPU, a slower card; profile it with --profile-steps"),
             ))
 
-    def before_destroy(self) -> None:
-        """A clean end, every rank together: the rows since the last check are judged too."""
-        if self.exchange is not None and self.rows:
-            mine, self.rows = self.rows, []
-            self.exchange.post(mine, self._judge)
-        super().before_destroy()
+    def flush_pending(self) -> None:
+        mine, self.rows = self.rows, []
+        self.exchange.post(mine, self._judge)
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)

@@ -93,11 +93,22 @@ class BackgroundExchange:
 
 
 class ExchangeUser:
-    """Mixin for detectors with a ``BackgroundExchange`` in ``self.exchange``: drained at a clean end."""
+    """Mixin for detectors with a ``BackgroundExchange`` in ``self.exchange``: drained at a clean end.
+
+    A detector that sets ``last_step`` in ``on_step`` and overrides ``flush_pending`` also gets what
+    it gathered since its last checked step exchanged at a clean end. Whether to flush depends on
+    the step number only, which every rank shares, so the exchanges still pair up.
+    """
 
     exchange: BackgroundExchange | None = None
+    last_step: int = 0
+
+    def flush_pending(self) -> None:
+        """Post what was gathered since the last checked step (override)."""
 
     def before_destroy(self) -> None:
+        if self.exchange is not None and self.last_step and not checked_step(self.last_step):
+            self.flush_pending()
         self.close_exchange(clean=True)
 
     def close_exchange(self, clean: bool) -> None:
