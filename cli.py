@@ -204,6 +204,33 @@ def list_detectors() -> int:
     return 0
 
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(as_json: bool) -> int:
+    """Check this host's environment for distributed training: versions, GPUs and topology, dangerous
+    NCCL/GLOO/MASTER variables, port, /dev/shm, open-file limit. Exits 1 if any check fails."""
+    import json
+
+    from distdebug.doctor.checks import FAIL, local_checks
+
+    checks = local_checks()
+    if as_json:
+        click.echo(json.dumps([c.to_dict() for c in checks], indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        out = Console()
+        table = Table(title="distdebug doctor (this host)")
+        for col in ("check", "status", "detail", "fix"):
+            table.add_column(col, overflow="fold")
+        style = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+        for c in checks:
+            table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail, c.fix)
+        (out if out.is_terminal else Console(width=160)).print(table)
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
 @main.group()
 def faults() -> None:
     """Inject faults on purpose and prove that each detector catches its fault (fault x engine matrix)."""

@@ -16,6 +16,7 @@ def _builtin() -> dict[str, type[Detector]]:
     from distdebug.detectors.bn_divergence import BatchNormDivergence
     from distdebug.detectors.checkpoint_roundtrip import CheckpointRoundTrip
     from distdebug.detectors.data_order import DataOrder
+    from distdebug.detectors.env_check import EnvCheck
     from distdebug.detectors.init_seed import InitSeed
     from distdebug.detectors.loss_nonfinite import LossNonFinite
     from distdebug.detectors.loss_spike import LossSpike
@@ -27,7 +28,7 @@ def _builtin() -> dict[str, type[Detector]]:
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
                                       BatchNormDivergence, LossSpike, DataOrder, InitSeed, Straggler, Memory,
-                                      Profiler)}
+                                      Profiler, EnvCheck)}
 
 
 def names() -> list[str]:

@@ -1,0 +1,34 @@
+"""EnvCheck: dangerous NCCL/GLOO/MASTER variables, explained in each rank before the script starts.
+
+Why inside attach: a socket interface that does not exist, or error handling turned off, shows up
+later as a raw trace from init_process_group or as a hang; the same checks as ``distdebug doctor``
+(``doctor.checks.variable_checks``: no subprocess, no torch) run in ``setup`` and every warn or fail
+becomes a finding with its fix, written before the script's first line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from distdebug.detectors.base import Detector, Finding, Severity
+
+
+class EnvCheck(Detector):
+    name = "env_check"
+    description = "dangerous NCCL_*/TORCH_NCCL_*/GLOO_*/MASTER_* variables in each rank (as distdebug doctor)"
+
+    def setup(self, ctx: Any) -> None:
+        from distdebug.doctor.checks import FAIL, PASS, variable_checks
+
+        for c in variable_checks():
+            if c.status == PASS:
+                continue
+            ctx.report(Finding(
+                severity=Severity.ERROR if c.status == FAIL else Severity.WARNING, detector=self.name,
+                ranks=[ctx.rank], step=None, subject=c.name, message=c.detail, fix=c.fix or None,
+                evidence={"check": c.name, "status": c.status},
+            ))
+
+    def on_step(self, event: Any) -> Iterable[Finding]:
+        return ()

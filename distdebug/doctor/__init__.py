@@ -1,0 +1,1 @@
+"""Environment checks (``distdebug doctor``), also run inside every rank by attach's env_check."""

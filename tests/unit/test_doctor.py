@@ -1,0 +1,65 @@
+"""Tier 1 (pure): environment checks on hosts described by hand."""
+
+from __future__ import annotations
+
+from distdebug.doctor.checks import (
+    FAIL,
+    PASS,
+    WARN,
+    check_limits,
+    check_master,
+    check_topology,
+    check_variables,
+    interface_matches,
+    parse_topology,
+)
+
+IFACES = ["lo", "eth0", "ib0", "docker0"]
+
+
+def statuses(checks):
+    return {c.name: c.status for c in checks}
+
+
+def test_socket_interface_names_follow_nccl_and_gloo_rules():
+    assert interface_matches("eth", IFACES, nccl=True) == ["eth0"]  # NCCL: a prefix
+    assert interface_matches("=eth", IFACES, nccl=True) == []  # '=': exact
+    assert interface_matches("^docker,lo", IFACES, nccl=True) == ["eth0", "ib0"]  # '^': all but these
+    assert interface_matches("eth", IFACES, nccl=False) == []  # gloo: exact names
+    assert interface_matches("lo,eth0", IFACES, nccl=False) == ["lo", "eth0"]
+
+
+def test_dangerous_variables_are_flagged_with_reason_and_fix():
+    env = {"GLOO_SOCKET_IFNAME": "enp5s0", "NCCL_SOCKET_IFNAME": "eth", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+           "TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_IB_DISABLE": "1", "NCCL_IB_TIMEOUT": "8",
+           "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "86400"}
+    checks = check_variables(env, IFACES, has_ib=True)
+    assert statuses(checks) == {"GLOO_SOCKET_IFNAME": FAIL, "NCCL_SOCKET_IFNAME": PASS,
+                                "TORCH_NCCL_ASYNC_ERROR_HANDLING": WARN, "TORCH_NCCL_BLOCKING_WAIT": WARN,
+                                "NCCL_IB_DISABLE": WARN, "NCCL_IB_TIMEOUT": WARN,
+                                "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": WARN}
+    gloo = next(c for c in checks if c.name == "GLOO_SOCKET_IFNAME")
+    assert "names no interface of this host (it has: lo, eth0, ib0, docker0)" in gloo.detail
+    assert gloo.fix.startswith("set GLOO_SOCKET_IFNAME to one of eth0, ib0, docker0")
+    assert all(c.fix for c in checks if c.status != PASS)
+    # IB off on a host without IB is not a problem; nothing set, nothing said.
+    assert check_variables({"NCCL_IB_DISABLE": "1"}, IFACES, has_ib=False) == []
+    assert check_variables({}, IFACES, has_ib=True) == []
+
+
+def test_master_limits_and_topology():
+    assert statuses(check_master({"MASTER_PORT": "99999"}, check_port_free=False)) == {"MASTER_PORT": FAIL}
+    assert statuses(check_master({"MASTER_ADDR": "localhost"}, check_port_free=False)) == {"MASTER_ADDR": PASS}
+    assert statuses(check_master({"MASTER_ADDR": "no-such-host.invalid"}, False)) == {"MASTER_ADDR": FAIL}
+    assert statuses(check_limits(64 << 20, 1024)) == {"/dev/shm": WARN, "open files": WARN}
+    assert statuses(check_limits(16 << 30, 1 << 20)) == {"/dev/shm": PASS, "open files": PASS}
+    topo = """\tGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV12\tSYS\t0-31\t0
+GPU1\tNV12\t X \tPHB\t0-31\t0
+GPU2\tSYS\tPHB\t X \t32-63\t1
+"""
+    gpus, links = parse_topology(topo)
+    assert gpus == ["GPU0", "GPU1", "GPU2"] and links[("GPU0", "GPU2")] == "SYS" and links[("GPU1", "GPU0")] == "NV12"
+    (topology, mig) = check_topology(topo, ["Disabled", "Enabled", "Disabled"])
+    assert topology.status == WARN and "GPU0-GPU2 (SYS), GPU1-GPU2 (PHB)" in topology.detail
+    assert mig.status == WARN and "GPU(s) [1]" in mig.detail
