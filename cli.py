@@ -206,29 +206,49 @@ def list_detectors() -> int:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def doctor(as_json: bool) -> int:
-    """Check this host's environment for distributed training: versions, GPUs and topology, dangerous
-    NCCL/GLOO/MASTER variables, port, /dev/shm, open-file limit. Exits 1 if any check fails."""
+@click.option("--bandwidth", is_flag=True, help="Also an all_reduce bandwidth sweep and a pairwise link matrix "
+              "across the ranks (started like attach).")
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None,
+              help="Check across this many ranks per node, started like attach (default with --bandwidth: "
+                   "as attach). Without it and --bandwidth: this host only, no ranks.")
+@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True)
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True)
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="")
+@click.option("--master-addr", "--master_addr", "master_addr", default=None)
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None)
+@click.option("--max-bytes", type=int, default=128 << 20, show_default=True,
+              help="Largest all_reduce of the sweep (bytes; from 8 B, doubling).")
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the ranks' records go. Default: a new directory under ./distdebug-runs/.")
+def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes: int, run_dir: Path | None,
+           **launcher: object) -> int:
+    """Check the environment for distributed training: versions, GPUs and topology, dangerous
+    NCCL/GLOO/MASTER variables, port, /dev/shm, open-file limit; across ranks and nodes, differences in
+    variables and versions; with --bandwidth, bus bandwidth and the link matrix. Exits 1 on a fail."""
     import json
 
     from distdebug.doctor.checks import FAIL, local_checks
 
-    checks = local_checks()
+    if nproc_per_node is None and not bandwidth:
+        checks = [c.to_dict() for c in local_checks()]
+        result: dict = {"ranks": {"local": {"checks": checks}}, "differences": []}
+        failed = any(c["status"] == FAIL for c in checks)
+    else:
+        from distdebug.doctor.run import run_doctor
+
+        result, failed = run_doctor(nproc_per_node=nproc_per_node, bandwidth=bandwidth, max_bytes=max_bytes,
+                                    run_dir=run_dir, launcher=launcher)
     if as_json:
-        click.echo(json.dumps([c.to_dict() for c in checks], indent=2))
+        click.echo(json.dumps(result, indent=2))
     else:
         from rich.console import Console
-        from rich.table import Table
+
+        from distdebug.report.doctor_view import render
 
         out = Console()
-        table = Table(title="distdebug doctor (this host)")
-        for col in ("check", "status", "detail", "fix"):
-            table.add_column(col, overflow="fold")
-        style = {"pass": "green", "warn": "yellow", "fail": "bold red"}
-        for c in checks:
-            table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail, c.fix)
-        (out if out.is_terminal else Console(width=160)).print(table)
-    return 1 if any(c.status == FAIL for c in checks) else 0
+        render(out if out.is_terminal else Console(width=160), result)
+    return 1 if failed else 0
 
 
 @main.group()

@@ -40,12 +40,19 @@ class Engine:
     """Arguments of a run before the faulty one (a checkpoint to resume from), or None."""
     resume: tuple[str, ...] = ()
     """Arguments of the faulty run after a prepare run."""
+    steps: bool = True
+    """Whether the script takes --steps (a training recipe does; the doctor's worker does not)."""
 
 
-def _recipes() -> Path:
+def _script(name: str) -> Path:
+    """A recipe by file name, or the doctor's worker (``doctor:``)."""
+    if name.startswith("doctor:"):
+        import distdebug.doctor
+
+        return Path(distdebug.doctor.__file__).resolve().parent / name.split(":", 1)[1]
     import recipes
 
-    return Path(recipes.__file__).resolve().parent
+    return Path(recipes.__file__).resolve().parent / name
 
 
 ENGINES: dict[str, Engine] = {
@@ -55,8 +62,10 @@ ENGINES: dict[str, Engine] = {
     "zero2": Engine("deepspeed_zero.py", ("--zero-stage", "2")),
     "zero2_resume": Engine("deepspeed_zero.py", ("--zero-stage", "2"),
                            prepare=("--steps", "4", "--checkpoint-at", "3"), resume=("--steps", "2", "--resume")),
+    "doctor": Engine("doctor:worker.py", ("--bandwidth", "--max-bytes", "4096"), steps=False),
 }
-"""Engine name -> recipe. ``zero2_resume`` saves a checkpoint in one run and resumes it in the next."""
+"""Engine name -> recipe. ``zero2_resume`` saves a checkpoint in one run and resumes it in the next;
+``doctor`` is ``distdebug doctor --bandwidth``'s worker (the link matrix)."""
 
 
 @dataclass
@@ -130,7 +139,7 @@ def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findi
 def _built(detector: str) -> bool:
     from distdebug.detectors.registry import names
 
-    return detector in names() or detector == "hang"
+    return detector in names() or detector in ("hang", "link_matrix", "env_diff")  # launcher- and doctor-side
 
 
 def _cli() -> list[str]:
@@ -161,7 +170,7 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
         target = list(script)
     else:
         engine = ENGINES[engine_name]
-        target = [str(_recipes() / engine.script), *engine.args]
+        target = [str(_script(engine.script)), *engine.args]
         if engine.prepare is not None:
             target += ["--checkpoint-dir", str(runs / "ckpt")]
             prep = run_tree([*base, "--run-dir", str(runs / "prepare"), *target, *engine.prepare],
@@ -170,7 +179,7 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
                 cell.status, cell.reason = "error", f"the preparing run failed ({prep.returncode})"
                 return cell
             target += list(engine.resume)
-        else:
+        elif engine.steps:
             target += ["--steps", str(_steps(fault))]
     run_dir = runs / "run"
     cell.run_dir = str(run_dir)
@@ -220,11 +229,8 @@ def replay(cells: list[tuple[str, str]], work: Path, nproc: int = 2, script: lis
     out = []
     for fault_name, engine in cells:
         fault = FAULTS[fault_name]() if fault_name != "clean" else None
-        if fault is not None and nproc < fault.min_world:
-            cell = Cell(fault=fault_name, engine=engine, spec=fault.spec(), status="error",
-                        reason=f"needs {fault.min_world} ranks or more")
-        else:
-            cell = run_cell(fault, engine, work, nproc, script=script)
+        # A fault that needs more ranks (a slow pair among others) gets them.
+        cell = run_cell(fault, engine, work, max(nproc, fault.min_world if fault is not None else 1), script=script)
         out.append(cell)
         if on_cell is not None:
             on_cell(cell)

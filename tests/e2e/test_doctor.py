@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
 from tests.helpers import RECIPES, distdebug, make_env
@@ -13,7 +15,7 @@ from tests.helpers import RECIPES, distdebug, make_env
 def test_doctor_fails_a_missing_socket_interface_and_passes_without_it():
     r = distdebug("doctor", "--json", env=make_env(GLOO_SOCKET_IFNAME="distdebug_missing0"))
     assert r.returncode == 1, r.output
-    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    checks = {c["name"]: c for c in json.loads(r.stdout)["ranks"]["local"]["checks"]}
     assert checks["GLOO_SOCKET_IFNAME"]["status"] == "fail"
     assert "distdebug_missing0 names no interface of this host" in checks["GLOO_SOCKET_IFNAME"]["detail"]
     assert checks["versions"]["status"] == "pass" and "torch 2." in checks["versions"]["detail"]
@@ -26,7 +28,29 @@ def test_attach_explains_a_missing_socket_interface_before_the_raw_error(tmp_pat
     r = distdebug("attach", "--run-dir", str(tmp_path), str(RECIPES / "manual_allreduce.py"), "--steps", "2",
                   env=make_env(GLOO_SOCKET_IFNAME="distdebug_missing0"), timeout=120)
     assert r.returncode != 0
-    first = r.stderr.index("env_check: GLOO_SOCKET_IFNAME: GLOO_SOCKET_IFNAME=distdebug_missing0 names no interface")
-    assert "set GLOO_SOCKET_IFNAME to one of" in json.dumps(
-        [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "finding"])
-    assert first >= 0
+    assert "env_check: GLOO_SOCKET_IFNAME: GLOO_SOCKET_IFNAME=distdebug_missing0 names no interface" in r.stderr
+    (f,) = [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "finding"]
+    assert (f["detector"], f["severity"], f["subject"]) == ("env_check", "error", "GLOO_SOCKET_IFNAME")
+    assert f["fix"].startswith("set GLOO_SOCKET_IFNAME to one of")
+
+
+def test_bandwidth_sweep_and_link_matrix_on_two_gloo_ranks(tmp_path):
+    r = distdebug("doctor", "--bandwidth", "--nproc-per-node", "2", "--max-bytes", "65536", "--run-dir",
+                  str(tmp_path), "--json", timeout=180)
+    assert r.returncode == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["backend"] == "gloo" and d["world_size"] == 2 and d["differences"] == []
+    sweep = d["all_reduce"]
+    assert [row["bytes"] for row in sweep] == [8 << i for i in range(14)]  # 8 B to 64 KiB, doubling
+    for row in sweep:
+        assert row["time_us"] > 0
+        assert row["algbw_GBps"] == pytest.approx(row["bytes"] / row["time_us"] / 1e3)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2)
+    assert list(d["links"]["bandwidth_GBps"]) == ["0-1"] and d["links"]["bandwidth_GBps"]["0-1"] > 0
+    assert d["links"]["latency_us"]["0-1"] > 0
+    assert sorted(d["ranks"]) == ["0", "1"] and all(r["checks"] for r in d["ranks"].values())
+    assert (tmp_path / "doctor.json").is_file()
+    text = distdebug("doctor", "--bandwidth", "--nproc-per-node", "2", "--max-bytes", "1024", "--run-dir",
+                     str(tmp_path / "again"), timeout=180)
+    assert text.returncode == 0 and "all_reduce bus bandwidth (gloo, 2 ranks)" in text.stdout
+    assert "link matrix" in text.stdout

@@ -63,3 +63,23 @@ GPU2\tSYS\tPHB\t X \t32-63\t1
     (topology, mig) = check_topology(topo, ["Disabled", "Enabled", "Disabled"])
     assert topology.status == WARN and "GPU0-GPU2 (SYS), GPU1-GPU2 (PHB)" in topology.detail
     assert mig.status == WARN and "GPU(s) [1]" in mig.detail
+
+
+def test_differences_across_ranks_and_slow_links():
+    from distdebug.doctor.worker import compared_env, env_differences, slow_links
+
+    env = compared_env({"NCCL_DEBUG": "INFO", "HOME": "/root", "NCCL_IB_HCA": "mlx5", "NCCL_API_KEY": "x"})
+    assert env == {"NCCL_API_KEY": "<redacted>", "NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5"}
+    ranks = {0: {"env": {"NCCL_DEBUG": "INFO"}, "versions": "torch 2.13"},
+             1: {"env": {"NCCL_DEBUG": "INFO"}, "versions": "torch 2.13"},
+             2: {"env": {"NCCL_DEBUG": "WARN", "NCCL_P2P_DISABLE": "1"}, "versions": "torch 2.12"}}
+    assert env_differences(ranks) == [
+        {"name": "NCCL_DEBUG", "values": {"INFO": [0, 1], "WARN": [2]}},
+        {"name": "NCCL_P2P_DISABLE", "values": {"<unset>": [0, 1], "1": [2]}},
+        {"name": "versions", "values": {"torch 2.13": [0, 1], "torch 2.12": [2]}},
+    ]
+    # The seed's case: cards 2 and 5 ten times slower than the rest.
+    matrix = {(a, b): 20.0 for a in range(6) for b in range(a + 1, 6)}
+    matrix[(2, 5)] = 2.0
+    assert slow_links(matrix) == [(2, 5, 10.0)]
+    assert slow_links({(0, 1): 1.0}) == []  # one link: nothing to compare with

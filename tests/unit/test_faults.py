@@ -79,8 +79,12 @@ def test_verdicts_caught_localised_mislocalised_and_missed():
 
 
 def test_detector_not_built_is_a_miss_and_clean_runs_need_no_finding():
-    cell = _judge("bad_env", [{"kind": "injected", "rank": 1, "step": 1, "fault": "bad_env", "var": "X"}], [])
-    assert cell.status == "miss" and "(detector not built)" in cell.reason
+    class Future(FAULTS["straggler"]):  # a fault whose detector does not exist (yet)
+        catcher = "not_built_yet"
+
+    cell = judge(Future(), 2, [{"kind": "injected", "rank": 1, "step": 3, "fault": "straggler"}],
+                 [_finding("straggler", [1], 5, "compute")], Cell(fault="future", engine="ddp", spec=""))
+    assert cell.status == "miss" and cell.reason == "no finding from not_built_yet (detector not built)"
     assert _judge(None, [], []).status == "clean"
     alarm = _judge(None, [], [_finding("loss_spike", [0], 9, "loss")])
     assert alarm.status == "false-alarm" and "loss_spike: loss (step 9)" in alarm.reason

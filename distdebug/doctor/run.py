@@ -1,0 +1,35 @@
+"""``distdebug doctor`` across ranks: the worker runs under attach (same launcher, same run directory,
+same clean-up), and rank 0's ``doctor.json`` is read back."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from distdebug.errors import UserError
+
+
+def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, run_dir: Path | None,
+               launcher: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(rank 0's result, whether anything failed)."""
+    from distdebug.config import AttachConfig
+    from distdebug.doctor.checks import FAIL
+    from distdebug.launch.attach import attach
+
+    run_dir = run_dir or Path("distdebug-runs") / time.strftime("doctor-%Y%m%d-%H%M%S")
+    out = Path(run_dir).resolve() / "doctor.json"
+    args = ["--out", str(out), "--max-bytes", str(max_bytes)] + (["--bandwidth"] if bandwidth else [])
+    cfg = AttachConfig(target=str(Path(__file__).with_name("worker.py")), target_args=args, run_dir=run_dir,
+                       nproc_per_node=nproc_per_node, detectors=["env_check"], profile_on_finding=0,
+                       **launcher)  # type: ignore[arg-type]
+    result = attach(cfg, argv=["distdebug", "doctor", *sys.argv[2:]])
+    if not out.is_file():
+        raise UserError(f"the doctor's ranks did not finish (exit code {result.exit_code}"
+                        f"{': ' + result.message if result.message else ''}); see: distdebug report {run_dir}")
+    data = json.loads(out.read_text())
+    data["run_dir"] = str(run_dir)
+    failed = result.exit_code != 0 or any(c["status"] == FAIL for r in data["ranks"].values() for c in r["checks"])
+    return data, failed
