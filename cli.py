@@ -251,6 +251,29 @@ def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes
     return 1 if failed else 0
 
 
+@main.command()
+@click.argument("script", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def lint(script: Path, as_json: bool) -> int:
+    """DDP, FSDP and DeepSpeed pitfalls in SCRIPT, read from its source (nothing runs): file:line, why it
+    matters, the fix. Exits 1 if any is an error."""
+    import json
+
+    from distdebug.errors import UserError
+    from distdebug.lint.static import ERROR, lint_file
+
+    if not script.is_file():
+        raise UserError(f"script not found: {script}", 2)
+    findings = lint_file(script)
+    if as_json:
+        click.echo(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        for f in findings:
+            click.echo(f"{script}:{f.line}: {f.severity} [{f.rule}] {f.message}\n    why: {f.why}\n    fix: {f.fix}")
+        click.echo(f"{len(findings)} finding(s) in {script}" if findings else f"no pitfalls found in {script}")
+    return 1 if any(f.severity == ERROR for f in findings) else 0
+
+
 @main.group()
 def faults() -> None:
     """Inject faults on purpose and prove that each detector catches its fault (fault x engine matrix)."""

@@ -54,3 +54,16 @@ def test_bandwidth_sweep_and_link_matrix_on_two_gloo_ranks(tmp_path):
                      str(tmp_path / "again"), timeout=180)
     assert text.returncode == 0 and "all_reduce bus bandwidth (gloo, 2 ranks)" in text.stdout
     assert "link matrix" in text.stdout
+
+
+def test_lint_cli_points_at_file_and_line_and_fails_on_errors(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+                      "model = DDP(net, gradient_as_bucket_view=True, find_unused_parameters=True)\n"
+                      "for p in model.parameters():\n    p.grad.detach_()\n")
+    r = distdebug("lint", str(script))
+    assert r.returncode == 1, r.output  # an error among the findings
+    assert f"{script}:3: warning [ddp-find-unused-parameters]" in r.stdout
+    assert f"{script}:5: error [ddp-bucket-view-detach]" in r.stdout and "    fix: " in r.stdout
+    r = distdebug("lint", "--json", str(RECIPES / "ddp_convnet.py"))
+    assert r.returncode == 0 and json.loads(r.stdout) == []

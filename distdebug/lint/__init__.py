@@ -1,0 +1,1 @@
+"""Configuration pitfalls of DDP, FSDP and DeepSpeed (static: from the source)."""
