@@ -22,8 +22,10 @@ CASES = {
         "model = DDP(net, find_unused_parameters=True)",
         "model = DDP(net)"),
     "ddp-broadcast-buffers-batchnorm": (
-        "net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))\nmodel = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(net), broadcast_buffers=False)",
-        "net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))\nmodel = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(net))"),
+        "net = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))\n"
+        "model = DDP(net, broadcast_buffers=False)",
+        "net = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))\n"
+        "model = DDP(net)"),
     "ddp-output-device": (
         "model = DDP(net, output_device=0)",
         "model = DDP(net, device_ids=[0], output_device=0)"),
@@ -41,7 +43,8 @@ CASES = {
         "model = DDP(net)\nmodel = torch.compile(model)"),
     "batchnorm-not-synced": (
         "net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))\nmodel = DDP(net)",
-        "net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))\nmodel = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(net))"),
+        "net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))\n"
+        "model = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(net))"),
     "sampler-set-epoch": (
         "sampler = DistributedSampler(ds)\nfor epoch in range(3):\n    for b in DataLoader(ds, sampler=sampler):\n        pass",
         "sampler = DistributedSampler(ds)\nfor epoch in range(3):\n    sampler.set_epoch(epoch)\n"
