@@ -46,7 +46,8 @@ CASES = {
         "net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))\n"
         "model = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(net))"),
     "sampler-set-epoch": (
-        "sampler = DistributedSampler(ds)\nfor epoch in range(3):\n    for b in DataLoader(ds, sampler=sampler):\n        pass",
+        "sampler = DistributedSampler(ds)\nfor epoch in range(3):\n"
+        "    for b in DataLoader(ds, sampler=sampler):\n        pass",
         "sampler = DistributedSampler(ds)\nfor epoch in range(3):\n    sampler.set_epoch(epoch)\n"
         "    for b in DataLoader(ds, sampler=sampler):\n        pass"),
     "fsdp1-clip-grad-norm": (
