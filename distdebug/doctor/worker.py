@@ -71,6 +71,15 @@ def _timed(fn: Any, sync: Any, iters: int, best: bool = False) -> float:
     return min(times) if best else statistics.median(times)
 
 
+def _progress(rank: int, label: str, done: int, total: int, unit: str) -> None:
+    """A text progress bar on rank 0's stderr (the ranks' output passes through the launcher)."""
+    if rank != 0:
+        return
+    bar = int(30 * done / total)
+    end = "\n" if done == total else ""
+    print(f"\r{label} [{'#' * bar}{'.' * (30 - bar)}] {done}/{total} {unit}", end=end, file=sys.stderr, flush=True)
+
+
 def sweep(dist: Any, device: Any, max_bytes: int, rank: int, world: int) -> list[dict[str, float]]:
     import torch
 
@@ -89,12 +98,7 @@ def sweep(dist: Any, device: Any, max_bytes: int, rank: int, world: int) -> list
         algbw = nbytes / secs / 1e9
         rows.append({"bytes": nbytes, "time_us": secs * 1e6, "algbw_GBps": algbw,
                      "busbw_GBps": algbw * 2 * (world - 1) / world})
-        if rank == 0:
-            done = int(30 * (i + 1) / len(sizes))
-            print(f"\rall_reduce sweep [{'#' * done}{'.' * (30 - done)}] {i + 1}/{len(sizes)} sizes", end="",
-                  file=sys.stderr, flush=True)
-    if rank == 0:
-        print(file=sys.stderr, flush=True)
+        _progress(rank, "all_reduce sweep", i + 1, len(sizes), "sizes")
     return rows
 
 
@@ -127,12 +131,7 @@ def pair_matrix(dist: Any, device: Any, rank: int, world: int, pair_bytes: int) 
             bw[f"{a}-{b}"] = 2 * pair_bytes / secs / 1e9
             lat[f"{a}-{b}"] = lat_s / 2 * 1e6
         dist.barrier()
-        if rank == 0:
-            done = int(30 * (n + 1) / len(pairs))
-            print(f"\rlink matrix [{'#' * done}{'.' * (30 - done)}] {n + 1}/{len(pairs)} pairs", end="",
-                  file=sys.stderr, flush=True)
-    if rank == 0:
-        print(file=sys.stderr, flush=True)
+        _progress(rank, "link matrix", n + 1, len(pairs), "pairs")
     gathered: list[Any] = [None] * world  # each pair was measured by its two ranks only
     dist.all_gather_object(gathered, (bw, lat))
     for their_bw, their_lat in gathered:
