@@ -15,6 +15,7 @@ def _builtin() -> dict[str, type[Detector]]:
     # detector module cannot break the others' import.
     from distdebug.detectors.bn_divergence import BatchNormDivergence
     from distdebug.detectors.checkpoint_roundtrip import CheckpointRoundTrip
+    from distdebug.detectors.config_lint import ConfigLint
     from distdebug.detectors.data_order import DataOrder
     from distdebug.detectors.env_check import EnvCheck
     from distdebug.detectors.init_seed import InitSeed
@@ -28,7 +29,7 @@ def _builtin() -> dict[str, type[Detector]]:
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
                                       BatchNormDivergence, LossSpike, DataOrder, InitSeed, Straggler, Memory,
-                                      Profiler, EnvCheck)}
+                                      Profiler, EnvCheck, ConfigLint)}
 
 
 def names() -> list[str]:

@@ -196,26 +196,26 @@ def _deepspeed_rules(src: _Source) -> list[LintFinding]:
             first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
             if isinstance(first, ast.Name):
                 engines.add(first.id)
-    for fn in [n for n in ast.walk(src.tree) if isinstance(n, (ast.FunctionDef, ast.Module))]:
-        calls = sorted((c for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-                        and _dotted(c.func.value) in engines), key=lambda c: (c.lineno, c.col_offset))
-        last_backward = None
-        for c in calls:
-            if c.func.attr == "backward":
-                last_backward = c
-            elif c.func.attr == "step":
-                last_backward = None
-            elif c.func.attr == "zero_grad" and last_backward is not None and isinstance(fn, ast.FunctionDef):
-                out.append(LintFinding("deepspeed-zero-grad-before-step", ERROR, c.lineno,
-                                       "zero_grad() between engine.backward() and engine.step()",
-                                       "it clears the gradients engine.step() is about to apply: the step updates "
-                                       "nothing (engine.step() zeroes them itself afterwards)",
-                                       "remove it: the engine zeroes gradients in step()"))
-            elif c.func.attr == "zero_grad" and isinstance(fn, ast.FunctionDef):
-                out.append(LintFinding("deepspeed-zero-grad-redundant", INFO, c.lineno,
-                                       "engine.zero_grad() outside backward/step",
-                                       "engine.step() already zeroes gradients; this call is only redundant",
-                                       "remove it"))
+    # The engine's calls in source order, the whole file at once (training loops often live at module level).
+    calls = sorted((c for c in src.calls if isinstance(c.func, ast.Attribute) and _dotted(c.func.value) in engines),
+                   key=lambda c: (c.lineno, c.col_offset))
+    last_backward = None
+    for c in calls:
+        if c.func.attr == "backward":
+            last_backward = c
+        elif c.func.attr == "step":
+            last_backward = None
+        elif c.func.attr == "zero_grad" and last_backward is not None:
+            out.append(LintFinding("deepspeed-zero-grad-before-step", ERROR, c.lineno,
+                                   "zero_grad() between engine.backward() and engine.step()",
+                                   "it clears the gradients engine.step() is about to apply: the step updates "
+                                   "nothing (engine.step() zeroes them itself afterwards)",
+                                   "remove it: the engine zeroes gradients in step()"))
+        elif c.func.attr == "zero_grad":
+            out.append(LintFinding("deepspeed-zero-grad-redundant", INFO, c.lineno,
+                                   "engine.zero_grad() outside backward/step",
+                                   "engine.step() already zeroes gradients; this call is only redundant",
+                                   "remove it"))
     for c in src.calls_named("save"):
         if "torch" in _dotted(c.func) and c.args and any(
                 isinstance(n, ast.Name) and n.id in engines for n in ast.walk(c.args[0])):

@@ -9,7 +9,7 @@ import pytest
 
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
-from tests.helpers import RECIPES, distdebug, make_env
+from tests.helpers import DATA, RECIPES, distdebug, make_env
 
 
 def test_doctor_fails_a_missing_socket_interface_and_passes_without_it():
@@ -67,3 +67,24 @@ def test_lint_cli_points_at_file_and_line_and_fails_on_errors(tmp_path):
     assert f"{script}:5: error [ddp-bucket-view-detach]" in r.stdout and "    fix: " in r.stdout
     r = distdebug("lint", "--json", str(RECIPES / "ddp_convnet.py"))
     assert r.returncode == 0 and json.loads(r.stdout) == []
+
+
+def test_deepspeed_zero_grad_between_backward_and_step_is_caught_at_runtime(tmp_path):
+    script = str(DATA / "scripts" / "ds_zero_grad.py")
+    r = distdebug("attach", "--run-dir", str(tmp_path / "bug"), script, "--steps", "4", "--zero-grad-at", "3")
+    assert r.returncode == 0, r.output
+    for rank in (0, 1):
+        (f,) = [x for x in read_events(layout.events_path(tmp_path / "bug", rank))[0]
+                if x["kind"] == "finding" and x["detector"] == "config_lint"]
+        assert (f["severity"], f["step"], f["subject"]) == ("error", 3, "engine.zero_grad")
+    r = distdebug("attach", "--run-dir", str(tmp_path / "ok"), script, "--steps", "4")
+    assert r.returncode == 0, r.output
+    assert [x for rank in (0, 1) for x in read_events(layout.events_path(tmp_path / "ok", rank))[0]
+            if x["kind"] == "finding"] == []  # zero_grad after step() is only redundant
+
+
+def test_lint_reads_a_module_level_deepspeed_loop():
+    r = distdebug("lint", "--json", str(DATA / "scripts" / "ds_zero_grad.py"))
+    assert r.returncode == 1
+    assert [(f["rule"], f["line"]) for f in json.loads(r.stdout)] == [
+        ("deepspeed-zero-grad-before-step", 27), ("deepspeed-zero-grad-redundant", 29)]
