@@ -93,9 +93,7 @@ class Fault(Detector):
     # ---------------------------------------------------------------- helpers for subclasses
     def here(self, step: int | None = None) -> bool:
         """This rank, in the fault's step (or ``step``), and not acted yet."""
-        rank = getattr(self, "rank", -1)
-        mine = rank == -1 or self.ctx is None or rank == self.ctx.rank
-        return mine and self.current == (self.step if step is None else step) and not self.acted
+        return self.mine() and self.current == (self.step if step is None else step) and not self.acted
 
     def mine(self) -> bool:
         rank = getattr(self, "rank", -1)

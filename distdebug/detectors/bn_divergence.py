@@ -67,7 +67,6 @@ class BatchNormDivergence(ExchangeUser, Detector):
         self._hooks: list[Any] = []
 
     def attach(self, ctx: Any) -> None:
-        import torch.distributed as dist
 
         self.ctx = ctx
         many = len(ctx.models) > 1
@@ -79,10 +78,8 @@ class BatchNormDivergence(ExchangeUser, Detector):
                     label = prefix + (name or type(mod).__name__)
                     self.modules.append((label, mod, isinstance(mod, torch.nn.SyncBatchNorm)))
                     self._hooks.append(mod.register_forward_pre_hook(self._pre_hook(label)))
-        if self.modules and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from distdebug.runtime.exchange import BackgroundExchange
-
-            self.exchange = BackgroundExchange(ctx, self.name)
+        if self.modules:
+            self.open_exchange(ctx)
         self.armed = self.exchange is not None and checked(2)  # attach comes at the end of step 1
 
     def _pre_hook(self, label: str) -> Any:

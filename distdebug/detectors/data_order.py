@@ -98,7 +98,6 @@ class DataOrder(ExchangeUser, Detector):
         ))
 
     def attach(self, ctx: Any) -> None:
-        import torch.distributed as dist
 
         from distdebug.runtime.discovery import unwrap
 
@@ -108,10 +107,8 @@ class DataOrder(ExchangeUser, Detector):
             inner = unwrap(root)[0]
             if inner is not root:
                 self._hooks.append(inner.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-        if ctx.models and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from distdebug.runtime.exchange import BackgroundExchange
-
-            self.exchange = BackgroundExchange(ctx, self.name)
+        if ctx.models:
+            self.open_exchange(ctx)
 
     def _pre_hook(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.pending is not None or self.exchange is None:

@@ -87,16 +87,12 @@ class InitSeed(ExchangeUser, Detector):
             self._guard(self._record, module, False)
 
     def attach(self, ctx: Any) -> None:
-        import torch.distributed as dist
 
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not self.open_exchange(ctx):
             return
-        from distdebug.runtime.exchange import BackgroundExchange
-
-        self.exchange = BackgroundExchange(ctx, self.name)
         mine = {"fps": self.initial, "seed": torch.initial_seed(), "seeded": self.seeded,
                 "broadcast": self.broadcast}
 

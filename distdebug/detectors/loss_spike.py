@@ -136,17 +136,13 @@ class LossSpike(ExchangeUser, Detector):
         self.cross_found = 0
 
     def attach(self, ctx: Any) -> None:
-        import torch.distributed as dist
 
         from distdebug.runtime.discovery import unwrap
 
         self.ctx = ctx
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
         self.sharded = any(type(p) is not torch.nn.Parameter for p in self.params)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from distdebug.runtime.exchange import BackgroundExchange
-
-            self.exchange = BackgroundExchange(ctx, self.name)
+        self.open_exchange(ctx)
 
     def _cross_rank(self, event: StepEvent) -> None:
         """Queue this rank's losses at the checked steps; rank 0 judges them on the exchange's thread."""

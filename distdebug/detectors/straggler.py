@@ -132,15 +132,10 @@ class Straggler(ExchangeUser, Detector):
         ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
 
     def attach(self, ctx: Any) -> None:
-        import torch.distributed as dist
 
         self.ctx = ctx
-        if not ctx.models or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        self._hooks.append(ctx.models[0].register_forward_pre_hook(self._pre))
-        from distdebug.runtime.exchange import BackgroundExchange
-
-        self.exchange = BackgroundExchange(ctx, self.name)
+        if ctx.models and self.open_exchange(ctx):
+            self._hooks.append(ctx.models[0].register_forward_pre_hook(self._pre))
 
     def _pre(self, module: Any, args: Any) -> None:
         if self.forward_t != self.forward_t:  # NaN: the step's first forward

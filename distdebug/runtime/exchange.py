@@ -103,6 +103,15 @@ class ExchangeUser:
     exchange: BackgroundExchange | None = None
     last_step: int = 0
 
+    def open_exchange(self, ctx: Any) -> bool:
+        """Start this detector's exchange when there are peers to exchange with (a process group of 2+)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        self.exchange = BackgroundExchange(ctx, getattr(self, "name", "exchange"))
+        return True
+
     def flush_pending(self) -> None:
         """Post what was gathered since the last checked step (override)."""
 
