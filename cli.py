@@ -143,13 +143,17 @@ def _resolve_faults(specs: tuple[str, ...]) -> list[dict]:
 @main.command()
 @click.argument("run", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def report(run: str | None, as_json: bool) -> int:
-    """Findings and per-rank progress of RUN (default: the newest run under ./distdebug-runs)."""
+@click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write a self-contained HTML report with plots to this file.")
+def report(run: str | None, as_json: bool, html_out: str | None) -> int:
+    """Findings (with likely cause and fix) and per-rank progress of RUN (default: the newest run under
+    ./distdebug-runs); --html FILE also writes a self-contained page with plots."""
     from distdebug.analysis.summary import summarize
     from distdebug.artifacts.reader import load_run
     from distdebug.artifacts.runs import resolve_run
 
-    summary = summarize(load_run(resolve_run(run)))
+    loaded = load_run(resolve_run(run))
+    summary = summarize(loaded)
     if as_json:
         from distdebug.report.console import render_json
 
@@ -158,6 +162,14 @@ def report(run: str | None, as_json: bool) -> int:
         from distdebug.report.console import render
 
         render(summary)
+    if html_out:
+        from distdebug.report.html import render_html
+
+        try:
+            path = render_html(loaded, summary, Path(html_out))
+        except OSError as e:
+            raise UserError(f"--html {html_out}: cannot write it ({e.strerror or e}); choose a writable path") from None
+        print(f"distdebug: HTML report {path}", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from distdebug.analysis.summary import RunSummary
+from distdebug.report.knowledge import advise_all
 
 SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -59,20 +60,25 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         table = Table(title=f"Findings ({len(summary.findings)})", show_lines=False)
         for col in ("severity", "detector", "rank(s)", "step", "subject", "message"):
             table.add_column(col, overflow="fold")
-        for f in summary.findings:
+        for f, a in zip(summary.findings, advise_all(summary.findings, run_dir=summary.run_dir), strict=True):
             sev = f.severity.value
-            msg = f.message + (f"\n[dim]fix: {f.fix}[/dim]" if f.fix else "")
+            msg = f.message + (f"\n[dim]likely cause: {a.cause}[/dim]" if a.cause else "") + \
+                (f"\n[dim]check: {a.check}[/dim]" if a.check else "") + \
+                (f"\n[dim]fix: {f.fix or a.fix}[/dim]" if (f.fix or a.fix) else "")
             table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", f.detector, _ranks(f.ranks),
                           "-" if f.step is None else str(f.step), f.subject, msg)
         console.print(table)
     else:
         console.print("[green]No findings.[/green]")
 
-    table = Table(title="Ranks")
+    shown = notable_ranks(summary)
+    hidden = len(summary.ranks) - len(shown)
+    table = Table(title="Ranks" + (f" (the {len(shown)} worth a look of {len(summary.ranks)}; --json or --html for "
+                                   "all)" if hidden else ""))
     for col in ("rank", "node", "host", "steps", "first loss", "last loss", "median step (ms)", "speed score",
                 "peak memory (MB): params / grads / optim / activations", "findings", "status"):
         table.add_column(col, justify="right" if col not in ("host", "status") else "left")
-    for r in summary.ranks:
+    for r in shown:
         ms = None if r.median_step_time_s is None else r.median_step_time_s * 1000
         status = r.status + (f" [dim]({r.damaged_lines} damaged lines)[/dim]" if r.damaged_lines else "")
         style = "" if r.status == "exit 0" else "[yellow]"
@@ -82,6 +88,22 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
                       f"{style}{status}" if style else status)
     console.print(table)
     _windows(console, summary.windows)
+
+
+MAX_RANK_ROWS = 32
+
+
+def notable_ranks(summary: RunSummary, limit: int = MAX_RANK_ROWS) -> list:
+    """Every rank for small jobs; for large ones the ranks worth a look at 3 a.m.: those with
+    findings or that did not finish, then the slowest and the lowest speed scores, in rank order."""
+    ranks = summary.ranks
+    if len(ranks) <= limit:
+        return list(ranks)
+    pick = {r.rank for r in ranks if r.findings or r.status != "exit 0"}
+    timed = sorted((r for r in ranks if r.median_step_time_s is not None), key=lambda r: -r.median_step_time_s)
+    scored = sorted((r for r in ranks if r.straggler_score is not None), key=lambda r: r.straggler_score)
+    pick |= {r.rank for r in timed[:3]} | {r.rank for r in scored[:3]}
+    return [r for r in ranks if r.rank in pick][:max(limit, 8)]
 
 
 def _pct(x: float | None) -> str:
@@ -119,4 +141,8 @@ def _memory(peak: dict | None) -> str:
 
 
 def render_json(summary: RunSummary) -> str:
-    return json.dumps(summary.to_dict(), indent=2, default=str)
+    """The summary; each finding with its ``advice`` (symptom, likely cause, check, fix)."""
+    d = summary.to_dict()
+    for f, a in zip(d["findings"], advise_all(summary.findings, run_dir=summary.run_dir), strict=True):
+        f["advice"] = a.to_dict()
+    return json.dumps(d, indent=2, default=str)

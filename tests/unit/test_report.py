@@ -1,0 +1,146 @@
+"""Tier 1 (pure): the report's knowledge base (the seed's symptom table), the out-of-memory diagnosis,
+the plot data at 1 to 1000 ranks, and the HTML file being self-contained, on synthetic run directories
+with planted faults (tests/synthetic.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from click.testing import CliRunner
+
+from distdebug.analysis.plots import MAX_BARS, MAX_ROWS, MAX_STEPS, plot_data
+from distdebug.analysis.summary import oom_findings, oom_phase, summarize
+from distdebug.artifacts.reader import load_run
+from distdebug.detectors.base import Finding, Severity
+from distdebug.report import knowledge as kb
+from distdebug.report.console import notable_ranks
+from distdebug.report.html import findings_with_advice, render_html
+from tests.synthetic import write_run
+
+
+def finding(detector, step=5, ranks=(1,), subject="x", severity=Severity.ERROR, message="m", **evidence):
+    return Finding(severity=severity, detector=detector, ranks=list(ranks), step=step, subject=subject,
+                   message=message, evidence=evidence)
+
+
+def test_every_row_of_the_seed_symptom_table_is_reached():
+    rows = {
+        kb.LOSS_X10: kb.advise(finding("loss_spike", value=30.0, median=2.0)),
+        kb.SLOW: kb.advise(finding("straggler", cause="data loader")),
+        kb.LOSSES_DIFFER: kb.advise(finding("bn_divergence")),
+        kb.OOM_FORWARD: kb.advise(finding("oom", phase="forward")),
+        kb.RESTORE: kb.advise(finding("checkpoint_roundtrip")),
+    }
+    for symptom, advice in rows.items():
+        assert advice.symptom == symptom and advice.cause and advice.fix
+    assert "data loading" in rows[kb.SLOW].cause and "DataLoader workers" in rows[kb.SLOW].fix
+    assert "activations" in rows[kb.OOM_FORWARD].cause
+    assert "compute" in kb.advise(finding("straggler", cause="compute")).cause
+
+
+def test_context_decides_the_cause():
+    # A rank whose loss departs from the others' is the "ranks' losses differ" row, not "loss x10".
+    departs = kb.advise(finding("loss_spike", median_of_other_ranks=0.3, value=9.0))
+    assert departs.symptom == kb.LOSSES_DIFFER and "BatchNorm" in departs.cause
+    # A loss jump after a checkpoint restore: shards restored wrongly.
+    restore, spike = finding("checkpoint_roundtrip", step=40), finding("loss_spike", step=42, value=9.0, median=1.0)
+    assert [a.symptom for a in kb.advise_all([restore, spike])] == [kb.RESTORE, kb.RESTORE]
+    assert kb.advise_all([spike])[0].symptom == kb.LOSS_X10
+    # The rank that only received the NaN through all-reduce is told so, not blamed.
+    received = kb.advise(finding("nan_origin", ranks=(0,), subject="gradients", origin="another rank"))
+    assert "only received" in received.cause
+    # After the first NaN, a BatchNorm divergence is its consequence; before it, a cause of its own.
+    nan, bn_after, bn_before = finding("nan_origin", step=12), finding("bn_divergence", step=16), \
+        finding("bn_divergence", step=8)
+    advice = kb.advise_all([nan, bn_after, bn_before])
+    assert "consequence of the NaN/Inf from step 12" in advice[1].cause
+    assert "consequence" not in advice[2].cause
+    # The seed is wrong about clipping after DDP: the advice follows PyTorch.
+    assert "no rescaling" in kb.advise(finding("loss_nonfinite")).fix
+
+
+def test_out_of_memory_is_placed_in_forward_backward_or_step():
+    fwd = [{"func": "<module>", "code": "out = model(x)"}, {"func": "forward", "code": "h = self.big(x)"}]
+    bwd = [{"func": "<module>", "code": "loss.backward()"}, {"func": "backward", "code": "_engine_run_backward("}]
+    stp = [{"func": "<module>", "code": "opt.step()"}, {"func": "_init_group", "code": "torch.zeros_like(p)"}]
+    assert [oom_phase(s) for s in (fwd, bwd, stp)] == ["forward", "backward", "step"]
+    [f] = oom_findings(3, {"exception": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2 GiB",
+                           "step": 6, "stack": fwd})
+    assert (f.detector, f.ranks, f.step, f.subject) == ("oom", [3], 7, "out of memory in forward")
+    assert kb.advise(f).symptom == kb.OOM_FORWARD
+    assert oom_findings(0, {"exception": "ValueError", "message": "bad shape", "stack": fwd}) == []
+
+
+def test_plot_data_for_1000_ranks_is_aggregated_and_keeps_the_planted_faults(tmp_path):
+    run_dir = write_run(tmp_path / "run", ranks=1000, steps=40, slow_rank=537, nan_rank=811, nan_step=30,
+                        killed=(3, 999), killed_at=20)
+    run = load_run(run_dir)
+    summary = summarize(run)
+    findings = findings_with_advice(summary)
+    d = plot_data(run, summary, findings)
+    assert d["first_bad"] == {"step": 30, "detectors": ["nan_origin"], "ranks": [811],
+                              "subject": "layers.7.mlp.weight"}
+    # Loss: the spread over ranks, plus the ranks that findings name.
+    assert d["loss"]["mode"] == "band" and d["loss"]["ranks"] == 1000
+    assert [s["rank"] for s in d["loss"]["series"]] == [537, 811]
+    assert math.isnan(d["loss"]["series"][1]["y"][29]) and math.isfinite(d["loss"]["series"][1]["y"][28])
+    # Heatmap: at most MAX_ROWS rows; the slow rank's group is the slowest row.
+    st = d["step_time"]
+    assert len(st["rows"]) <= MAX_ROWS and st["group"] == 8
+    slowest = max(range(len(st["rows"])), key=lambda i: sum(v for v in st["values_ms"][i] if v))
+    assert st["rows"][slowest] == "ranks 536-543"
+    assert st["values_ms"][slowest][5] / st["median_ms"] > 2
+    # Memory and straggler bars: grouped, each group's worst rank named.
+    assert len(d["memory"]["rows"]) <= MAX_BARS and d["memory"]["rows"][-1]["label"].endswith("(max: rank 999)")
+    low = min(d["straggler"]["rows"], key=lambda r: r["score"])
+    assert low["score"] == 0.4 and low["label"].endswith("(min: rank 537)")
+    # The killed ranks are in the timeline, at their last step.
+    assert {(e["rank"], e["step"]) for e in d["timeline"]["ends"]} == {(3, 20), (999, 20)}
+
+
+def test_steps_are_binned_and_a_nan_survives_binning(tmp_path):
+    run_dir = write_run(tmp_path / "run", ranks=2, steps=2 * MAX_STEPS + 7, nan_step=700)
+    run = load_run(run_dir)
+    summary = summarize(run)
+    d = plot_data(run, summary, findings_with_advice(summary))
+    assert d["steps"]["bin"] == 3 and len(d["steps"]["starts"]) <= MAX_STEPS
+    y = d["loss"]["series"][0]["y"]
+    i = (700 - 1) // 3  # the bin that holds step 700
+    assert math.isnan(y[i]) and math.isfinite(y[i - 1])
+    assert d["loss"]["mode"] == "per_rank" and len(d["loss"]["series"]) == 2
+
+
+def test_html_is_one_self_contained_file(tmp_path):
+    run_dir = write_run(tmp_path / "run", ranks=1000, steps=40, slow_rank=5, nan_rank=7, nan_step=30)
+    run = load_run(run_dir)
+    out = render_html(run, summarize(run), tmp_path / "out" / "report.html")
+    page = out.read_text()
+    assert "<script src" not in page and "<link" not in page and "@import" not in page
+    assert not re.search(r"""(src|href)=['"]?(https?:)?//""", page)
+    assert len(page) < 3_000_000
+    data = json.loads(re.search(r'<script type="application/json" id="distdebug-data">(.*?)</script>', page,
+                                re.S).group(1))
+    assert data["first_bad"]["step"] == 30 and "NaN" in json.dumps(data["loss"])
+    assert "First bad step: 30" in page and "likely cause" in page
+    assert "1000 ranks (" in page  # the rank table folds at this size
+
+
+def test_report_cli_writes_html_and_json_advice(tmp_path):
+    run_dir = write_run(tmp_path / "run", ranks=3, steps=30, slow_rank=2)
+    out = tmp_path / "r.html"
+    r = CliRunner().invoke(__import__("cli").main, ["report", str(run_dir), "--json", "--html", str(out)],
+                           catch_exceptions=False, standalone_mode=False)
+    assert r.exit_code == 0 and out.is_file()
+    d = json.loads(r.stdout)
+    [f] = d["findings"]
+    assert f["detector"] == "straggler" and f["advice"]["symptom"] == kb.SLOW
+
+
+def test_terminal_rank_table_keeps_the_ranks_worth_a_look_at_scale(tmp_path):
+    run = load_run(write_run(tmp_path / "run", ranks=200, steps=20, slow_rank=150, killed=(42,), killed_at=10))
+    shown = [r.rank for r in notable_ranks(summarize(run))]
+    assert 150 in shown and 42 in shown and 0 in shown and len(shown) <= 32
+    small = load_run(write_run(tmp_path / "small", ranks=4, steps=5))
+    assert [r.rank for r in notable_ranks(summarize(small))] == [0, 1, 2, 3]
