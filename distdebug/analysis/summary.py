@@ -6,11 +6,11 @@ Works on partial runs: a rank without an ``end`` record is reported as ended wit
 
 from __future__ import annotations
 
-import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from distdebug.analysis.errors import error_findings
 from distdebug.analysis.traces import analyze_run
 from distdebug.artifacts import schema
 from distdebug.artifacts.reader import Run
@@ -74,38 +74,6 @@ def _merge(findings: list[Finding]) -> list[Finding]:
     )
 
 
-def oom_phase(stack: list[dict[str, Any]]) -> str:
-    """forward, backward or step: where in the training step an out-of-memory error was raised.
-
-    Read from the script's frames, innermost first: the first frame that calls backward() or
-    step() (or is a function of that name) decides; otherwise it is the forward.
-    """
-    for frame in reversed(stack or []):
-        code, func = frame.get("code") or "", frame.get("func") or ""
-        if func == "backward" or ".backward(" in code:
-            return "backward"
-        if func == "step" or re.search(r"\.step\(", code):
-            return "step"
-    return "forward"
-
-
-def oom_findings(rank: int, error: dict[str, Any]) -> list[Finding]:
-    """The seed's "OOM in forward, not backward" row: a finding for a script that ran out of memory."""
-    name, message = str(error.get("exception") or ""), str(error.get("message") or "")
-    if "OutOfMemory" not in name and "out of memory" not in message.lower():
-        return []
-    phase = oom_phase(error.get("stack") or [])  # the record's step counts the steps completed before
-    first = message.splitlines()[0][:200] if message else ""
-    return [Finding(
-        severity=Severity.CRITICAL, detector="oom", ranks=[rank], step=int(error.get("step") or 0) + 1,
-        subject=f"out of memory in {phase}",
-        message=f"rank {rank} ran out of memory in the {phase} ({name}: {first})",
-        evidence={"phase": phase, "exception": name},
-        fix="activation checkpointing, shorter sequences or smaller micro-batches" if phase == "forward" else
-            "shard gradients and optimizer state (ZeRO, FSDP), or smaller micro-batches",
-    )]
-
-
 def summarize(run: Run) -> RunSummary:
     ranks: list[RankSummary] = []
     findings: list[Finding] = []
@@ -130,7 +98,7 @@ def summarize(run: Run) -> RunSummary:
         error = next((r for r in records if r.get("kind") == schema.SCRIPT_ERROR), None)
         if error is not None:
             status = f"script raised {error.get('exception')}"
-            findings.extend(oom_findings(rank, error))
+            findings.extend(error_findings(rank, error))
         elif end is not None:
             status = f"exit {end.get('exit_code')}"
         else:

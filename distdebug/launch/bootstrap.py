@@ -104,8 +104,34 @@ def _record_script_error(session, exc: BaseException) -> None:
             collective=collective,
             stack=frames[-12:],
             flight_recorder=fr,
+            **_unused_parameters(session, exc),
         )
     )
+
+
+def _unused_parameters(session, exc: BaseException) -> dict:
+    """DDP's "did not receive grad" error gives parameter indices; the live model gives their names.
+
+    DDP numbers the parameters it reduces in the order of ``module.named_parameters()``, keeping those
+    that require gradients and are not in ``parameters_to_ignore``.
+    """
+    from distdebug.analysis.errors import unused_indices
+
+    indices = unused_indices(str(exc))
+    if not indices:
+        return {}
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        for root in getattr(session, "_roots", []):
+            if isinstance(root, DistributedDataParallel):
+                ignore = set(getattr(root, "parameters_to_ignore", ()) or ())
+                names = [n for n, p in root.module.named_parameters() if p.requires_grad and n not in ignore]
+                return {"unused_parameters": {str(r): [names[i] if i < len(names) else str(i) for i in idx]
+                                              for r, idx in indices.items()}}
+    except Exception:  # naming is a convenience; the indices stay in the message
+        pass
+    return {}
 
 
 def _print_script_traceback(exc: BaseException) -> None:

@@ -113,6 +113,14 @@ def _rules(src: _Source) -> list[LintFinding]:
                             "output_device only applies to single-device modules given device_ids; otherwise "
                             "outputs stay where the module computed them, or are copied to one device",
                             "DDP(model, device_ids=[local_rank], output_device=local_rank), or neither"))
+        cap = _const(_kw(c, "bucket_cap_mb"))
+        if isinstance(cap, (int, float)) and not isinstance(cap, bool) and not 1 <= cap <= 512:
+            add(LintFinding("ddp-bucket-cap-mb", WARN, c.lineno, f"DDP(bucket_cap_mb={cap})",
+                            "tiny buckets mean many small all-reduces (each pays a fixed latency); huge buckets "
+                            "mean the all-reduce starts only when backward is nearly over (no overlap). The "
+                            "default 25 MB suits most models",
+                            "leave the default, or tune between 1 and a few hundred MB; under attach, config_lint "
+                            "checks the real bucket count against the real model size"))
         if _const(_kw(c, "gradient_as_bucket_view")) is True:
             for d in src.calls:
                 if isinstance(d.func, ast.Attribute) and d.func.attr == "detach_" and ".grad" in \

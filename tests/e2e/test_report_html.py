@@ -122,3 +122,19 @@ def test_report_of_1000_ranks_stays_readable(tmp_path, browser):
     red = browser.evaluate("[...document.querySelectorAll('[data-plot=straggler] rect.bar')]"
                            ".filter(r => r.getAttribute('fill') == '#e02424').map(r => r.textContent)")
     assert len(red) == 1 and red[0].startswith("ranks 528-543")
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_out_of_memory_is_a_finding_with_its_phase_and_cause(tmp_path, phase):
+    r = distdebug("attach", "--run-dir", str(tmp_path), str(DATA / "scripts" / "oom.py"), "--phase", phase,
+                  timeout=120)
+    assert r.returncode == 1, r.output
+    rep = distdebug("report", str(tmp_path), "--json", timeout=60)
+    assert rep.returncode == 0, rep.output
+    [oom] = [f for f in json.loads(rep.stdout)["findings"] if f["detector"] == "oom"]
+    assert (oom["ranks"], oom["step"], oom["subject"]) == ([1], 3, f"out of memory in {phase}")
+    advice = oom["advice"]
+    if phase == "forward":
+        assert advice["symptom"] == "out of memory in forward, not backward" and "activations" in advice["cause"]
+    else:
+        assert "optimizer state" in advice["cause"] and "ZeRO" in advice["fix"]

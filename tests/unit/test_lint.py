@@ -33,6 +33,9 @@ CASES = {
         "model = DDP(net, gradient_as_bucket_view=True)\nfor p in model.parameters():\n    p.grad.detach_()",
         # In-place clipping after backward is fine with bucket views (the seed says otherwise).
         "model = DDP(net, gradient_as_bucket_view=True)\ntorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"),
+    "ddp-bucket-cap-mb": (
+        "model = DDP(net, bucket_cap_mb=0.01)",
+        "model = DDP(net, bucket_cap_mb=50)"),
     "ddp-static-graph-control-flow": (
         "class M(nn.Module):\n    def forward(self, x):\n        if x.sum() > 0:\n            return self.a(x)\n"
         "        return self.b(x)\nmodel = DDP(M(), static_graph=True)",
@@ -82,7 +85,7 @@ CASES = {
 
 LINE_HOLDS = {  # what the line a finding points at must show
     "ddp-find-unused-parameters": "find_unused_parameters", "ddp-broadcast-buffers-batchnorm": "broadcast_buffers",
-    "ddp-output-device": "output_device", "ddp-bucket-view-detach": "detach_()",
+    "ddp-output-device": "output_device", "ddp-bucket-view-detach": "detach_()", "ddp-bucket-cap-mb": "bucket_cap_mb",
     "ddp-static-graph-control-flow": "if x.sum()", "compile-before-ddp": "DDP(net)", "batchnorm-not-synced": "DDP(",
     "sampler-set-epoch": "DistributedSampler(ds)", "fsdp1-clip-grad-norm": "clip_grad_norm_",
     "clip-rescaled-by-world-size": "world_size", "deepspeed-zero-grad-before-step": "zero_grad",

@@ -10,8 +10,9 @@ import re
 
 from click.testing import CliRunner
 
+from distdebug.analysis.errors import error_findings, oom_phase
 from distdebug.analysis.plots import MAX_BARS, MAX_ROWS, MAX_STEPS, plot_data
-from distdebug.analysis.summary import oom_findings, oom_phase, summarize
+from distdebug.analysis.summary import summarize
 from distdebug.artifacts.reader import load_run
 from distdebug.detectors.base import Finding, Severity
 from distdebug.report import knowledge as kb
@@ -66,11 +67,11 @@ def test_out_of_memory_is_placed_in_forward_backward_or_step():
     bwd = [{"func": "<module>", "code": "loss.backward()"}, {"func": "backward", "code": "_engine_run_backward("}]
     stp = [{"func": "<module>", "code": "opt.step()"}, {"func": "_init_group", "code": "torch.zeros_like(p)"}]
     assert [oom_phase(s) for s in (fwd, bwd, stp)] == ["forward", "backward", "step"]
-    [f] = oom_findings(3, {"exception": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2 GiB",
+    [f] = error_findings(3, {"exception": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2 GiB",
                            "step": 6, "stack": fwd})
     assert (f.detector, f.ranks, f.step, f.subject) == ("oom", [3], 7, "out of memory in forward")
     assert kb.advise(f).symptom == kb.OOM_FORWARD
-    assert oom_findings(0, {"exception": "ValueError", "message": "bad shape", "stack": fwd}) == []
+    assert error_findings(0, {"exception": "ValueError", "message": "bad shape", "stack": fwd}) == []
 
 
 def test_plot_data_for_1000_ranks_is_aggregated_and_keeps_the_planted_faults(tmp_path):

@@ -1,0 +1,51 @@
+"""Tier 3 (end to end): configuration traps that PyTorch and DeepSpeed reveal only by raising, turned
+into findings with rank, step, subject and fix (the runtime half of ``distdebug lint`` for them).
+
+Real ranks, real DDP and DeepSpeed errors: the scripts in tests/data/scripts make each mistake.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import DATA, distdebug
+
+PITFALLS = str(DATA / "scripts" / "ddp_pitfalls.py")
+
+
+def findings(run_dir):
+    r = distdebug("report", str(run_dir), "--json", timeout=60)
+    assert r.returncode == 0, r.output
+    return json.loads(r.stdout)["findings"]
+
+
+@pytest.mark.parametrize("mode, step, subject, words", [
+    ("unused", 2, "find_unused_parameters", "extra.weight, extra.bias"),
+    ("static", 3, "static_graph", "graph changed between iterations"),
+    ("detach", 2, "gradient_as_bucket_view", "detach_()"),
+])
+def test_ddp_trap_is_named_with_its_step(tmp_path, mode, step, subject, words):
+    r = distdebug("attach", "--run-dir", str(tmp_path), PITFALLS, "--mode", mode, timeout=120)
+    assert r.returncode == 1, r.output
+    got = [f for f in findings(tmp_path) if f["detector"] == "config_lint" and f["severity"] == "error"]
+    assert got, findings(tmp_path)
+    assert {f["subject"] for f in got} == {subject}
+    assert all(f["step"] == step for f in got) and sorted({r for f in got for r in f["ranks"]}) == [0, 1]
+    assert words in got[0]["message"] and got[0]["fix"]
+
+
+def test_clean_twin_has_no_finding(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), PITFALLS, "--mode", "clean", timeout=120)
+    assert r.returncode == 0, r.output
+    assert findings(tmp_path) == []
+
+
+def test_deepspeed_batch_arithmetic(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), str(DATA / "scripts" / "ds_zero_grad.py"),
+                  "--train-batch-size", "12", timeout=180)
+    assert r.returncode == 1, r.output
+    [f] = [f for f in findings(tmp_path) if f["subject"] == "train_batch_size"]
+    assert f["ranks"] == [0, 1] and f["step"] == 1 and f["detector"] == "config_lint"
+    assert "train_batch_size 12 != micro batch 4 x accumulation 1 x world size 2 = 8" in f["message"]
