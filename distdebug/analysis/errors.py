@@ -4,11 +4,12 @@ traps that PyTorch and DeepSpeed only reveal by raising.
 The runtime half of ``distdebug lint`` for the checks whose only runtime sign is an exception:
 DDP with parameters that get no gradient (``find_unused_parameters=False``), ``static_graph=True``
 with a graph that changes, ``detach_()`` on gradients that are views of DDP's buckets
-(``gradient_as_bucket_view=True``), DeepSpeed's batch arithmetic. Each becomes a finding on the
-rank that raised, with the step, the subject and the fix, instead of a wall of C++ text. The
-error texts matched are PyTorch's and DeepSpeed's own (reducer.cpp, VariableTypeUtils, DeepSpeed's
-config check); the bootstrap adds what only the live objects know (the names of the parameters
-that got no gradient). Pure functions on the ``script_error`` record.
+(``gradient_as_bucket_view=True``), device_ids that do not fit the module, DeepSpeed's batch
+arithmetic. Each becomes a finding on the rank that raised, with the step, the subject and the
+fix, instead of a wall of C++ text. The error texts matched are PyTorch's and DeepSpeed's own
+(reducer.cpp, VariableTypeUtils, DeepSpeed's config check); the bootstrap adds what only the live
+objects know (the names of the parameters that got no gradient). Pure functions on the
+``script_error`` record.
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ def error_findings(rank: int, error: dict[str, Any]) -> list[Finding]:
                        "make every parameter take part in the loss (or freeze it: requires_grad=False), or "
                        "DDP(find_unused_parameters=True) if they are unused only on some steps",
                        unused=[str(n) for n in mine])
+    if "device_ids and output_device arguments only work with" in message:
+        return finding("config_lint", "device_ids",
+                       f"DDP was given device_ids/output_device that do not fit the module: {first}",
+                       "on GPU: model.to(local_rank) first, then DDP(model, device_ids=[local_rank], "
+                       "output_device=local_rank); on CPU or for a multi-device module: no device_ids, no "
+                       "output_device")
     m = re.search(r"train_batch_size is not equal to micro_batch_per_gpu \* gradient_acc_step \* world_size "
                   r"(\d+) != (\d+) \* (\d+) \* (\d+)", message)
     if m:

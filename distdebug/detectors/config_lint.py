@@ -10,6 +10,8 @@ What the source cannot show, the live objects do:
   cannot overlap communication), or more than MANY_BUCKETS buckets (per-collective overhead).
 - DeepSpeed: ``zero_grad()`` between ``engine.backward()`` and ``engine.step()`` (the step then applies
   nothing), seen as it happens, with the step.
+- ``torch.nn.utils.clip_grad_norm_`` on FSDP1's sharded parameters (each rank clips by the norm of
+  its own shard), seen as it happens, with the step and the local norm it returned.
 
 Not here: static_graph with data-dependent branches (only the source shows the branch),
 DistributedSampler.set_epoch (data_order), BatchNorm statistics that diverge (bn_divergence).
@@ -17,6 +19,7 @@ DistributedSampler.set_epoch (data_order), BatchNorm statistics that diverge (bn
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,18 +37,105 @@ class ConfigLint(Detector):
         self.ctx: Any = None
         self.step = 1
         self.reported: set[str] = set()
+        self.checkpoint_calls = 0
+        self.pending: list[Finding] = []
+        """Findings noted before attach (while ranks and steps are not known yet), reported at attach."""
+
+    def setup(self, ctx: Any) -> None:
+        """Watch torch.nn.utils.clip_grad_norm_ from the script's first line (clipping in step 1 counts)."""
+        self.ctx = ctx
+        import torch.nn.utils
+        import torch.nn.utils.clip_grad as clip_module
+        import torch.utils.checkpoint as checkpoint_module
+        from torch.nn.parallel import DistributedDataParallel
+
+        ctx.patch(DistributedDataParallel, "__init__", self._note_ddp_args(DistributedDataParallel.__init__))
+
+        ctx.patch(checkpoint_module, "checkpoint", self._count_checkpoint(checkpoint_module.checkpoint))
+        original = torch.nn.utils.clip_grad_norm_
+        wrapped = self._wrap_clip(original)
+        ctx.patch(torch.nn.utils, "clip_grad_norm_", wrapped)
+        if getattr(clip_module, "clip_grad_norm_", None) is original:
+            ctx.patch(clip_module, "clip_grad_norm_", wrapped)
+
+    def _note_ddp_args(self, original: Any) -> Any:
+        """DDP's device_ids/output_device as the script passed them: DDP keeps no trace of an output_device
+        it ignores (a CPU or multi-device module, or no device_ids), so only the call shows the mistake."""
+        det = self
+
+        @functools.wraps(original)
+        def __init__(ddp: Any, module: Any, device_ids: Any = None, output_device: Any = None, *args: Any,
+                     **kwargs: Any) -> None:
+            original(ddp, module, device_ids, output_device, *args, **kwargs)
+            if output_device is None:
+                return
+            if not device_ids:
+                det.pending.append(det._finding(
+                    Severity.WARNING, "output_device",
+                    f"DDP(output_device={output_device!r}) without device_ids: DDP ignores it (it applies only to "
+                    "a single-device GPU module given device_ids); outputs stay where the module computed them",
+                    "DDP(model, device_ids=[local_rank], output_device=local_rank) on GPU, neither on CPU"))
+            elif len(device_ids) == 1 and str(output_device) != str(device_ids[0]):
+                det.pending.append(det._finding(
+                    Severity.WARNING, "output_device",
+                    f"DDP(device_ids={list(device_ids)!r}, output_device={output_device!r}): every forward's output "
+                    "is copied to another GPU than the one that computed it",
+                    "output_device = device_ids[0] = local_rank (or leave output_device out)"))
+
+        return __init__
+
+    def _count_checkpoint(self, original: Any) -> Any:
+        """Counts activation-checkpoint calls (offload_param with checkpointing); passes everything through."""
+        det = self
+
+        def checkpoint(*args: Any, **kwargs: Any) -> Any:
+            det.checkpoint_calls += 1
+            return original(*args, **kwargs)
+
+        return checkpoint
+
+    def _wrap_clip(self, original: Any) -> Any:
+        """clip_grad_norm_ on FSDP1 parameters: each rank's norm of its own shard, not the model's.
+
+        FSDP1 marks the parameters it flattens (FlatParameters, and the original parameters' views under
+        use_orig_params=True) with ``_fsdp_flattened``; FSDP2's DTensor parameters are not marked, and
+        torch's clip computes their global norm correctly. The parameters are listed once (a generator
+        could be iterated only once) and handed on unchanged: the result is the original's.
+        """
+        det = self
+
+        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            norm = original(params, *args, **kwargs)
+            if "fsdp1_clip" not in det.reported and any(getattr(p, "_fsdp_flattened", False) for p in params):
+                det.reported.add("fsdp1_clip")
+                det.ctx.report(Finding(
+                    severity=Severity.ERROR, detector=det.name, ranks=[det.ctx.rank], step=det.step,
+                    subject="clip_grad_norm_ on FSDP1",
+                    message=f"torch.nn.utils.clip_grad_norm_ on FSDP1's sharded parameters in step {det.step}: it "
+                            f"returned {float(norm):.6g}, the norm of this rank's shard only, so every rank clips "
+                            "by a different, too small norm",
+                    fix="model.clip_grad_norm_(max_norm) (FSDP1's own: all-reduces the shards' norms), or FSDP2",
+                    evidence={"local_norm": float(norm)}))
+            return norm
+
+        return clip_grad_norm_
 
     def attach(self, ctx: Any) -> None:
         from distdebug.runtime.discovery import is_deepspeed_engine, unwrap
 
         self.ctx = ctx
-        out: list[Finding] = []
+        out: list[Finding] = self.pending
+        self.pending = []
         for root in ctx.models:
             inner, chain, options = unwrap(root)
             if "ddp" in chain:
                 out += self._ddp(root, inner, chain, options.get("ddp") or {})
             if is_deepspeed_engine(root):
                 self._watch_engine(root)
+                out += self._engine_config(root)
         for f in out:
             ctx.report(f)
 
@@ -101,6 +191,39 @@ class ConfigLint(Detector):
                                          bucket_bytes=cap))
         return out
 
+    def _engine_config(self, engine: Any) -> list[Finding]:
+        """The live engine's settings (after DeepSpeed resolved the config): offload with activation
+        checkpointing, fp16 with a fixed loss scale."""
+        out = []
+        try:
+            offload = engine.zero_offload_param()
+        except Exception:
+            offload = None
+        device = str(getattr(offload, "device", "none") or "none").split(".")[-1].lower()
+        ac = getattr(getattr(engine, "_config", None), "activation_checkpointing_config", None)
+        configured = [k for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+                      if getattr(ac, k, False)]
+        if offload is not None and device not in ("none", "") and (configured or self.checkpoint_calls):
+            how = f"activation_checkpointing {', '.join(configured)}" if configured else \
+                f"torch.utils.checkpoint ({self.checkpoint_calls} calls in step 1)"
+            out.append(self._finding(Severity.WARNING, "offload_param with activation checkpointing",
+                                     f"ZeRO-3 offload_param to {device} together with {how}: the recomputation in "
+                                     "backward fetches the offloaded parameters again (slow, and a known source of "
+                                     "failures)",
+                                     "keep offload_param off while checkpointing activations, or offload only the "
+                                     "optimizer (offload_optimizer)", offload_device=device))
+        try:
+            fp16, dynamic = engine.fp16_enabled(), engine.dynamic_loss_scale()
+        except Exception:
+            fp16, dynamic = False, True
+        if fp16 and not dynamic:
+            scale = float(engine.loss_scale())
+            out.append(self._finding(Severity.WARNING, "fp16 static loss scale",
+                                     f"fp16 with a fixed loss scale of {scale:g}: gradients that overflow make "
+                                     "inf/NaN steps, ones that underflow vanish; nothing adapts the scale",
+                                     "fp16 loss_scale 0 (dynamic, DeepSpeed's default), or bf16", loss_scale=scale))
+        return out
+
     def _watch_engine(self, engine: Any) -> None:
         """zero_grad between backward and step, caught as it happens."""
         det = self
@@ -127,9 +250,55 @@ class ConfigLint(Detector):
                     fix="remove it: engine.step() zeroes the gradients itself"))
             return zero_grad(*args, **kwargs)
 
+        self._watch_saves(engine)
         self.ctx.patch(engine, "backward", wrapped_backward)
         self.ctx.patch(engine, "step", wrapped_step)
         self.ctx.patch(engine, "zero_grad", wrapped_zero_grad)
+
+    def _watch_saves(self, engine: Any) -> None:
+        """torch.save of the engine's model state instead of engine.save_checkpoint, seen as it happens.
+
+        A saved mapping whose keys name most of the engine's parameters (``engine.state_dict()``,
+        ``engine.module.state_dict()``) is the engine's state; saves made by save_checkpoint itself
+        (DeepSpeed writes its files with torch.save) are not counted.
+        """
+        import torch
+
+        det = self
+        names = [n for n, _ in engine.module.named_parameters()]
+        inside = {"depth": 0}
+        save_checkpoint, torch_save = engine.save_checkpoint, torch.save
+
+        def wrapped_save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            inside["depth"] += 1
+            try:
+                return save_checkpoint(*args, **kwargs)
+            finally:
+                inside["depth"] -= 1
+
+        def wrapped_torch_save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if not inside["depth"] and "ds_torch_save" not in det.reported and names and isinstance(obj, dict):
+                keys = [str(k) for k in obj]
+                held = sum(1 for n in names if any(k == n or k.endswith("." + n) for k in keys))
+                if held * 2 >= len(names):
+                    det.reported.add("ds_torch_save")
+                    stage = engine.zero_optimization_stage()
+                    after = det.step - 1  # saves come after a step's step(): the checkpoint of that step
+                    det.ctx.report(Finding(
+                        severity=Severity.WARNING, detector=det.name, ranks=[det.ctx.rank], step=after or None,
+                        subject="torch.save of engine state",
+                        message="torch.save of the DeepSpeed engine's model state "
+                                + (f"after step {after}" if after else "before the first step") + " (ZeRO stage "
+                                f"{stage}): the optimizer's partitioned state, the loss scaler and the scheduler are "
+                                "not in it" + (", and under ZeRO-3 neither are the parameters (each rank holds a "
+                                               "partition)" if stage == 3 else ""),
+                        fix="engine.save_checkpoint(dir, tag) and engine.load_checkpoint(dir, tag); for a plain "
+                            "model file, zero_to_fp32 after saving the checkpoint",
+                        evidence={"parameters_named": held, "zero_stage": stage}))
+            return torch_save(obj, *args, **kwargs)
+
+        self.ctx.patch(engine, "save_checkpoint", wrapped_save_checkpoint)
+        self.ctx.patch(torch, "save", wrapped_torch_save)
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.step = event.step + 1

@@ -34,12 +34,25 @@ def _loop(rank, world, tmp, case):
         model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)), broadcast_buffers=False)
     elif case == "compile_first":
         model = DDP(torch.compile(nn.Linear(4, 1), backend="eager"))
+    elif case.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), device_id=torch.device("cpu"),
+                     use_orig_params=case.endswith("orig"))
+    elif case.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
     else:
         model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).pow(2).mean().backward()
+        if step >= 1 and "torch_clip" in case:  # from step 2 on
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        elif step >= 1 and "own_clip" in case:
+            model.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
     dist.destroy_process_group()
@@ -66,3 +79,13 @@ def test_buffers_compile_order_and_a_clean_model(tmp_path):
     assert got == [("warning", "torch.compile before DDP", 1, [1])]
     got, _ = run(tmp_path / "clean", "clean")
     assert got == []
+
+
+def test_torch_clip_on_fsdp1_shards_is_an_error_at_its_step_and_the_right_clips_are_not(tmp_path):
+    for case in ("fsdp1_torch_clip", "fsdp1_torch_clip_orig"):
+        got, fs = run(tmp_path / case, case)
+        assert got == [("error", "clip_grad_norm_ on FSDP1", 2, [1])], (case, got)
+        assert fs[0]["evidence"]["local_norm"] > 0
+    for case in ("fsdp1_own_clip", "fsdp2_torch_clip"):  # FSDP1's own clip, and torch's on FSDP2's DTensors
+        got, _ = run(tmp_path / case, case)
+        assert got == [], (case, got)

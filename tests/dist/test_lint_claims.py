@@ -61,3 +61,26 @@ def test_detach_on_bucket_view_gradients_is_what_pytorch_refuses():
     assert all(r["detach"].startswith("Can't detach views in-place") for r in views)
     plain = spawn_ranks(_clip_after_ddp, 2, detach=True)
     assert all(r["detach"] == "allowed" for r in plain)
+
+
+def _clip_under_fsdp1(rank, world):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_model(), device_id=torch.device("cpu"))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).mean().backward()
+    local = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9))  # no clipping: only the norm
+    own = float(model.clip_grad_norm_(max_norm=1e9))
+    return {"torch": local, "fsdp": own}
+
+
+def test_clip_grad_norm_on_fsdp1_sees_only_the_local_shard():
+    # The real trap behind the seed's clipping advice (lint's fsdp1-clip-grad-norm, config_lint at runtime):
+    # under FSDP1 each rank holds a shard of the flat gradient, so torch's clip_grad_norm_ returns that
+    # shard's norm, different on each rank; FSDP1's own returns the whole gradient's norm, the same
+    # everywhere: the square root of the sum of the shards' squared norms.
+    a, b = spawn_ranks(_clip_under_fsdp1, 2)
+    assert a["torch"] != b["torch"]
+    assert a["fsdp"] == b["fsdp"]
+    assert abs(a["fsdp"] - (a["torch"] ** 2 + b["torch"] ** 2) ** 0.5) < 1e-5 * a["fsdp"]
+    assert max(a["torch"], b["torch"]) < a["fsdp"]

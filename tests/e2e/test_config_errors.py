@@ -25,6 +25,7 @@ def findings(run_dir):
     ("unused", 2, "find_unused_parameters", "extra.weight, extra.bias"),
     ("static", 3, "static_graph", "graph changed between iterations"),
     ("detach", 2, "gradient_as_bucket_view", "detach_()"),
+    ("device_ids", 1, "device_ids", "but got device_ids [0]"),
 ])
 def test_ddp_trap_is_named_with_its_step(tmp_path, mode, step, subject, words):
     r = distdebug("attach", "--run-dir", str(tmp_path), PITFALLS, "--mode", mode, timeout=120)
@@ -34,6 +35,15 @@ def test_ddp_trap_is_named_with_its_step(tmp_path, mode, step, subject, words):
     assert {f["subject"] for f in got} == {subject}
     assert all(f["step"] == step for f in got) and sorted({r for f in got for r in f["ranks"]}) == [0, 1]
     assert words in got[0]["message"] and got[0]["fix"]
+
+
+def test_output_device_that_ddp_ignores_is_named_from_the_call(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), PITFALLS, "--mode", "output_device", timeout=120)
+    assert r.returncode == 0, r.output
+    [f] = findings(tmp_path)
+    assert (f["detector"], f["severity"], f["subject"], f["step"], f["ranks"]) == \
+        ("config_lint", "warning", "output_device", 1, [0, 1])
+    assert "without device_ids: DDP ignores it" in f["message"]
 
 
 def test_clean_twin_has_no_finding(tmp_path):
@@ -49,3 +59,31 @@ def test_deepspeed_batch_arithmetic(tmp_path):
     [f] = [f for f in findings(tmp_path) if f["subject"] == "train_batch_size"]
     assert f["ranks"] == [0, 1] and f["step"] == 1 and f["detector"] == "config_lint"
     assert "train_batch_size 12 != micro batch 4 x accumulation 1 x world size 2 = 8" in f["message"]
+
+
+DS = str(DATA / "scripts" / "ds_zero_grad.py")
+
+
+def lint_findings(run_dir):
+    return sorted((f["severity"], f["subject"], f["step"], tuple(f["ranks"])) for f in findings(run_dir)
+                  if f["detector"] == "config_lint")
+
+
+def test_deepspeed_settings_and_saves_read_from_the_live_engine(tmp_path):
+    # torch.save of the engine's model state after step 2, and fp16 with a fixed loss scale.
+    r = distdebug("attach", "--run-dir", str(tmp_path / "bad"), DS, "--torch-save", str(tmp_path / "model.pt"),
+                  "--fp16-loss-scale", "128", timeout=180)
+    assert r.returncode == 0, r.output
+    assert lint_findings(tmp_path / "bad") == [("warning", "fp16 static loss scale", 1, (0, 1)),
+                                               ("warning", "torch.save of engine state", 2, (0, 1))]
+    # ZeRO-3 offload_param with activation checkpointing in the config.
+    r = distdebug("attach", "--run-dir", str(tmp_path / "offload"), DS, "--offload-param", "--steps", "2",
+                  timeout=180)
+    assert r.returncode == 0, r.output
+    assert lint_findings(tmp_path / "offload") == [("warning", "offload_param with activation checkpointing", 1,
+                                                    (0, 1))]
+    # The clean twin: save_checkpoint (which itself calls torch.save) and a dynamic loss scale.
+    r = distdebug("attach", "--run-dir", str(tmp_path / "ok"), DS, "--save-checkpoint", str(tmp_path / "ckpt"),
+                  "--fp16-loss-scale", "0", timeout=180)
+    assert r.returncode == 0, r.output
+    assert findings(tmp_path / "ok") == []

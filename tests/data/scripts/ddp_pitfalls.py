@@ -5,6 +5,8 @@ unused   find_unused_parameters=False with a layer (`extra`) that never takes pa
 static   static_graph=True with a data-dependent branch: `extra` is used from --at on.
 detach   gradient_as_bucket_view=True and the legacy zero-grad idiom p.grad.detach_() at the start
          of each iteration: PyTorch raises "Can't detach views in-place" in iteration 2.
+output_device  DDP(output_device=0) without device_ids on a CPU module: silently ignored.
+device_ids     DDP(device_ids=[0]) on a CPU module: DDP raises.
 clean    none of these (the same loop, healthy).
 """
 
@@ -16,7 +18,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 p = argparse.ArgumentParser()
-p.add_argument("--mode", choices=["unused", "static", "detach", "clean"], default="clean")
+p.add_argument("--mode", default="clean",
+               choices=["unused", "static", "detach", "output_device", "device_ids", "clean"])
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--at", type=int, default=3)
 args = p.parse_args()
@@ -30,7 +33,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.body(x))
-        if args.mode == "clean" or (args.mode == "static" and state["step"] >= args.at):
+        if args.mode in ("clean", "output_device") or (args.mode == "static" and state["step"] >= args.at):
             h = h + self.extra(h)
         return self.head(h)
 
@@ -40,6 +43,10 @@ torch.manual_seed(0)
 kw = {"static_graph": True} if args.mode == "static" else {}
 if args.mode == "detach":
     kw["gradient_as_bucket_view"] = True
+if args.mode == "output_device":
+    kw["output_device"] = 0
+if args.mode == "device_ids":
+    kw["device_ids"] = [0]
 model = DDP(Net(), **kw)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
