@@ -145,3 +145,15 @@ def test_terminal_rank_table_keeps_the_ranks_worth_a_look_at_scale(tmp_path):
     assert 150 in shown and 42 in shown and 0 in shown and len(shown) <= 32
     small = load_run(write_run(tmp_path / "small", ranks=4, steps=5))
     assert [r.rank for r in notable_ranks(summarize(small))] == [0, 1, 2, 3]
+
+
+def test_unwritable_html_path_is_one_line_and_non_zero(tmp_path):
+    from tests.helpers import distdebug
+
+    run_dir = write_run(tmp_path / "run", ranks=2, steps=3)
+    r = distdebug("report", str(run_dir), "--html", str(tmp_path / "missing" / "dir" / "x.html"), timeout=60)
+    assert r.returncode == 0  # parents are created
+    (tmp_path / "file").write_text("")
+    r = distdebug("report", str(run_dir), "--html", str(tmp_path / "file" / "x.html"), timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("distdebug: error: --html ")
