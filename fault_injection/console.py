@@ -24,6 +24,7 @@ def catalogue(console: Any) -> None:
 
 
 def matrix(console: Any, cells: list[Cell]) -> None:
+    from rich.markup import escape as esc
     from rich.table import Table
 
     t = Table(title="fault replay: fault x engine")
@@ -32,7 +33,7 @@ def matrix(console: Any, cells: list[Cell]) -> None:
     for c in cells:
         t.add_row(c.fault, c.engine, f"[{STYLE.get(c.status, 'white')}]{c.status}[/]", c.detector or "-",
                   "-" if c.steps_to_detection is None else str(c.steps_to_detection), f"{c.wall_s:.1f}",
-                  c.reason or "")
+                  esc(c.reason or ""))
     console.print(t)
     bad = [c for c in cells if not c.ok]
     console.print(f"{len(cells) - len(bad)} of {len(cells)} cells caught and localised (or clean); "

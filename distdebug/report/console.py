@@ -6,6 +6,7 @@ import json
 import math
 
 from rich.console import Console
+from rich.markup import escape as esc
 from rich.table import Table
 
 from distdebug.analysis.summary import RunSummary
@@ -31,9 +32,9 @@ def _ranks(ranks: list[int]) -> str:
 def render(summary: RunSummary, console: Console | None = None) -> None:
     # Piped output defaults to 80 columns, which folds every row of a per-rank table.
     console = console or Console(width=None if Console().is_terminal else 140)
-    console.print(f"[bold]distdebug report[/bold]  {summary.run_dir}")
+    console.print(f"[bold]distdebug report[/bold]  {esc(summary.run_dir)}")
     if summary.command:
-        console.print(f"command: {' '.join(summary.command)}")
+        console.print(f"command: {esc(' '.join(summary.command))}")
     disc = summary.discovery or {}
     models = disc.get("models") or []
     pg = disc.get("process_group") or {}
@@ -46,14 +47,14 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         parts.append(f"optimizer {o.get('class')}")
     if disc.get("step_source"):
         parts.append(f"steps from {disc['step_source']}")
-    console.print("; ".join(parts))
+    console.print(esc("; ".join(parts)))
     for inj in summary.injected:
         what = ", ".join(f"{k} {v}" for k, v in inj.items() if k not in ("v", "kind", "rank", "time", "fault", "step"))
-        console.print(f"[magenta]fault injected on purpose[/magenta]: {inj.get('fault')} on rank {inj.get('rank')} "
-                      f"at step {inj.get('step')}" + (f" ({what})" if what else ""))
+        console.print(f"[magenta]fault injected on purpose[/magenta]: {esc(str(inj.get('fault')))} on rank "
+                      f"{inj.get('rank')} at step {inj.get('step')}" + (f" ({esc(what)})" if what else ""))
     if summary.exit_code is not None:
         style = "green" if summary.exit_code == 0 else "bold red"
-        tail = f" ({summary.failure})" if summary.failure else ""
+        tail = f" ({esc(summary.failure)})" if summary.failure else ""
         console.print(f"exit code: [{style}]{summary.exit_code}[/{style}]{tail}")
 
     if summary.findings:
@@ -62,11 +63,12 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
             table.add_column(col, overflow="fold")
         for f, a in zip(summary.findings, advise_all(summary.findings, run_dir=summary.run_dir), strict=True):
             sev = f.severity.value
-            msg = f.message + (f"\n[dim]likely cause: {a.cause}[/dim]" if a.cause else "") + \
-                (f"\n[dim]check: {a.check}[/dim]" if a.check else "") + \
-                (f"\n[dim]fix: {f.fix or a.fix}[/dim]" if (f.fix or a.fix) else "")
-            table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", f.detector, _ranks(f.ranks),
-                          "-" if f.step is None else str(f.step), f.subject, msg)
+            # Messages quote errors and paths ("[/__w/pytorch/...]"): text, never markup.
+            msg = esc(f.message) + (f"\n[dim]likely cause: {esc(a.cause)}[/dim]" if a.cause else "") + \
+                (f"\n[dim]check: {esc(a.check)}[/dim]" if a.check else "") + \
+                (f"\n[dim]fix: {esc(f.fix or a.fix)}[/dim]" if (f.fix or a.fix) else "")
+            table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", esc(f.detector), _ranks(f.ranks),
+                          "-" if f.step is None else str(f.step), esc(f.subject), msg)
         console.print(table)
     else:
         console.print("[green]No findings.[/green]")
@@ -80,9 +82,9 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         table.add_column(col, justify="right" if col not in ("host", "status") else "left")
     for r in shown:
         ms = None if r.median_step_time_s is None else r.median_step_time_s * 1000
-        status = r.status + (f" [dim]({r.damaged_lines} damaged lines)[/dim]" if r.damaged_lines else "")
+        status = esc(r.status) + (f" [dim]({r.damaged_lines} damaged lines)[/dim]" if r.damaged_lines else "")
         style = "" if r.status == "exit 0" else "[yellow]"
-        table.add_row(str(r.rank), "-" if r.node is None else str(r.node), r.host or "-", str(r.steps),
+        table.add_row(str(r.rank), "-" if r.node is None else str(r.node), esc(r.host or "-"), str(r.steps),
                       _fmt(r.first_loss), _fmt(r.last_loss), _fmt(ms, 3), _fmt(r.straggler_score, 3),
                       _memory(r.memory_peak), str(r.findings),
                       f"{style}{status}" if style else status)
@@ -125,8 +127,8 @@ def _windows(console: Console, windows: list[dict]) -> None:
         first = next(iter(w["ranks"].values()), {})
         top = (first.get("top_ops") or [{}])[0]
         table.add_row(f"{w['steps'][0]}-{w['steps'][1]}" if w.get("steps") else "?", str(len(w["ranks"])), *cells,
-                      f"{top.get('name', '-')} ({top.get('total_us', 0) / 1000:.1f} ms)" if top else "-",
-                      "; ".join(w["verdicts"]) or "healthy", w["dir"])
+                      esc(f"{top.get('name', '-')} ({top.get('total_us', 0) / 1000:.1f} ms)") if top else "-",
+                      esc("; ".join(w["verdicts"]) or "healthy"), esc(w["dir"]))
     console.print(table)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape as esc
 from rich.table import Table
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
@@ -25,12 +26,13 @@ def render(console: Console, result: dict[str, Any]) -> None:
         table.add_column(col, overflow="fold")
     for name, row in rows.items():
         c = row["check"]
-        detail = c["detail"] + (f" [dim](differs on ranks {', '.join(row['other'])})[/dim]" if row["other"] else "")
-        table.add_row(name, f"[{STYLE[c['status']]}]{c['status']}[/]", detail, c.get("fix", ""))
+        differs = f" [dim](differs on ranks {', '.join(row['other'])})[/dim]" if row["other"] else ""
+        detail = esc(c["detail"]) + differs
+        table.add_row(esc(name), f"[{STYLE[c['status']]}]{c['status']}[/]", detail, esc(c.get("fix", "")))
     console.print(table)
     for d in result.get("differences", []):
-        console.print(f"[yellow]differs across ranks[/yellow]: {d['name']}: " +
-                      "; ".join(f"{v!r} on ranks {rs}" for v, rs in d["values"].items()))
+        console.print(f"[yellow]differs across ranks[/yellow]: {esc(d['name'])}: " +
+                      esc("; ".join(f"{v!r} on ranks {rs}" for v, rs in d["values"].items())))
     sweep = result.get("all_reduce")
     if sweep:
         t = Table(title=f"all_reduce bus bandwidth ({result.get('backend')}, {result.get('world_size')} ranks)")

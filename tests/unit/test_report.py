@@ -157,3 +157,21 @@ def test_unwritable_html_path_is_one_line_and_non_zero(tmp_path):
     r = distdebug("report", str(run_dir), "--html", str(tmp_path / "file" / "x.html"), timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("distdebug: error: --html ")
+
+
+def test_messages_that_look_like_markup_are_printed_as_text(tmp_path):
+    # gloo's errors quote source paths in brackets, which rich would read as closing tags.
+    from distdebug.artifacts import layout, schema
+    from tests.helpers import distdebug
+
+    run_dir = write_run(tmp_path / "run", ranks=2, steps=3)
+    text = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed by peer"
+    with open(layout.events_path(run_dir, 0), "a") as f:
+        f.write(json.dumps(schema.record(schema.FINDING, severity="error", detector="harness", ranks=[0], step=2,
+                                         subject="[bold]x[/]", message=text)) + "\n")
+        f.write(json.dumps(schema.record(schema.SCRIPT_ERROR, rank=0, step=2, exception="RuntimeError",
+                                         message=text, stack=[])) + "\n")
+    r = distdebug("report", str(run_dir), "--html", str(tmp_path / "r.html"), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "pair.cc:537]" in r.stdout and "[bold]x[/]" in r.stdout
+    assert "pair.cc:537] Connection closed" in (tmp_path / "r.html").read_text()
