@@ -294,6 +294,22 @@ def diagnose(run: Run) -> list[Finding]:
                 evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in late}}, fix=_fix("init"),
             )]
 
+    # A2) startup: a rank's init_process_group raised (it could not connect to the others).
+    failed_init = [s for s in states.values() if s.status == "raised" and s.pg_init == "begin" and s.step == 0]
+    if failed_init and not any(s.pg_init == "done" and s.step > 0 for s in states.values()):
+        first = failed_init[0]
+        text = (first.message or "").strip().splitlines()[0][:300] if first.message else ""
+        return [Finding(
+            severity=Severity.CRITICAL, detector=DETECTOR, ranks=sorted(s.rank for s in failed_init), step=None,
+            subject="init_process_group",
+            message=f"init_process_group failed on rank(s) {sorted(s.rank for s in failed_init)}: the ranks could "
+                    f"not form the process group ({first.exception}: {text}); no collective ran",
+            evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in failed_init}},
+            fix="the ranks must reach each other: MASTER_ADDR/MASTER_PORT reachable from every node, "
+                "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME naming a real interface (distdebug doctor checks both), "
+                "the same world size everywhere; the error above names the address that failed",
+        )]
+
     # B) mismatch: same sequence number, different op or shapes (in-flight slots, then Flight Recorder).
     fr = flight_recorder_verdict(run, world) if world else None
     inflight: dict[int, dict[str, Any]] = {}

@@ -140,6 +140,10 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
                       "the memory column of the rank that failed: which part grew",
                       "activation checkpointing, shorter sequences or smaller micro-batches" if phase == "forward"
                       else "ZeRO/FSDP sharding of gradients and optimizer state, or smaller micro-batches")
+    if d == "hang" and f.subject == "init_process_group":
+        return Advice(ENVIRONMENT, "the environment: ranks that cannot reach each other (address, port, socket "
+                      "interface) or never reach init_process_group", "distdebug doctor --nproc-per-node N",
+                      f.fix or "the same MASTER_ADDR/PORT, world size and a real socket interface on every node")
     if d == "hang":
         return Advice(HANG, f"{_ranks(f) if f.ranks else 'a rank'} stopped calling collectives or called a "
                       "different one (rank-dependent branch, a rank that raised or died, mismatched sizes)",

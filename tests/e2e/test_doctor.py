@@ -32,6 +32,12 @@ def test_attach_explains_a_missing_socket_interface_before_the_raw_error(tmp_pat
     (f,) = [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "finding"]
     assert (f["detector"], f["severity"], f["subject"]) == ("env_check", "error", "GLOO_SOCKET_IFNAME")
     assert f["fix"].startswith("set GLOO_SOCKET_IFNAME to one of")
+    # The job-level verdict: the process group never formed (not a hang in some collective).
+    rep = json.loads(distdebug("report", str(tmp_path), "--json").stdout)
+    [h] = [x for x in rep["findings"] if x["detector"] == "hang"]
+    assert (h["subject"], h["ranks"], h["step"]) == ("init_process_group", [0, 1], None)
+    assert "Unable to find address for: distdebug_missing0" in h["message"]
+    assert h["advice"]["symptom"] == "job fails to start, or runs slow, on some nodes only"
 
 
 def test_bandwidth_sweep_and_link_matrix_on_two_gloo_ranks(tmp_path):
