@@ -280,7 +280,28 @@ def diagnose(run: Run) -> list[Finding]:
     if count_diff:
         evidence_common["first_step_with_different_collective_counts"] = count_diff
 
-    # A) startup: nobody finished init_process_group.
+    # A) startup: a rank's init_process_group raised (it could not connect to the others).
+    failed_init = [s for s in states.values() if s.status == "raised" and s.pg_init == "begin" and s.step == 0]
+    if failed_init and not any(s.pg_init == "done" and s.step > 0 for s in states.values()):
+        first = failed_init[0]
+        text = (first.message or "").strip().splitlines()[0][:300] if first.message else ""
+        # The launcher ends the others as soon as one rank fails: they may die inside init, unrecorded.
+        still = sorted(s.rank for s in states.values() if s.pg_init == "begin" and s not in failed_init)
+        never = sorted(s.rank for s in states.values() if s.pg_init is None and s.status != "raised")
+        tail = (f"; rank(s) {still} were still in init_process_group when the job ended" if still else "") + \
+            (f"; rank(s) {never} left no record of reaching it (ended by the launcher)" if never else "")
+        return [Finding(
+            severity=Severity.CRITICAL, detector=DETECTOR, ranks=sorted(s.rank for s in failed_init), step=None,
+            subject="init_process_group",
+            message=f"init_process_group failed on rank(s) {sorted(s.rank for s in failed_init)}: the ranks could "
+                    f"not form the process group ({first.exception}: {text}){tail}; no collective ran",
+            evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in failed_init}},
+            fix="the ranks must reach each other: MASTER_ADDR/MASTER_PORT reachable from every node, "
+                "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME naming a real interface (distdebug doctor checks both), "
+                "the same world size everywhere; the error above names the address that failed",
+        )]
+
+    # A2) startup: nobody finished init_process_group.
     if all(s.pg_init != "done" and s.step == 0 for s in states.values()):
         in_init = sorted(r for r, s in states.items() if s.pg_init == "begin")
         late = [s for s in states.values() if s.pg_init != "begin"]
@@ -293,22 +314,6 @@ def diagnose(run: Run) -> list[Finding]:
                                     f"rank {s.rank} never called it: stuck in {where(s.stack)}" for s in late),
                 evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in late}}, fix=_fix("init"),
             )]
-
-    # A2) startup: a rank's init_process_group raised (it could not connect to the others).
-    failed_init = [s for s in states.values() if s.status == "raised" and s.pg_init == "begin" and s.step == 0]
-    if failed_init and not any(s.pg_init == "done" and s.step > 0 for s in states.values()):
-        first = failed_init[0]
-        text = (first.message or "").strip().splitlines()[0][:300] if first.message else ""
-        return [Finding(
-            severity=Severity.CRITICAL, detector=DETECTOR, ranks=sorted(s.rank for s in failed_init), step=None,
-            subject="init_process_group",
-            message=f"init_process_group failed on rank(s) {sorted(s.rank for s in failed_init)}: the ranks could "
-                    f"not form the process group ({first.exception}: {text}); no collective ran",
-            evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in failed_init}},
-            fix="the ranks must reach each other: MASTER_ADDR/MASTER_PORT reachable from every node, "
-                "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME naming a real interface (distdebug doctor checks both), "
-                "the same world size everywhere; the error above names the address that failed",
-        )]
 
     # B) mismatch: same sequence number, different op or shapes (in-flight slots, then Flight Recorder).
     fr = flight_recorder_verdict(run, world) if world else None

@@ -35,7 +35,10 @@ def test_attach_explains_a_missing_socket_interface_before_the_raw_error(tmp_pat
     # The job-level verdict: the process group never formed (not a hang in some collective).
     rep = json.loads(distdebug("report", str(tmp_path), "--json").stdout)
     [h] = [x for x in rep["findings"] if x["detector"] == "hang"]
-    assert (h["subject"], h["ranks"], h["step"]) == ("init_process_group", [0, 1], None)
+    # Both ranks raise there; the launcher may end one before it records it (then the message says so).
+    assert (h["subject"], h["step"]) == ("init_process_group", None) and h["ranks"] and set(h["ranks"]) <= {0, 1}
+    assert len(h["ranks"]) == 2 or "still in init_process_group when the job ended" in h["message"] \
+        or "left no record of reaching it (ended by the launcher)" in h["message"]
     assert "Unable to find address for: distdebug_missing0" in h["message"]
     assert h["advice"]["symptom"] == "job fails to start, or runs slow, on some nodes only"
 

@@ -78,3 +78,18 @@ def test_clean_run_has_no_hang_finding(tmp_path):
     for rank in range(3):
         write(tmp_path, rank, steps([1, 1, 1]) + [schema.record(schema.END, exit_code=0)])
     assert diagnose(load_run(tmp_path)) == []
+
+
+def test_init_process_group_that_raised_is_a_startup_failure_not_a_hang(tmp_path):
+    init = {"file": "/home/me/train.py", "line": 2, "func": "<module>", "code": 'dist.init_process_group("gloo")'}
+    error = "Gloo connectFullMesh failed with [/__w/gloo/pair.cc:152] timed out connecting: Connection refused"
+    write(tmp_path, 0, [schema.record(schema.PG_INIT, phase="begin")])  # ended by the launcher inside init
+    write(tmp_path, 1, [schema.record(schema.PG_INIT, phase="begin"),
+                        schema.record(schema.SCRIPT_ERROR, step=0, exception="RuntimeError", message=error,
+                                      collective="_new_process_group_helper", stack=[init])])
+    write(tmp_path, 2, [])  # never got as far as init
+    [f] = diagnose(load_run(tmp_path))
+    assert (f.subject, f.ranks, f.step) == ("init_process_group", [1], None)
+    assert f"(RuntimeError: {error})" in f.message
+    assert "rank(s) [0] were still in init_process_group" in f.message
+    assert "rank(s) [2] left no record of reaching it" in f.message
