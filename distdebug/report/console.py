@@ -3,30 +3,16 @@
 from __future__ import annotations
 
 import json
-import math
 
 from rich.console import Console
 from rich.markup import escape as esc
 from rich.table import Table
 
 from distdebug.analysis.summary import RunSummary
+from distdebug.report.fmt import memory_mb, number, rank_list
 from distdebug.report.knowledge import advise_all
 
 SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
-
-
-def _fmt(x: float | None, digits: int = 4) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return f"{x:.{digits}g}"
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) > 8:
-        return f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
-    return ",".join(str(r) for r in ranks)
 
 
 def render(summary: RunSummary, console: Console | None = None) -> None:
@@ -67,7 +53,7 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
             msg = esc(f.message) + (f"\n[dim]likely cause: {esc(a.cause)}[/dim]" if a.cause else "") + \
                 (f"\n[dim]check: {esc(a.check)}[/dim]" if a.check else "") + \
                 (f"\n[dim]fix: {esc(f.fix or a.fix)}[/dim]" if (f.fix or a.fix) else "")
-            table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", esc(f.detector), _ranks(f.ranks),
+            table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", esc(f.detector), rank_list(f.ranks),
                           "-" if f.step is None else str(f.step), esc(f.subject), msg)
         console.print(table)
     else:
@@ -85,8 +71,8 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         status = esc(r.status) + (f" [dim]({r.damaged_lines} damaged lines)[/dim]" if r.damaged_lines else "")
         style = "" if r.status == "exit 0" else "[yellow]"
         table.add_row(str(r.rank), "-" if r.node is None else str(r.node), esc(r.host or "-"), str(r.steps),
-                      _fmt(r.first_loss), _fmt(r.last_loss), _fmt(ms, 3), _fmt(r.straggler_score, 3),
-                      _memory(r.memory_peak), str(r.findings),
+                      number(r.first_loss), number(r.last_loss), number(ms, 3), number(r.straggler_score, 3),
+                      memory_mb(r.memory_peak), str(r.findings),
                       f"{style}{status}" if style else status)
     console.print(table)
     _windows(console, summary.windows)
@@ -130,16 +116,6 @@ def _windows(console: Console, windows: list[dict]) -> None:
                       esc(f"{top.get('name', '-')} ({top.get('total_us', 0) / 1000:.1f} ms)") if top else "-",
                       esc("; ".join(w["verdicts"]) or "healthy"), esc(w["dir"]))
     console.print(table)
-
-
-def _memory(peak: dict | None) -> str:
-    if not peak:
-        return "-"
-    mb = [peak.get(k, 0) / 2**20 for k in ("parameters", "gradients", "optimizer_state", "activations")]
-    text = " / ".join(f"{v:.3g}" for v in mb)
-    if peak.get("other") is not None:
-        text += f" + other {peak['other'] / 2**20:.3g}"
-    return f"{text} (step {peak.get('step')})"
 
 
 def render_json(summary: RunSummary) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 from distdebug.analysis.plots import plot_data
 from distdebug.analysis.summary import RunSummary
 from distdebug.artifacts.reader import Run, read_json
+from distdebug.report.fmt import memory_mb, number, rank_list
 from distdebug.report.knowledge import advise_all
 
 MAX_RANK_ROWS = 64
@@ -61,18 +62,6 @@ def _e(x: Any) -> str:
     return html.escape("" if x is None else str(x))
 
 
-def _num(x: float | None, digits: int = 4) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return f"{x:.{digits}g}"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"{ranks[0]}..{ranks[-1]} ({len(ranks)})" if len(ranks) > 8 else ",".join(map(str, ranks)) or "-"
-
-
 def findings_with_advice(summary: RunSummary) -> list[dict[str, Any]]:
     advice = advise_all(summary.findings, run_dir=summary.run_dir)
     return [{**f.to_dict(), "advice": a.to_dict()} for f, a in zip(summary.findings, advice, strict=True)]
@@ -90,17 +79,10 @@ def _findings_table(findings: list[dict[str, Any]]) -> str:
                                 ("fix", f.get("fix") or a["fix"])) if text)
         rows.append(
             f"<tr><td><span class='sev {_e(f['severity'])}'>{_e(f['severity'])}</span></td><td>{_e(f['detector'])}</td>"
-            f"<td>{_e(_ranks(f['ranks']))}</td><td class='num'>{_e('-' if f['step'] is None else f['step'])}</td>"
+            f"<td>{_e(rank_list(f['ranks']))}</td><td class='num'>{_e('-' if f['step'] is None else f['step'])}</td>"
             f"<td><code>{_e(f['subject'])}</code></td><td>{_e(f['message'])}{advice}</td></tr>")
     return ("<table class='findings'><tr><th>severity</th><th>detector</th><th>rank(s)</th><th>step</th>"
             "<th>subject</th><th>what, likely cause, check, fix</th></tr>" + "".join(rows) + "</table>")
-
-
-def _memory(peak: dict | None) -> str:
-    if not peak:
-        return "-"
-    return " / ".join(f"{(peak.get(k) or 0) / 2**20:.3g}"
-                      for k in ("parameters", "gradients", "optimizer_state", "activations"))
 
 
 def _ranks_table(summary: RunSummary) -> str:
@@ -111,9 +93,10 @@ def _ranks_table(summary: RunSummary) -> str:
     for r in summary.ranks:
         ms = None if r.median_step_time_s is None else r.median_step_time_s * 1000
         rows.append(f"<tr><td class='num'>{r.rank}</td><td class='num'>{_e('-' if r.node is None else r.node)}</td>"
-                    f"<td>{_e(r.host or '-')}</td><td class='num'>{r.steps}</td><td class='num'>{_num(r.first_loss)}"
-                    f"</td><td class='num'>{_num(r.last_loss)}</td><td class='num'>{_num(ms, 3)}</td>"
-                    f"<td class='num'>{_num(r.straggler_score, 3)}</td><td class='num'>{_memory(r.memory_peak)}</td>"
+                    f"<td>{_e(r.host or '-')}</td><td class='num'>{r.steps}</td><td class='num'>{number(r.first_loss)}"
+                    f"</td><td class='num'>{number(r.last_loss)}</td><td class='num'>{number(ms, 3)}</td>"
+                    f"<td class='num'>{number(r.straggler_score, 3)}</td>"
+                    f"<td class='num'>{_e(memory_mb(r.memory_peak))}</td>"
                     f"<td class='num'>{r.findings}</td><td>{_e(r.status)}"
                     + (f" ({r.damaged_lines} damaged lines)" if r.damaged_lines else "") + "</td></tr>")
     table = head + "".join(rows) + "</table>"
@@ -188,7 +171,7 @@ def render_html(run: Run, summary: RunSummary, out: Path) -> Path:
     bad = data["first_bad"]
     if bad:
         banner = (f"<div class='banner bad'>First bad step: {bad['step']} ({', '.join(bad['detectors'])} on "
-                  f"rank(s) {_e(_ranks(bad['ranks']))}: <code>{_e(bad['subject'])}</code>)</div>")
+                  f"rank(s) {_e(rank_list(bad['ranks']))}: <code>{_e(bad['subject'])}</code>)</div>")
     elif any(f["severity"] in ("error", "critical") for f in findings):
         banner = "<div class='banner bad'>Errors found (not tied to a step): see the findings.</div>"
     else:
