@@ -120,10 +120,10 @@ def plot_data(run: Run, summary: RunSummary, findings: list[dict[str, Any]]) -> 
     }
 
     mem_rows = []
-    for g in groups([r.rank for r in summary.ranks if r.memory_peak], MAX_BARS):
-        by = {r.rank: r.memory_peak for r in summary.ranks if r.rank in g}
-        worst = max(g, key=lambda r: by[r].get("total", 0) or sum(by[r].get(k) or 0 for k in MEMORY_PARTS))
-        peak = by[worst]
+    peaks = {r.rank: r.memory_peak for r in summary.ranks if r.memory_peak}
+    for g in groups(list(peaks), MAX_BARS):
+        worst = max(g, key=lambda r: peaks[r].get("total", 0) or sum(peaks[r].get(k) or 0 for k in MEMORY_PARTS))
+        peak = peaks[worst]
         mem_rows.append({"label": label(g) if len(g) == 1 else f"{label(g)} (max: rank {worst})",
                          "step": peak.get("step"), "values": [peak.get(k) or 0 for k in MEMORY_PARTS]})
 

@@ -278,8 +278,13 @@ class ConfigLint(Detector):
 
         def wrapped_torch_save(obj: Any, *args: Any, **kwargs: Any) -> Any:
             if not inside["depth"] and "ds_torch_save" not in det.reported and names and isinstance(obj, dict):
-                keys = [str(k) for k in obj]
-                held = sum(1 for n in names if any(k == n or k.endswith("." + n) for k in keys))
+                # Every dotted tail of every key ("module.0.weight" -> "0.weight", "weight"): one pass,
+                # not names x keys, which a model of thousands of parameters would pay at each save.
+                tails = set()
+                for k in obj:
+                    parts = str(k).split(".")
+                    tails.update(".".join(parts[i:]) for i in range(len(parts)))
+                held = sum(1 for n in names if n in tails)
                 if held * 2 >= len(names):
                     det.reported.add("ds_torch_save")
                     stage = engine.zero_optimization_stage()

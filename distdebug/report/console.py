@@ -10,7 +10,7 @@ from rich.table import Table
 
 from distdebug.analysis.summary import RunSummary
 from distdebug.report.fmt import memory_mb, number, rank_list
-from distdebug.report.knowledge import advise_all
+from distdebug.report.knowledge import advise_all, findings_with_advice
 
 SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -121,6 +121,5 @@ def _windows(console: Console, windows: list[dict]) -> None:
 def render_json(summary: RunSummary) -> str:
     """The summary; each finding with its ``advice`` (symptom, likely cause, check, fix)."""
     d = summary.to_dict()
-    for f, a in zip(d["findings"], advise_all(summary.findings, run_dir=summary.run_dir), strict=True):
-        f["advice"] = a.to_dict()
+    d["findings"] = findings_with_advice(summary.findings, run_dir=summary.run_dir)
     return json.dumps(d, indent=2, default=str)

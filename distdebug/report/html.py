@@ -22,7 +22,7 @@ from distdebug.analysis.plots import plot_data
 from distdebug.analysis.summary import RunSummary
 from distdebug.artifacts.reader import Run, read_json
 from distdebug.report.fmt import memory_mb, number, rank_list
-from distdebug.report.knowledge import advise_all
+from distdebug.report.knowledge import findings_with_advice
 
 MAX_RANK_ROWS = 64
 """Ranks listed openly; beyond, the table is folded (the plots carry the picture)."""
@@ -60,11 +60,6 @@ def _jsonable(x: Any) -> Any:
 
 def _e(x: Any) -> str:
     return html.escape("" if x is None else str(x))
-
-
-def findings_with_advice(summary: RunSummary) -> list[dict[str, Any]]:
-    advice = advise_all(summary.findings, run_dir=summary.run_dir)
-    return [{**f.to_dict(), "advice": a.to_dict()} for f, a in zip(summary.findings, advice, strict=True)]
 
 
 def _findings_table(findings: list[dict[str, Any]]) -> str:
@@ -166,7 +161,7 @@ def _doctor_checks(run: Run) -> str:
 def render_html(run: Run, summary: RunSummary, out: Path) -> Path:
     """Write the report for ``run`` to ``out`` (a file); returns its path."""
     out = Path(out)
-    findings = findings_with_advice(summary)
+    findings = findings_with_advice(summary.findings, run_dir=summary.run_dir)
     data = plot_data(run, summary, findings)
     bad = data["first_bad"]
     if bad:

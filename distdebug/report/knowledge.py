@@ -19,6 +19,7 @@ DDP; asynchronous error handling must stay on). Pure functions: no torch, no ric
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from distdebug.detectors.base import Finding
 
@@ -188,3 +189,9 @@ def advise_all(findings: list[Finding], *, run_dir: str = "RUN") -> list[Advice]
                        f"became non-finite differ everywhere); otherwise: {a.cause}", a.check, a.fix)
         out.append(a)
     return out
+
+
+def findings_with_advice(findings: list[Finding], *, run_dir: str = "RUN") -> list[dict[str, Any]]:
+    """Each finding as a dict with its ``advice`` (what ``report --json`` and ``--html`` show)."""
+    advice = advise_all(findings, run_dir=run_dir)
+    return [{**f.to_dict(), "advice": a.to_dict()} for f, a in zip(findings, advice, strict=True)]

@@ -17,7 +17,8 @@ from distdebug.artifacts.reader import load_run
 from distdebug.detectors.base import Finding, Severity
 from distdebug.report import knowledge as kb
 from distdebug.report.console import notable_ranks
-from distdebug.report.html import findings_with_advice, render_html
+from distdebug.report.html import render_html
+from distdebug.report.knowledge import findings_with_advice
 from tests.synthetic import write_run
 
 
@@ -79,7 +80,7 @@ def test_plot_data_for_1000_ranks_is_aggregated_and_keeps_the_planted_faults(tmp
                         killed=(3, 999), killed_at=20)
     run = load_run(run_dir)
     summary = summarize(run)
-    findings = findings_with_advice(summary)
+    findings = findings_with_advice(summary.findings)
     d = plot_data(run, summary, findings)
     assert d["first_bad"] == {"step": 30, "detectors": ["nan_origin"], "ranks": [811],
                               "subject": "layers.7.mlp.weight"}
@@ -105,7 +106,7 @@ def test_steps_are_binned_and_a_nan_survives_binning(tmp_path):
     run_dir = write_run(tmp_path / "run", ranks=2, steps=2 * MAX_STEPS + 7, nan_step=700)
     run = load_run(run_dir)
     summary = summarize(run)
-    d = plot_data(run, summary, findings_with_advice(summary))
+    d = plot_data(run, summary, findings_with_advice(summary.findings))
     assert d["steps"]["bin"] == 3 and len(d["steps"]["starts"]) <= MAX_STEPS
     y = d["loss"]["series"][0]["y"]
     i = (700 - 1) // 3  # the bin that holds step 700
