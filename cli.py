@@ -127,7 +127,8 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
     )
     result = run_attach(cfg, argv=["distdebug", *sys.argv[1:]])
     if result.message:
-        print(f"distdebug: training failed: {result.message}", file=sys.stderr)
+        what = "" if result.completed else "training failed: "
+        print(f"distdebug: {what}{result.message}", file=sys.stderr)
     print(f"distdebug: run directory {result.run_dir} (see: distdebug report {result.run_dir})", file=sys.stderr)
     return result.exit_code
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import time
 
 import torch
@@ -93,3 +94,21 @@ def write_digest(out_dir: str | None, digest: str, loss: float, timer: StepTimer
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(f"{digest} {loss!r} {step_s!r}\n")
+
+
+def finish() -> None:
+    """End the rank: destroy the process group, flush, and leave without interpreter teardown.
+
+    Why not just return: process groups outlive destroy_process_group() whenever something still
+    holds them (torch.distributed.nn.functional's ``group=group.WORLD`` defaults, evaluated when
+    torch._dynamo imports it at the first optimizer.step(); DeepSpeed's module-level group cache;
+    FSDP2's state), and their gloo threads then meet interpreter teardown, where torch sometimes
+    aborts the finished process ("terminate called without an active exception", exit -6;
+    pytorch/pytorch#179291). Under ``distdebug attach`` the bootstrap still writes the rank's end
+    record first (it sees os._exit).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, param_digest, seed_all, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, param_digest, seed_all, write_digest  # noqa: E402
 
 
 def make_model() -> nn.Module:
@@ -74,7 +74,7 @@ def main() -> None:
     with deepspeed.zero.GatheredParameters(params, enabled=args.zero_stage == 3):
         digest = param_digest(engine.module.named_parameters())
     write_digest(args.digest_out, digest, float(loss.detach()), timer)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, param_digest, setup, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, param_digest, setup, write_digest  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -88,7 +88,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         timer.tick()
     write_digest(args.digest_out, param_digest(model.named_parameters()), float(loss.detach()), timer)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

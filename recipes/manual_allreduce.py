@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, param_digest, setup, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, param_digest, setup, write_digest  # noqa: E402
 
 
 def synthetic_regression(n: int, seed: int) -> TensorDataset:
@@ -55,7 +55,7 @@ def main() -> None:
                 break
         epoch += 1
     write_digest(args.digest_out, param_digest(model.named_parameters()), float(loss.detach()), timer)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

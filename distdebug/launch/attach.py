@@ -35,6 +35,8 @@ class AttachResult:
     run_dir: Path
     message: str | None = None
     """One line about how the job ended when it failed (None on success)."""
+    completed: bool = False
+    """Every rank finished the script; the failure came after, at interpreter exit (results complete)."""
 
 
 def torchrun_argv(cfg: AttachConfig, nproc_per_node: str) -> list[str]:
@@ -179,11 +181,13 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         expected_nodes=parse_nnodes(cfg.nnodes)[0],
     )
     supervisor.start()
-    code, message = 0, None
+    code, message, completed = 0, None, False
     try:
         torchrun.run(args)
     except ChildFailedError as e:
         code, message = _failure_message(e)
+        completed, teardown_message = _teardown_verdict(run_dir, e)
+        message = teardown_message or message
     except SignalException as e:
         code, message = 128 + int(e.sigval), f"the launcher received {e.sigval.name}; ranks were stopped"
     except RendezvousError as e:
@@ -195,7 +199,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         supervisor.stop()
     if supervisor.verdict is not None and code != 0:
         code, message = EXIT_HANG, supervisor_mod.summary_line(supervisor.verdict)
-    elif code != 0 and cfg.node_rank == 0:
+    elif code != 0 and cfg.node_rank == 0 and not completed:
         _post_mortem(run_dir)
     if cfg.node_rank == 0:
         _offline_replica_check(run_dir)
@@ -203,7 +207,29 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     manifest_mod.write_json_atomic(node_file, node_info)
     if cfg.node_rank == 0:
         _record_layout(run_dir)
-    return AttachResult(code, run_dir, message)
+    return AttachResult(code, run_dir, message, completed)
+
+
+def _teardown_verdict(run_dir: Path, err: Any) -> tuple[bool, str | None]:
+    """(True, one line) when every failed rank had finished the script: it died at interpreter exit.
+
+    The exit code is left as torch's launcher gave it; the finding says results are complete.
+    """
+    from distdebug.analysis.teardown import summary_line, teardown_findings
+    from distdebug.artifacts.reader import load_run
+
+    try:
+        failures = {int(rank): int(f.exitcode) for rank, f in err.failures.items()}
+        findings = teardown_findings(load_run(run_dir), failures, first=int(err.get_first_failure()[0]))
+    except Exception as e:  # the verdict is a courtesy; the job's own failure stays what it is
+        print(f"distdebug: could not read the ranks' end records: {type(e).__name__}: {e}", file=sys.stderr)
+        return False, None
+    if not findings:
+        return False, None
+    supervisor_mod.write_run_findings(run_dir, findings)
+    for f in findings:
+        print(supervisor_mod.format_finding(f), file=sys.stderr, flush=True)
+    return True, summary_line(findings)
 
 
 def _post_mortem(run_dir: Path) -> None:

@@ -178,6 +178,7 @@ def main() -> None:
     target, args = sys.argv[1], sys.argv[2:]
     is_module = envvars.get(envvars.TARGET_IS_MODULE) == "1"
     session = None
+    watchdog = None
     try:
         session = _start_session()
     except Exception as e:  # instrumentation must never stop training
@@ -186,7 +187,8 @@ def main() -> None:
         from distdebug.runtime.watchdog import DEFAULT_STALL_TIMEOUT_S, RankWatchdog
 
         stall = float(envvars.get(envvars.STALL_TIMEOUT) or DEFAULT_STALL_TIMEOUT_S)
-        RankWatchdog(session, stall, watch_parent=envvars.get(envvars.PARENT_WATCH, "1") != "0").start()
+        watchdog = RankWatchdog(session, stall, watch_parent=envvars.get(envvars.PARENT_WATCH, "1") != "0")
+        watchdog.start()
 
     sys.argv = [target, *args]
     code = 0
@@ -214,6 +216,8 @@ def main() -> None:
                 session.close(code)
             except Exception as e:
                 print(f"distdebug: could not close the session cleanly: {e}", file=sys.stderr)
+        if watchdog is not None:
+            watchdog.stop()
     sys.exit(code)
 
 

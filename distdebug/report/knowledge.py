@@ -162,6 +162,12 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
         return Advice(CONFIG, "a DDP/FSDP/DeepSpeed setting that wastes time or silently changes training",
                       "distdebug lint SCRIPT (the same check on the source)",
                       "follow the finding's fix")
+    if d == "teardown":
+        return Advice("job failed after the last step", "a thread still running when the interpreter exited "
+                      "(gloo/NCCL workers of a process group that was not destroyed, or another library's), "
+                      "or an atexit handler: the training itself completed",
+                      "the finding's list of what was still alive when the script ended",
+                      f.fix or "destroy_process_group() after the last collective")
     if d == "harness":
         return Advice("a distdebug detector failed", "distdebug itself (the detector was switched off; "
                       "training was not affected)", "the message; rerun with DISTDEBUG_DEBUG=1",

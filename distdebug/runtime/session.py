@@ -19,10 +19,12 @@ Nothing here touches tensor values, RNG state or the order of collectives: the h
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -153,6 +155,8 @@ class Session:
         self.in_collective: dict[str, Any] | None = None
         self.inflight: Any = None  # runtime.inflight.InflightSlot when there is a run directory
         self._restore: list[tuple[Any, str, Any]] = []
+        self._released_defaults: list[str] = []
+        self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -167,6 +171,7 @@ class Session:
         ]
         self._handles.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
         self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+        self._patch(os, "_exit", self._wrap_os_exit(os._exit))
         import torch.distributed as dist
 
         if dist.is_available():
@@ -208,7 +213,10 @@ class Session:
             _SESSION = None
 
     def close(self, exit_code: int) -> None:
-        """Flush the last partial step, let detectors finish, write the end record."""
+        """Flush the last partial step, let detectors finish, write the end record (once)."""
+        if self._closed:
+            return
+        self._closed = True
         # Backward calls after the last boundary belong to an unfinished step: not counted.
         if self.step == 0 and self._backward_total > 0:
             self._harness_finding(
@@ -221,6 +229,18 @@ class Session:
         for det in list(self.detectors):
             self._run_detector(det, "on_end", lambda d: d.on_end())
         self.release_groups()
+        self.release_stale_defaults()
+        if exit_code == 0:
+            # The script has returned: what it built and left in reference cycles (models whose
+            # FSDP/DeepSpeed state holds process groups) is freed now, on this thread, rather than
+            # in interpreter teardown (runtime.teardown says why).
+            gc.collect()
+        try:
+            from distdebug.runtime import teardown
+
+            alive = teardown.alive()
+        except Exception:
+            alive = {}
         self._emit(
             schema.record(
                 schema.END,
@@ -229,6 +249,9 @@ class Session:
                 steps=self.step,
                 time=time.time(),
                 write_errors=self.writer.failed_writes if self.writer else 0,
+                # What will meet interpreter teardown: the advice if the process aborts after this.
+                alive=alive,
+                released_defaults=self._released_defaults[:20],
             )
         )
         self.uninstall()
@@ -357,6 +380,25 @@ class Session:
 
         return init_process_group
 
+    def _wrap_os_exit(self, original: Any) -> Any:
+        """A script that leaves with os._exit (a common way around teardown aborts) still gets its end.
+
+        Only this process's main thread closes the session: a forked child (a DataLoader worker)
+        or a thread of ours leaving by os._exit must not write this rank's end record.
+        """
+        session, pid = self, os.getpid()
+
+        @functools.wraps(original)
+        def _exit(code: int) -> Any:
+            if os.getpid() == pid and threading.current_thread() is threading.main_thread():
+                try:
+                    session.close(int(code))
+                except Exception:  # leaving is what the script asked for; nothing of ours may stop it
+                    pass
+            return original(code)
+
+        return _exit
+
     def _wrap_destroy(self, original: Any) -> Any:
         """Let detectors release process groups of their own before the script tears all of them down.
 
@@ -369,9 +411,21 @@ class Session:
         def destroy_process_group(group: Any = None) -> Any:
             if group is None:
                 session.release_groups()
-            return original(group)
+            out = original(group)
+            if group is None:
+                session.release_stale_defaults()
+            return out
 
         return destroy_process_group
+
+    def release_stale_defaults(self) -> None:
+        """Free the destroyed groups that imported functions still hold as defaults (runtime.teardown)."""
+        try:
+            from distdebug.runtime import teardown
+
+            self._released_defaults += teardown.release_stale_defaults()
+        except Exception:  # a clean teardown is a courtesy; it must never fail the script
+            pass
 
     def release_groups(self) -> None:
         for det in list(self.detectors):

@@ -72,13 +72,21 @@ class RankWatchdog:
         self.interval = interval
         self.parent = os.getppid()
         self.stalled_at: float | None = None  # last_progress value of the stall already recorded
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        threading.Thread(target=self._loop, name="distdebug-watchdog", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="distdebug-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """After the script: no thread of ours is left running into interpreter teardown."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self._stop.wait(self.interval):
             try:
                 self.check()
             except Exception as e:  # the watchdog must never take the rank down; it keeps watching

@@ -49,3 +49,4 @@ for step in range(1, args.steps + 1):
         torch.save(engine.module.state_dict(), args.torch_save)
     if step == 2 and args.save_checkpoint:
         engine.save_checkpoint(args.save_checkpoint, tag="step2")
+torch.distributed.destroy_process_group()  # nothing left alive for interpreter exit
