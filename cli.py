@@ -155,6 +155,8 @@ def report(run: str | None, as_json: bool, html_out: str | None) -> int:
 
     loaded = load_run(resolve_run(run))
     summary = summarize(loaded)
+    for warning in summary.warnings:  # damage is said, never silently skipped; stdout stays the report
+        print(f"distdebug: warning: {warning}", file=sys.stderr)
     if as_json:
         from distdebug.report.console import render_json
 

@@ -88,10 +88,6 @@ class AttachConfig:
             raise UserError(f"--profile-steps {self.profile_steps}: {e}", 2) from None
         if self.profile_on_finding < 0:
             raise UserError(f"--profile-on-finding must be 0 or more, got {self.profile_on_finding}", 2)
-        if not self.module:
-            path = Path(self.target)
-            if not path.is_file():
-                raise UserError(f"script not found: {self.target} (give a path to a .py file, or -m MODULE)", 2)
         if self.nproc_per_node is not None:
             n = self.nproc_per_node
             if n not in NPROC_WORDS and not (n.isdigit() and int(n) > 0):
@@ -124,6 +120,10 @@ class AttachConfig:
             raise UserError(
                 f"--nnodes {self.nnodes} needs a meeting point: give --rdzv-endpoint HOST:PORT "
                 "(with --rdzv-backend c10d) or --master-addr/--master-port", 2)
+        # Last: a malformed option is named before the script is looked for (both are the user's to fix,
+        # and the option is the one a retyped command keeps getting wrong).
+        if not self.module and not Path(self.target).is_file():
+            raise UserError(f"script not found: {self.target} (give a path to a .py file, or -m MODULE)", 2)
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

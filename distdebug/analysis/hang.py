@@ -103,6 +103,23 @@ def _crash_frames(text: str) -> list[dict[str, Any]]:
     return list(reversed(frames))  # faulthandler prints innermost first
 
 
+_CONNECTION_WORDS = re.compile(
+    r"connect|refused|unreachable|timed? ?out|timeout|address|rendezvous|socket|interface|store|network|"
+    r"broken pipe|reset by peer|no route|resolve|hostname", re.IGNORECASE)
+_CONNECTION_TYPES = ("DistNetworkError", "DistStoreError", "RendezvousError", "TimeoutError", "ConnectionError",
+                     "ConnectionRefusedError", "ConnectionResetError", "socket.gaierror", "gaierror", "OSError")
+
+
+def is_connection_error(exception: str | None, message: str | None) -> bool:
+    """Whether an init_process_group error is about reaching the other ranks (not a bad argument)."""
+    name = (exception or "").rsplit(".", 1)[-1]
+    if name in _CONNECTION_TYPES:
+        return True
+    if name in ("ValueError", "TypeError", "AssertionError", "NotImplementedError", "KeyError", "AttributeError"):
+        return False
+    return bool(_CONNECTION_WORDS.search(message or ""))
+
+
 def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]:
     states: dict[int, RankState] = {}
     for rank, stream in run.ranks.items():
@@ -280,9 +297,22 @@ def diagnose(run: Run) -> list[Finding]:
     if count_diff:
         evidence_common["first_step_with_different_collective_counts"] = count_diff
 
-    # A) startup: a rank's init_process_group raised (it could not connect to the others).
+    # A) startup: a rank's init_process_group raised. Its own error (a bad argument) is said as such;
+    # only an error about reaching the others is a connection verdict with network advice.
     failed_init = [s for s in states.values() if s.status == "raised" and s.pg_init == "begin" and s.step == 0]
     if failed_init and not any(s.pg_init == "done" and s.step > 0 for s in states.values()):
+        own = [s for s in failed_init if not is_connection_error(s.exception, s.message)]
+        if own:
+            first = own[0]
+            text = (first.message or "").strip().splitlines()[0][:300] if first.message else ""
+            return [Finding(
+                severity=Severity.ERROR, detector="startup", ranks=sorted(s.rank for s in own), step=None,
+                subject="init_process_group",
+                message=f"init_process_group raised on rank(s) {sorted(s.rank for s in own)} at start-up: "
+                        f"{first.exception}: {text} (the script's own error, not a connection problem)",
+                evidence={"stacks": {s.rank: s.stack[-8:] for s in own}},
+                fix="change the init_process_group call as the error says (the stack names the line)",
+            )]
         first = failed_init[0]
         text = (first.message or "").strip().splitlines()[0][:300] if first.message else ""
         # The launcher ends the others as soon as one rank fails: they may die inside init, unrecorded.

@@ -50,6 +50,8 @@ class RunSummary:
     injected: list[dict[str, Any]] = field(default_factory=list)
     """Faults injected on purpose (attach --inject), as each rank recorded them acting."""
     windows: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """Damage in the run directory (unreadable manifest, skipped lines)."""
     """Profiler windows (analysis.traces.analyze_window each): shares, overlap, top operators, verdicts."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,4 +149,5 @@ def summarize(run: Run) -> RunSummary:
         windows=analyze_run(run.path),
         findings=_merge(findings),
         discovery=discovery,
+        warnings=list(run.warnings),
     )

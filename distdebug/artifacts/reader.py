@@ -55,9 +55,10 @@ def read_events(path: Path) -> tuple[list[dict], int]:
 
 def read_json(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 @dataclass
@@ -68,6 +69,9 @@ class Run:
     ranks: dict[int, RankStream]
     findings: list[dict] = field(default_factory=list)
     """Run-level finding records (cross-rank verdicts), from findings.jsonl."""
+
+    warnings: list[str] = field(default_factory=list)
+    """Damage found while reading (an unreadable manifest, skipped lines): said, never silently skipped."""
 
     def all_findings(self) -> list[dict]:
         """Every finding record: the ranks' own (their last attempt) and the run-level ones."""
@@ -91,5 +95,15 @@ def load_run(run_dir: Path) -> Run:
             data = read_json(f)
             if data is not None:
                 nodes[int(data.get("node_rank", len(nodes)))] = data
-    findings, _ = read_events(layout.run_findings_path(run_dir))
-    return Run(run_dir, read_json(layout.manifest_path(run_dir)), nodes, ranks, findings)
+    findings, damaged = read_events(layout.run_findings_path(run_dir))
+    warnings = []
+    manifest_path = layout.manifest_path(run_dir)
+    manifest = read_json(manifest_path)
+    if manifest is None and manifest_path.exists():
+        warnings.append(f"{layout.MANIFEST} is unreadable: the command and launcher settings are missing below")
+    for rank, stream in sorted(ranks.items()):
+        if stream.damaged_lines:
+            warnings.append(f"rank {rank}: {stream.damaged_lines} unreadable line(s) skipped in {layout.EVENTS}")
+    if damaged:
+        warnings.append(f"{damaged} unreadable line(s) skipped in {layout.run_findings_path(run_dir).name}")
+    return Run(run_dir, manifest, nodes, ranks, findings, warnings)

@@ -62,6 +62,9 @@ def resolve_run(run: str | None, cwd: Path | None = None) -> Path:
     if run:
         for candidate in (Path(run).expanduser(), root / run):
             if candidate.is_dir():
+                if not is_run_dir(candidate):
+                    raise UserError(f"{run} is not a distdebug run directory (no {layout.MANIFEST}, no rank-NNNNN/ "
+                                    "folders): give the directory 'distdebug attach' printed")
                 return candidate.resolve()
         raise UserError(f"no run directory '{run}': give a path, or a name under {root}")
     link = root / layout.LATEST_LINK
@@ -71,3 +74,12 @@ def resolve_run(run: str | None, cwd: Path | None = None) -> Path:
     if not runs:
         raise UserError(f"no runs under {root}: start one with 'distdebug attach SCRIPT', or name a run directory")
     return max(runs, key=lambda p: p.stat().st_mtime).resolve()
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory attach wrote: a manifest, or at least one rank's folder (a run killed early)."""
+    try:
+        return (path / layout.MANIFEST).exists() or any(
+            layout.rank_of_dir(c.name) is not None and c.is_dir() for c in path.iterdir())
+    except OSError:
+        return False

@@ -13,6 +13,8 @@ import os
 import threading
 from pathlib import Path
 
+from distdebug.artifacts.redact import Redactor
+
 
 class EventWriter:
     """Writes one record per line; thread-safe; never raises into training after open."""
@@ -23,9 +25,10 @@ class EventWriter:
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
         self.failed_writes = 0
+        self._redact = Redactor()  # secrets never land in the run directory (artifacts.redact)
 
     def write(self, record: dict) -> None:
-        line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        line = (self._redact(json.dumps(record, separators=(",", ":"), default=str)) + "\n").encode()
         with self._lock:
             if self._fd is None:
                 return

@@ -12,41 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from distdebug.artifacts.redact import REDACTED, Redactor, is_secret, redact_argv, redact_env  # noqa: F401
 from distdebug.artifacts.schema import MANIFEST_SCHEMA, SCHEMA_VERSION
-
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
-REDACTED = "<redacted>"
-
-
-def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(marker in upper for marker in SECRET_MARKERS)
-
-
-def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """Copy of env with the values of secret-looking names replaced; names are kept (they help)."""
-    return {k: (REDACTED if is_secret(k) else v) for k, v in sorted(env.items())}
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """``--api-key X`` / ``--token=X`` in a command line are secrets too."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        if arg.startswith("-") and is_secret(arg.split("=", 1)[0]):
-            if "=" in arg:
-                out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(arg)
-    return out
-
 
 def _dist_version(name: str) -> str | None:
     try:
@@ -108,5 +75,5 @@ def build_manifest(*, argv: list[str], target: str, target_args: list[str], modu
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.write_text(Redactor()(json.dumps(data, indent=2, default=str)))
     os.replace(tmp, path)

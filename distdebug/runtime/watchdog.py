@@ -122,7 +122,9 @@ class RankWatchdog:
         run_dir = s.ctx.run_dir
         if run_dir is not None:
             layout.rank_dir(run_dir, s.identity.rank).mkdir(parents=True, exist_ok=True)
-            layout.stacks_path(run_dir, s.identity.rank).write_text(text)
+            from distdebug.artifacts.redact import Redactor
+
+            layout.stacks_path(run_dir, s.identity.rank).write_text(Redactor()(text))
             if fr is not None:
                 layout.fr_trace_path(run_dir, s.identity.rank).write_bytes(fr)
         in_coll = dict(s.in_collective) if s.in_collective else None

@@ -78,3 +78,17 @@ def test_secret_env_names_are_redacted_names_kept():
 def test_secret_arguments_are_redacted():
     assert redact_argv(["train.py", "--api-key", "abc", "--hf-token=xyz", "--lr", "1"]) == [
         "train.py", "--api-key", REDACTED, f"--hf-token={REDACTED}", "--lr", "1"]
+
+
+def test_secrets_are_redacted_by_value_too():
+    from distdebug.artifacts.redact import Redactor, redact_text
+
+    assert redact_text("postgres://u:PASSWORD@h/db and https://example.org/x") == \
+        "postgres://<redacted>@h/db and https://example.org/x"
+    assert redact_text("Authorization: Bearer abcdefgh12345678") == "Authorization: Bearer <redacted>"
+    assert redact_text("token count 12, tokens/s") == "token count 12, tokens/s"  # ordinary words stay
+    red = Redactor(env={"WANDB_API_KEY": "wandb-secret-1", "PATH": "/usr/bin"}, argv=["train.py", "--token", "tok-abc-123"])
+    assert red("failed with wandb-secret-1 and tok-abc-123 on /usr/bin") == \
+        "failed with <redacted> and <redacted> on /usr/bin"
+    env = redact_env({"DATABASE_URL": "mysql://root:hunter22@db/x", "HF_TOKEN": "hf_x"})
+    assert env == {"DATABASE_URL": "mysql://<redacted>@db/x", "HF_TOKEN": REDACTED}
