@@ -25,12 +25,12 @@ PAIR_BYTES = 4 << 20
 SLOW_LINK = 3.0  # a link this many times slower than the median link is flagged
 COMPARED = ("NCCL_", "TORCH_NCCL_", "GLOO_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR",
             "PYTORCH_CUDA_ALLOC_CONF", "LD_LIBRARY_PATH")
-SECRET = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 
 
 def compared_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: ("<redacted>" if any(s in k.upper() for s in SECRET) else v) for k, v in sorted(env.items())
-            if any(k.startswith(p) or k == p for p in COMPARED)}
+    from distdebug.artifacts.redact import redact_env
+
+    return redact_env({k: v for k, v in env.items() if any(k.startswith(p) or k == p for p in COMPARED)})
 
 
 def env_differences(per_rank: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,7 +175,9 @@ def main() -> None:
     if rank == 0:
         _report(result)
         out = args.out or str(Path(os.environ.get("DISTDEBUG_RUN_DIR") or ".") / "doctor.json")
-        Path(out).write_text(json.dumps(result, indent=2))
+        from distdebug.artifacts.redact import Redactor
+
+        Path(out).write_text(Redactor()(json.dumps(result, indent=2)))
     dist.destroy_process_group()
 
 

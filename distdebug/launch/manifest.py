@@ -12,8 +12,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from distdebug.artifacts.redact import REDACTED, Redactor, is_secret, redact_argv, redact_env  # noqa: F401
+from distdebug.artifacts.redact import Redactor, redact_argv, redact_env
 from distdebug.artifacts.schema import MANIFEST_SCHEMA, SCHEMA_VERSION
+
 
 def _dist_version(name: str) -> str | None:
     try:

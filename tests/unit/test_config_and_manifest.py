@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from distdebug.artifacts.redact import REDACTED, redact_argv, redact_env
 from distdebug.config import AttachConfig, parse_nnodes
 from distdebug.errors import UserError
 from distdebug.launch.attach import BOOTSTRAP_MODULE, torchrun_argv
-from distdebug.launch.manifest import REDACTED, redact_argv, redact_env
 
 
 @pytest.fixture
@@ -87,7 +87,8 @@ def test_secrets_are_redacted_by_value_too():
         "postgres://<redacted>@h/db and https://example.org/x"
     assert redact_text("Authorization: Bearer abcdefgh12345678") == "Authorization: Bearer <redacted>"
     assert redact_text("token count 12, tokens/s") == "token count 12, tokens/s"  # ordinary words stay
-    red = Redactor(env={"WANDB_API_KEY": "wandb-secret-1", "PATH": "/usr/bin"}, argv=["train.py", "--token", "tok-abc-123"])
+    red = Redactor(env={"WANDB_API_KEY": "wandb-secret-1", "PATH": "/usr/bin"},
+                   argv=["train.py", "--token", "tok-abc-123"])
     assert red("failed with wandb-secret-1 and tok-abc-123 on /usr/bin") == \
         "failed with <redacted> and <redacted> on /usr/bin"
     env = redact_env({"DATABASE_URL": "mysql://root:hunter22@db/x", "HF_TOKEN": "hf_x"})

@@ -13,10 +13,10 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 
 import pytest
+import tomllib
 
 from tests.helpers import ROOT, make_env
 
