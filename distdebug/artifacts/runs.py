@@ -77,9 +77,11 @@ def resolve_run(run: str | None, cwd: Path | None = None) -> Path:
 
 
 def is_run_dir(path: Path) -> bool:
-    """A directory attach wrote: a manifest, or at least one rank's folder (a run killed early)."""
+    """A directory attach wrote (a manifest, or at least one rank's folder: a run killed early), or one
+    it has just made and not written yet (empty). Any other directory (``/etc``) is not a run."""
     try:
-        return (path / layout.MANIFEST).exists() or any(
-            layout.rank_of_dir(c.name) is not None and c.is_dir() for c in path.iterdir())
+        children = list(path.iterdir())
     except OSError:
         return False
+    return not children or (path / layout.MANIFEST).exists() or any(
+        layout.rank_of_dir(c.name) is not None and c.is_dir() for c in children)
