@@ -55,6 +55,8 @@ class RankState:
     step_collectives: dict[int, int] = field(default_factory=dict)
     entered_total: int | None = None
     """Python-level collectives entered since the start (from the stall record)."""
+    killed_by: str | None = None
+    """The signal that ended it, when the launcher saw it die by one without an end record."""
 
     @property
     def in_progress_collectives(self) -> int | None:
@@ -237,6 +239,9 @@ def _describe(st: RankState) -> str:
     inside = st.inflight if st.inflight_state == "inside" else None
     if inside:
         return f"rank {st.rank} is inside {inside['op']} #{inside['seq']} at step {st.current_step}"
+    if st.status == "running" and st.killed_by:
+        return (f"rank {st.rank} was killed by {st.killed_by} during step {st.current_step} "
+                f"(no record after step {st.step})")
     if st.status == "running":
         return (f"rank {st.rank} left no record after step {st.step} "
                 "(killed by a signal, or still running without having stalled)")
@@ -277,18 +282,66 @@ def _fix(kind: str) -> str:
         "init": "make every rank reach init_process_group: look at the stack of the ranks that did not",
         "mismatch": "every rank must issue the same collectives in the same order with the same shapes; "
                     "look for rank-dependent branches around the collective",
+        "killed": "the rank was killed from outside: look at the kernel log (dmesg: the OOM killer), the "
+                  "node's memory and the scheduler's log for that node at that time",
         "missing": "the named rank took a different path (a skipped collective, an early exit, a stuck "
                    "data loader or an endless loop): its stack shows where",
     }[kind]
 
 
-def diagnose(run: Run) -> list[Finding]:
-    """Findings that explain a hang or a failed collective; empty when nothing is wrong."""
+def _signal_name(exit_code: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def _mark_killed(states: dict[int, RankState], first_failure: tuple[int, int] | None) -> RankState | None:
+    """The launcher saw rank R die by a signal and R left no end record: mark it killed and return it."""
+    if first_failure is None:
+        return None
+    rank, exit_code = first_failure
+    st = states.get(rank)
+    if st is None or exit_code >= 0 or st.status != "running":
+        return None
+    st.killed_by = _signal_name(exit_code)
+    return st
+
+
+def _killed_rank_finding(states: dict[int, RankState], killed: RankState | None) -> list[Finding]:
+    """A rank killed from outside, named from the launcher and its own last record.
+
+    Why from the launcher and not from the survivors: when one rank is killed (the OOM killer, a
+    node agent, a SIGKILL), the others may be stopped by torch's launcher before they fail in their
+    next collective and record it; the launcher's first failure and the killed rank's last step
+    record are enough to say what happened, whatever the survivors managed to write.
+    """
+    if killed is None:
+        return []
+    others = sorted(r for r in states if r != killed.rank)
+    return [Finding(
+        severity=Severity.CRITICAL, detector=DETECTOR, ranks=[killed.rank], step=killed.current_step,
+        subject=f"rank {killed.rank}",
+        message=f"{_describe(killed)}; the launcher then stopped rank(s) {others}",
+        evidence={"ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase}
+                            for r, s in states.items()}, "signal": killed.killed_by},
+        fix=_fix("killed"),
+    )]
+
+
+def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Finding]:
+    """Findings that explain a hang or a failed collective; empty when nothing is wrong.
+
+    first_failure: (rank, exit code) of the launcher's first failed rank, negative for a signal.
+    """
     world = max([int(s.get("world_size", 0)) for st in run.ranks.values() for s in st.of_kind(schema.START)] + [0])
     states = rank_states(run, world)
+    killed = _mark_killed(states, first_failure)
     bad = [s for s in states.values() if s.status in ("stalled", "raised", "crashed")]
     if not bad or not any(s.status == "stalled" or s.collective_error or s.status == "crashed" for s in bad):
-        return []
+        return _killed_rank_finding(states, killed)
     count_diff = first_collective_count_difference(states)
     evidence_common: dict[str, Any] = {
         "ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase, "in_collective": _inflight_of(s)}
@@ -416,5 +469,5 @@ def diagnose(run: Run) -> list[Finding]:
                 + "; ".join(_describe(states[r]) for r in culprits if r in states) + located,
         evidence={**evidence_common, "flight_recorder": fr,
                   "stacks": {r: states[r].stack[-8:] for r in culprits if r in states}},
-        fix=_fix("missing"),
+        fix=_fix("killed" if killed is not None and killed.rank in culprits else "missing"),
     )]

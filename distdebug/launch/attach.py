@@ -182,10 +182,12 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     )
     supervisor.start()
     code, message, completed = 0, None, False
+    first_failure: tuple[int, int] | None = None
     try:
         torchrun.run(args)
     except ChildFailedError as e:
         code, message = _failure_message(e)
+        first_failure = _first_failure(e)
         completed, teardown_message = _teardown_verdict(run_dir, e)
         message = teardown_message or message
     except SignalException as e:
@@ -200,7 +202,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     if supervisor.verdict is not None and code != 0:
         code, message = EXIT_HANG, supervisor_mod.summary_line(supervisor.verdict)
     elif code != 0 and cfg.node_rank == 0 and not completed:
-        _post_mortem(run_dir)
+        _post_mortem(run_dir, first_failure)
     if cfg.node_rank == 0:
         _offline_replica_check(run_dir)
     node_info.update(ended=time.time(), exit_code=code, message=message)
@@ -232,13 +234,23 @@ def _teardown_verdict(run_dir: Path, err: Any) -> tuple[bool, str | None]:
     return True, summary_line(findings)
 
 
-def _post_mortem(run_dir: Path) -> None:
-    """After a failed job: explain a failed collective (a rank that left, a size mismatch), if any."""
+def _first_failure(err: Any) -> tuple[int, int] | None:
+    """(rank, exit code) of torch's first failed rank; a negative code is the signal that ended it."""
+    try:
+        rank, failure = err.get_first_failure()
+        return int(rank), int(failure.exitcode)
+    except Exception:  # torch's error type changed: the diagnosis does without it
+        return None
+
+
+def _post_mortem(run_dir: Path, first_failure: tuple[int, int] | None = None) -> None:
+    """After a failed job: explain a failed collective (a rank that left, a size mismatch) or a rank
+    killed from outside, if any."""
     from distdebug.analysis.hang import diagnose
     from distdebug.artifacts.reader import load_run
 
     try:
-        findings = diagnose(load_run(run_dir))
+        findings = diagnose(load_run(run_dir), first_failure)
     except Exception as e:  # diagnosis must not hide the job's own failure
         print(f"distdebug: could not diagnose the failure: {type(e).__name__}: {e}", file=sys.stderr)
         return

@@ -160,8 +160,12 @@ def test_sigkilled_rank_leaves_a_readable_run_dir(tmp_path):
     rank1 = next(x for x in summary["ranks"] if x["rank"] == 1)
     assert rank1["steps"] == 2 and rank1["status"].startswith("no end record")
     assert summary["exit_code"] == 137
-    (f,) = [x for x in summary["findings"] if x["severity"] != "info"]  # rank 0 failed when rank 1 vanished
-    assert f["ranks"] == [1] and "rank 1 left no record after step 2" in f["message"]
+    # Whether or not rank 0 recorded its failed all_reduce before the launcher stopped it, the
+    # launcher's first failure names rank 1, killed in step 3.
+    (f,) = [x for x in summary["findings"] if x["severity"] != "info"]
+    assert (f["ranks"], f["step"]) == ([1], 3)
+    assert "rank 1 was killed by SIGKILL during step 3 (no record after step 2)" in f["message"]
+    assert "OOM killer" in f["fix"]
 
 
 def test_raising_detector_is_switched_off_training_untouched(tmp_path):

@@ -93,3 +93,24 @@ def test_init_process_group_that_raised_is_a_startup_failure_not_a_hang(tmp_path
     assert f"(RuntimeError: {error})" in f.message
     assert "rank(s) [0] were still in init_process_group" in f.message
     assert "rank(s) [2] left no record of reaching it" in f.message
+
+
+def test_rank_killed_from_outside_is_named_from_the_launcher_whatever_the_others_wrote(tmp_path):
+    # Rank 1 was SIGKILLed in step 3; the launcher stopped ranks 0 and 2 before they failed in
+    # their next collective, so no survivor recorded an error: the launcher's first failure says it.
+    write(tmp_path, 0, steps([1, 1, 1]))
+    write(tmp_path, 1, steps([1, 1]))
+    write(tmp_path, 2, steps([1, 1, 1]))
+    run = load_run(tmp_path)
+    assert diagnose(run) == []  # nothing in the records alone
+    (f,) = diagnose(run, first_failure=(1, -9))
+    assert (f.ranks, f.step, f.subject) == ([1], 3, "rank 1")
+    assert f.message == "rank 1 was killed by SIGKILL during step 3 (no record after step 2); the launcher then " \
+                        "stopped rank(s) [0, 2]"
+    assert "OOM killer" in f.fix
+    assert diagnose(run, first_failure=(1, 1)) == []  # an exit code is the script's own, not a kill
+    write(tmp_path, 1, [])  # a rank with an end record was not killed mid-step
+    w = EventWriter(layout.events_path(tmp_path, 1))
+    w.write(schema.record(schema.END, exit_code=0))
+    w.close()
+    assert diagnose(load_run(tmp_path), first_failure=(1, -9)) == []
