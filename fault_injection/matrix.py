@@ -145,7 +145,7 @@ def _built(detector: str) -> bool:
 def _cli() -> list[str]:
     """This checkout's CLI (the cli.py beside this package), else the installed one, with this Python."""
     here = Path(__file__).resolve().parents[1] / "cli.py"
-    return [sys.executable, str(here)] if here.is_file() else [sys.executable, "-m", "cli"]
+    return [sys.executable, str(here)] if here.is_file() else [sys.executable, "-m", "distdebug"]
 
 
 def _steps(fault: Fault | None) -> int:

@@ -12,7 +12,7 @@ from tests.helpers import ROOT, distdebug, make_env
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys, cli\n"
+        "import sys\nfrom distdebug import cli\n"
         "try:\n    cli.main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
         "heavy = [m for m in ('torch', 'deepspeed', 'rich', 'numpy') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -97,3 +97,15 @@ def test_the_guard_refuses_a_test_extra():
                         json.dumps(["deepspeed"])], capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env=make_env())
     assert "not a declared runtime dependency" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_console_script_points_into_the_package_and_no_top_level_cli_is_installed():
+    # A module called "cli" at the top of site-packages would clash with any other package's.
+    (script,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "distdebug"]
+    assert script.value == "distdebug.cli:main"
+    assert "cli" not in metadata.packages_distributions()
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'distdebug = "distdebug.cli:main"' in text and "py-modules" not in text
+    # The root cli.py stays a thin entry: it defines nothing of its own.
+    root = (ROOT / "cli.py").read_text()
+    assert "from distdebug.cli import main" in root and "import click" not in root

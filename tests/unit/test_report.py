@@ -132,7 +132,7 @@ def test_html_is_one_self_contained_file(tmp_path):
 def test_report_cli_writes_html_and_json_advice(tmp_path):
     run_dir = write_run(tmp_path / "run", ranks=3, steps=30, slow_rank=2)
     out = tmp_path / "r.html"
-    r = CliRunner().invoke(__import__("cli").main, ["report", str(run_dir), "--json", "--html", str(out)],
+    r = CliRunner().invoke(__import__("distdebug.cli", fromlist=["main"]).main, ["report", str(run_dir), "--json", "--html", str(out)],
                            catch_exceptions=False, standalone_mode=False)
     assert r.exit_code == 0 and out.is_file()
     d = json.loads(r.stdout)

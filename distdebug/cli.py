@@ -1,0 +1,371 @@
+"""The ``distdebug`` command: a thin click layer over the library.
+
+Imports here stay light (no torch): ``distdebug --help`` must answer in well under half a second.
+Every error reaches the user as one line and a non-zero exit; set DISTDEBUG_DEBUG=1 to see
+distdebug's own traceback for an internal error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from distdebug.errors import UserError
+
+
+class OneLineErrors(click.Group):
+    """Usage and user errors as one line: what is wrong and what to do; never a traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "distdebug", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            print("distdebug: aborted", file=sys.stderr)
+            sys.exit(130)
+        except click.UsageError as e:
+            path = e.ctx.command_path if e.ctx else "distdebug"
+            print(f"distdebug: error: {e.format_message().rstrip('.')}; see '{path} --help'", file=sys.stderr)
+            sys.exit(2)
+        except click.ClickException as e:
+            print(f"distdebug: error: {e.format_message()}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except UserError as e:
+            print(f"distdebug: error: {e}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except Exception as e:
+            if os.environ.get("DISTDEBUG_DEBUG"):
+                raise
+            print(f"distdebug: internal error: {type(e).__name__}: {e} "
+                  "(rerun with DISTDEBUG_DEBUG=1 for the traceback, and please report it)", file=sys.stderr)
+            sys.exit(70)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="distdebug", message="distdebug %(version)s")
+def main() -> None:
+    """distdebug: which rank, which step, which tensor broke your distributed training, and what to do."""
+
+
+@main.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False})
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None,
+              help="Ranks on this node: a number, or gpu/cpu/auto. Default: one per GPU, else 2.")
+@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX (elastic).")
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
+              help="This node's rank (static rendezvous).")
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True,
+              help="Rendezvous backend: static or c10d.")
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="", help="Rendezvous HOST:PORT.")
+@click.option("--rdzv-id", "--rdzv_id", "rdzv_id", default="none", show_default=True, help="Rendezvous job id.")
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
+              help="Rendezvous options key=value,... (e.g. join_timeout=60).")
+@click.option("--standalone", is_flag=True, help="Single node with a local rendezvous on a free port.")
+@click.option("--max-restarts", "--max_restarts", "max_restarts", type=int, default=0, show_default=True,
+              help="Restarts of the worker group before failing.")
+@click.option("--master-addr", "--master_addr", "master_addr", default=None, help="Static rendezvous address.")
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None,
+              help="Static rendezvous port.")
+@click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run like python -m.")
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+              help="Where this run's records go. Default: a new directory under ./distdebug-runs/.")
+@click.option("--stall-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds without progress (no step, no collective finished) before a rank counts as stalled; "
+                   "then every rank's stacks and Flight Recorder trace are collected and the hang is diagnosed. "
+                   "0: off.")
+@click.option("--on-hang", type=click.Choice(["abort", "report"]), default="abort", show_default=True,
+              help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")
+@click.option("--fingerprint-every", type=int, default=1, show_default=True,
+              help="Cross-rank fingerprint check of replicated tensors every K optimizer steps.")
+@click.option("--stop-on-nan", is_flag=True, default=False,
+              help="End the job at the first NaN/Inf (exit code 123) after reporting where it started. "
+                   "Default: report and keep going.")
+@click.option("--deterministic", is_flag=True, default=False,
+              help="Seed Python's, numpy's and torch's generators with 0 and turn on torch's deterministic "
+                   "algorithms before the script runs.")
+@click.option("--spike-threshold", type=float, default=8.0, show_default=True,
+              help="Loss / gradient-norm spike: robust z (median and MAD of the window) above which a value counts.")
+@click.option("--spike-window", type=int, default=50, show_default=True,
+              help="Steps of history a spike is measured against.")
+@click.option("--profile-steps", default="", metavar="A:B[,C:D]",
+              help="Trace these optimizer steps with torch.profiler on every rank (gzip Chrome traces in the run "
+                   "directory, for Perfetto and Holistic Trace Analysis), e.g. 4995:5005.")
+@click.option("--profile-on-finding", type=int, default=5, show_default=True,
+              help="Steps traced on every rank after a spike, NaN or straggler finding (once per run); 0: off.")
+@click.option("--launcher-log-level", default="CRITICAL", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+              help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")
+@click.option("--detectors", default=None,
+              help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones.")
+@click.option("--inject", "inject", multiple=True, metavar="FAULT[:KEY=VALUE,...]",
+              help="Inject a fault on purpose, e.g. nan_grad:rank=1,step=5 (repeatable; see: distdebug faults list).")
+@click.argument("script")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run_dir: Path | None,
+           module: bool, inject: tuple[str, ...], **launcher: object) -> int:
+    """Run SCRIPT on every rank under torch's elastic launcher, instrumented; no code changes.
+
+    Options are torchrun's. Everything after SCRIPT goes to the script. The exit code is the
+    training's exit code.
+    """
+    from distdebug import envvars
+    from distdebug.config import AttachConfig
+    from distdebug.launch.attach import attach as run_attach
+
+    cfg = AttachConfig(
+        target=script, target_args=list(script_args), module=module, run_dir=run_dir,
+        detectors=envvars.decode_list(detectors) if detectors is not None else None,
+        inject=_resolve_faults(inject),
+        **launcher,  # type: ignore[arg-type]
+    )
+    result = run_attach(cfg, argv=["distdebug", *sys.argv[1:]])
+    if result.message:
+        what = "" if result.completed else "training failed: "
+        print(f"distdebug: {what}{result.message}", file=sys.stderr)
+    print(f"distdebug: run directory {result.run_dir} (see: distdebug report {result.run_dir})", file=sys.stderr)
+    return result.exit_code
+
+
+def _resolve_faults(specs: tuple[str, ...]) -> list[dict]:
+    if not specs:
+        return []
+    from fault_injection.registry import resolve
+
+    return [resolve(s) for s in specs]
+
+
+@main.command()
+@click.argument("run", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write a self-contained HTML report with plots to this file.")
+def report(run: str | None, as_json: bool, html_out: str | None) -> int:
+    """Findings (with likely cause and fix) and per-rank progress of RUN (default: the newest run under
+    ./distdebug-runs); --html FILE also writes a self-contained page with plots."""
+    from distdebug.analysis.summary import summarize
+    from distdebug.artifacts.reader import load_run
+    from distdebug.artifacts.runs import resolve_run
+
+    loaded = load_run(resolve_run(run))
+    summary = summarize(loaded)
+    for warning in summary.warnings:  # damage is said, never silently skipped; stdout stays the report
+        print(f"distdebug: warning: {warning}", file=sys.stderr)
+    if as_json:
+        from distdebug.report.console import render_json
+
+        click.echo(render_json(summary))
+    else:
+        from distdebug.report.console import render
+
+        render(summary)
+    if html_out:
+        from distdebug.report.html import render_html
+
+        try:
+            path = render_html(loaded, summary, Path(html_out))
+        except OSError as e:
+            raise UserError(f"--html {html_out}: cannot write it ({e.strerror or e}); choose a writable path") from None
+        print(f"distdebug: HTML report {path}", file=sys.stderr)
+    return 0
+
+
+@main.command()
+@click.argument("run", required=False)
+@click.argument("other", required=False)
+@click.option("--step", type=int, default=None, help="Compare the ranks at this step (default: find the first "
+              "divergent step).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def diff(run: str | None, other: str | None, step: int | None, as_json: bool) -> int:
+    """Cross-rank fingerprint diff of RUN (default: newest), or run-against-run with OTHER.
+
+    \b
+    distdebug diff RUN --step N     tensors that differ across ranks at step N
+    distdebug diff RUN              the first step where replicas diverge
+    distdebug diff RUN_A RUN_B      the first step and tensor where two runs differ
+    Exit code 1 when something differs, 0 when identical.
+    """
+    from distdebug.artifacts.runs import resolve_run
+    from distdebug.report import diffview
+
+    if other is not None:
+        if step is not None:
+            raise click.UsageError("--step applies to one run; give RUN alone, or RUN_A RUN_B without --step")
+        result = diffview.runs(resolve_run(run), resolve_run(other))
+    else:
+        result = diffview.ranks(resolve_run(run), step)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(result, indent=2))
+    else:
+        diffview.render(result)
+    return 0 if result["identical"] else 1
+
+
+@main.command("detectors")
+def list_detectors() -> int:
+    """List the registered detectors (name, default on/off, what it finds)."""
+    from distdebug.detectors import registry
+
+    for name, cls in sorted(registry._builtin().items()):
+        click.echo(f"{name:24s} {'default' if cls.default else 'opt-in ':8s} {cls.description}")
+    return 0
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--bandwidth", is_flag=True, help="Also an all_reduce bandwidth sweep and a pairwise link matrix "
+              "across the ranks (started like attach).")
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None,
+              help="Check across this many ranks per node, started like attach (default with --bandwidth: "
+                   "as attach). Without it and --bandwidth: this host only, no ranks.")
+@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True)
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True)
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="")
+@click.option("--master-addr", "--master_addr", "master_addr", default=None)
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None)
+@click.option("--max-bytes", type=int, default=128 << 20, show_default=True,
+              help="Largest all_reduce of the sweep (bytes; from 8 B, doubling).")
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the ranks' records go. Default: a new directory under ./distdebug-runs/.")
+def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes: int, run_dir: Path | None,
+           **launcher: object) -> int:
+    """Check the environment for distributed training: versions, GPUs and topology, dangerous
+    NCCL/GLOO/MASTER variables, port, /dev/shm, open-file limit; across ranks and nodes, differences in
+    variables and versions; with --bandwidth, bus bandwidth and the link matrix. Exits 1 on a fail."""
+    import json
+
+    from distdebug.doctor.checks import FAIL, local_checks
+
+    if nproc_per_node is None and not bandwidth:
+        checks = [c.to_dict() for c in local_checks()]
+        result: dict = {"ranks": {"local": {"checks": checks}}, "differences": []}
+        failed = any(c["status"] == FAIL for c in checks)
+    else:
+        from distdebug.doctor.run import run_doctor
+
+        result, failed = run_doctor(nproc_per_node=nproc_per_node, bandwidth=bandwidth, max_bytes=max_bytes,
+                                    run_dir=run_dir, launcher=launcher)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        from rich.console import Console
+
+        from distdebug.report.doctor_view import render
+
+        out = Console()
+        render(out if out.is_terminal else Console(width=160), result)
+    return 1 if failed else 0
+
+
+@main.command()
+@click.argument("script", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def lint(script: Path, as_json: bool) -> int:
+    """DDP, FSDP and DeepSpeed pitfalls in SCRIPT, read from its source (nothing runs): file:line, why it
+    matters, the fix. Exits 1 if any is an error."""
+    import json
+
+    from distdebug.errors import UserError
+    from distdebug.lint.static import ERROR, lint_file
+
+    if not script.is_file():
+        raise UserError(f"script not found: {script}", 2)
+    findings = lint_file(script)
+    if as_json:
+        click.echo(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        for f in findings:
+            click.echo(f"{script}:{f.line}: {f.severity} [{f.rule}] {f.message}\n    why: {f.why}\n    fix: {f.fix}")
+        click.echo(f"{len(findings)} finding(s) in {script}" if findings else f"no pitfalls found in {script}")
+    return 1 if any(f.severity == ERROR for f in findings) else 0
+
+
+@main.group()
+def faults() -> None:
+    """Inject faults on purpose and prove that each detector catches its fault (fault x engine matrix)."""
+
+
+@faults.command("list")
+def faults_list() -> int:
+    """The fault catalogue: what each fault does, its parameters, the detector that must catch it."""
+    from rich.console import Console
+
+    from fault_injection.console import catalogue
+
+    out = Console()
+    catalogue(out if out.is_terminal else Console(width=160))
+    return 0
+
+
+@faults.command("replay", context_settings={"allow_interspersed_args": False})
+@click.option("--fault", "fault_names", multiple=True, help="Only this fault (repeatable). Default: every fault.")
+@click.option("--recipe", "engines", multiple=True,
+              help="Only this engine: ddp, fsdp2, zero2, zero2_resume (repeatable). Default: each fault's own.")
+@click.option("--nproc", type=int, default=2, show_default=True, help="Ranks per run.")
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a JUnit XML report here.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the replay runs go (kept). Default: a new directory under ./distdebug-runs/faults-<time>.")
+@click.argument("script", nargs=-1, type=click.UNPROCESSED)
+def faults_replay(fault_names: tuple[str, ...], engines: tuple[str, ...], nproc: int, junit: Path | None,
+                  work_dir: Path | None, script: tuple[str, ...]) -> int:
+    """Run each fault, and a clean run, under attach on the recipes (or on SCRIPT [ARGS]) and check that
+    the expected findings appear with the right rank, step and subject. Exits 1 on any miss.
+    """
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from distdebug.errors import UserError
+    from fault_injection.console import matrix
+    from fault_injection.matrix import ENGINES, junit_xml, plan, replay
+    from fault_injection.registry import FAULTS
+
+    for f in fault_names:
+        if f not in FAULTS:
+            raise UserError(f"unknown fault '{f}'; known: {', '.join(FAULTS)} (see: distdebug faults list)", 2)
+    for e in engines:
+        if e not in ENGINES:
+            raise UserError(f"unknown recipe '{e}'; known: {', '.join(ENGINES)}", 2)
+    if script and engines:
+        raise UserError("give either --recipe or a SCRIPT, not both", 2)
+    if script and not Path(script[0]).is_file():
+        raise UserError(f"script not found: {script[0]}", 2)
+    if nproc < 1:
+        raise UserError(f"--nproc must be 1 or more, got {nproc}", 2)
+    cells = plan(list(fault_names) or None, list(engines) or None, list(script) if script else None)
+    if not cells:
+        raise UserError("nothing to replay: none of the chosen faults runs on the chosen recipes "
+                        "(see: distdebug faults list)", 2)
+    work = work_dir or Path("distdebug-runs") / time.strftime("faults-%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("replaying faults", total=len(cells))
+
+        def done(cell):  # type: ignore[no-untyped-def]
+            progress.update(task, advance=1, description=f"{cell.fault}/{cell.engine}: {cell.status}")
+
+        results = replay(cells, work, nproc=nproc, script=list(script) if script else None, on_cell=done)
+    out = Console()
+    matrix(out if out.is_terminal else Console(width=160), results)
+    if junit is not None:
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.write_text(junit_xml(results))
+    click.echo(f"runs kept in {work}")
+    return 0 if all(c.ok for c in results) else 1
+
+
+if __name__ == "__main__":
+    main()
