@@ -14,6 +14,7 @@ from distdebug.analysis.errors import error_findings, oom_phase
 from distdebug.analysis.plots import MAX_BARS, MAX_ROWS, MAX_STEPS, plot_data
 from distdebug.analysis.summary import summarize
 from distdebug.artifacts.reader import load_run
+from distdebug.cli import main as cli_main
 from distdebug.detectors.base import Finding, Severity
 from distdebug.report import knowledge as kb
 from distdebug.report.console import notable_ranks
@@ -132,7 +133,7 @@ def test_html_is_one_self_contained_file(tmp_path):
 def test_report_cli_writes_html_and_json_advice(tmp_path):
     run_dir = write_run(tmp_path / "run", ranks=3, steps=30, slow_rank=2)
     out = tmp_path / "r.html"
-    r = CliRunner().invoke(__import__("distdebug.cli", fromlist=["main"]).main, ["report", str(run_dir), "--json", "--html", str(out)],
+    r = CliRunner().invoke(cli_main, ["report", str(run_dir), "--json", "--html", str(out)],
                            catch_exceptions=False, standalone_mode=False)
     assert r.exit_code == 0 and out.is_file()
     d = json.loads(r.stdout)
