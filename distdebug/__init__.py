@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.findings import Finding, Severity  # the ground floor: no torch, cheap to import
+
 __version__ = "0.1.0"
 
 __all__ = ["watch", "step", "Finding", "Severity", "__version__"]
@@ -43,12 +45,3 @@ def step(loss: Any = None) -> None:
     session = current_session()
     if session is not None:
         session.explicit_step(loss)
-
-
-def __getattr__(name: str) -> Any:
-    # Finding lives with the detector interface; importing it lazily keeps this module light.
-    if name in ("Finding", "Severity"):
-        from distdebug.detectors import base
-
-        return getattr(base, name)
-    raise AttributeError(name)

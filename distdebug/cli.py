@@ -7,12 +7,12 @@ distdebug's own traceback for an internal error.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import click
 
+from distdebug import envvars
 from distdebug.errors import UserError
 
 
@@ -41,7 +41,7 @@ class OneLineErrors(click.Group):
         except KeyboardInterrupt:
             sys.exit(130)
         except Exception as e:
-            if os.environ.get("DISTDEBUG_DEBUG"):
+            if envvars.get(envvars.DEBUG):
                 raise
             print(f"distdebug: internal error: {type(e).__name__}: {e} "
                   "(rerun with DISTDEBUG_DEBUG=1 for the traceback, and please report it)", file=sys.stderr)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 
-def inner(ctx: Any) -> Any:
+
+def inner(ctx: RankContext) -> Any:
     """The user's own module under any wrapper (DDP, torch.compile), or None before discovery."""
     from distdebug.runtime.discovery import unwrap
 
     return unwrap(ctx.models[0])[0] if ctx is not None and ctx.models else None
 
 
-def parameter(ctx: Any, name: str) -> tuple[str, Any] | None:
+def parameter(ctx: RankContext, name: str) -> tuple[str, Any] | None:
     """The named parameter, or by default the last weight (the first in backward order)."""
     model = inner(ctx)
     if model is None:
@@ -24,7 +26,7 @@ def parameter(ctx: Any, name: str) -> tuple[str, Any] | None:
     return weights[-1] if weights else None
 
 
-def module(ctx: Any, name: str) -> tuple[str, Any] | None:
+def module(ctx: RankContext, name: str) -> tuple[str, Any] | None:
     """The named module, or by default the middle one of those holding parameters."""
     model = inner(ctx)
     if model is None:

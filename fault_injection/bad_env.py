@@ -10,19 +10,22 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
 
 
 class BadEnv(Fault):
     name = "bad_env"
     description = "a dangerous NCCL/GLOO variable (default GLOO_SOCKET_IFNAME=an interface that does not exist)"
+    var: str
+    value: str
     params = (Param("var", str, "GLOO_SOCKET_IFNAME", "variable name"),
               Param("value", str, "distdebug_missing0", "its value"))
     catcher = "env_check"
     engines = ("ddp",)
     exit_codes = (0, 1)  # a missing interface ends the job at init_process_group
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         os.environ[self.var] = self.value
         self.injected(var=self.var, value=self.value)

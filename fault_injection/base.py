@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from distdebug.detectors.base import Detector, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
 from distdebug.errors import UserError
 
 
@@ -71,6 +72,9 @@ class Fault(Detector):
 
     default: ClassVar[bool] = False
     params: ClassVar[tuple[Param, ...]] = (RANK, STEP)
+    """The spec's parameters; each becomes an attribute of the instance (``rank``, ``step``, ...)."""
+    rank: int
+    step: int
     catcher: ClassVar[str] = ""
     """The detector that must catch it (for the matrix; may not be built yet: then it is a miss)."""
     engines: ClassVar[tuple[str, ...]] = ("ddp",)
@@ -86,7 +90,7 @@ class Fault(Detector):
     def __init__(self, **params: Any) -> None:
         for p in self.params:
             setattr(self, p.name, params.get(p.name, p.default))
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.current = 1  # the step being run now: 1 until the first boundary
         self.acted = False
 
@@ -105,10 +109,10 @@ class Fault(Detector):
         if self.ctx is not None and self.ctx.emit is not None:
             self.ctx.emit("injected", fault=self.name, step=self.current, **what)
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         self.ctx = ctx
 
     def on_step(self, event: StepEvent) -> tuple[()]:

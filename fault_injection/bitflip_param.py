@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection._targets import parameter
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
 
@@ -16,12 +17,14 @@ from fault_injection.base import RANK, STEP, Expect, Fault, Param
 class BitflipParam(Fault):
     name = "bitflip_param"
     description = "one bit of one parameter element flips on one rank (silent data corruption)"
+    param: str
+    bit: int
     params = (RANK, STEP, Param("param", str, "", "parameter name (default: the last weight)"),
               Param("bit", int, 20, "bit of the first element's float32 word (0-31)"))
     catcher = "replica_divergence"
     engines = ("ddp", "manual")
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
         if ctx.models and self.mine():
             ctx.models[0].register_forward_pre_hook(self._pre)
@@ -31,7 +34,7 @@ class BitflipParam(Fault):
             return
         import torch
 
-        found = parameter(self.ctx, self.param)
+        found = parameter(self.ctx, self.param) if self.ctx is not None else None
         if found is not None and found[1].dtype == torch.float32:
             name, p = found
             with torch.no_grad():

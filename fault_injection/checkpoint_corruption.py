@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
 
 
@@ -18,7 +19,7 @@ class CheckpointCorruption(Fault):
     catcher = "checkpoint_roundtrip"
     engines = ("zero2_resume",)
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         if not self.mine():
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
 
 
@@ -16,7 +17,7 @@ class DuplicateData(Fault):
     catcher = "data_order"
     engines = ("ddp",)
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         from torch.utils.data.distributed import DistributedSampler
 

@@ -1,5 +1,5 @@
 """hang: one rank stops in the middle of a step and never reaches its next collective, so every
-other rank waits in the gradient all-reduce (the seed's 30-minute timeout).
+other rank waits in the gradient all-reduce (until torch's collective timeout: 30 minutes for gloo by default).
 
 The hang diagnosis (launcher side, after --stall-timeout) must name that rank and that step.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
 
 
@@ -20,7 +21,7 @@ class Hang(Fault):
     attach_args = ("--stall-timeout", "4")
     exit_codes = (124,)
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
         if ctx.models and self.mine():
             ctx.models[0].register_forward_pre_hook(self._pre)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection._targets import inner
 from fault_injection.base import Expect, Fault, Param
 
@@ -17,13 +18,14 @@ from fault_injection.base import Expect, Fault, Param
 class LossSpike(Fault):
     name = "loss_spike"
     description = "a corrupted step: the model's output times `factor` at one step"
+    factor: float
     params = (Param("rank", int, -1, "the rank it acts on (-1: every rank)"),
               Param("step", int, 20, "the step (>= 12: the spike rule needs a history)"),
               Param("factor", float, 30.0, "the multiplier"))
     catcher = "loss_spike"
     engines = ("ddp", "fsdp2", "zero2", "manual")
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
         model = inner(ctx)
         if model is not None and self.mine():

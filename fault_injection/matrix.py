@@ -254,4 +254,4 @@ def junit_xml(cells: list[Cell]) -> str:
         else:
             ET.SubElement(case, "system-out").text = (
                 f"{c.status}; steps to detection {c.steps_to_detection}; run dir {c.run_dir}")
-    return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode")
+    return ET.tostring(suite, encoding="unicode")

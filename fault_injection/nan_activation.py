@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection._targets import module
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
 
@@ -16,11 +17,12 @@ from fault_injection.base import RANK, STEP, Expect, Fault, Param
 class NanActivation(Fault):
     name = "nan_activation"
     description = "one module's output on one rank holds a NaN in one step"
+    module: str
     params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
     catcher = "nan_origin"
     engines = ("ddp", "manual")
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
         found = module(ctx, self.module)
         if found is None or not self.mine():

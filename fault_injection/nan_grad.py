@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection._targets import parameter
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
 
@@ -16,11 +17,12 @@ from fault_injection.base import RANK, STEP, Expect, Fault, Param
 class NanGrad(Fault):
     name = "nan_grad"
     description = "one rank's local gradient of one parameter is NaN in one step (before all-reduce)"
+    param: str
     params = (RANK, STEP, Param("param", str, "", "parameter name (default: the last weight)"))
     catcher = "nan_origin"
     engines = ("ddp", "manual")
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
         found = parameter(ctx, self.param)
         if found is None or not self.mine():

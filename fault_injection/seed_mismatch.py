@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
 
 
@@ -18,7 +19,7 @@ class SeedMismatch(Fault):
     catcher = "init_seed"
     engines = ("ddp", "manual")
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         import torch
 

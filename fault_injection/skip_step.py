@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
 
 
@@ -15,7 +16,7 @@ class SkipStep(Fault):
     catcher = "replica_divergence"
     engines = ("ddp", "manual")
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
         if not ctx.optimizers or not self.mine():
             return

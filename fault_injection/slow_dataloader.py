@@ -8,17 +8,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import RANK, Expect, Fault, Param
 
 
 class SlowDataloader(Fault):
     name = "slow_dataloader"
     description = "one rank's DataLoader sleeps `delay` seconds before every batch"
+    delay: float
     params = (RANK, Param("delay", float, 0.05, "seconds added to each batch"))
     catcher = "straggler"
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         if not self.mine():
             return

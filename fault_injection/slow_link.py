@@ -1,5 +1,5 @@
 """slow_link: point-to-point traffic between one pair of ranks is slowed (a bad cable, a PCIe link
-through the CPU: the seed's cards 2 and 5). Only a pairwise link matrix shows it
+through the CPU between two cards). Only a pairwise link matrix shows it
 (``distdebug doctor --bandwidth``): the replay runs the doctor's worker with 3 ranks and expects the
 pair named.
 """
@@ -9,19 +9,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
 
 
 class SlowLink(Fault):
     name = "slow_link"
     description = "send/recv between ranks `a` and `b` take `delay` seconds longer"
+    a: int
+    b: int
+    delay: float
     params = (Param("a", int, 0, "one end"), Param("b", int, 1, "the other end"),
               Param("delay", float, 0.01, "seconds added to each send/recv between them"))
     catcher = "link_matrix"
     engines = ("doctor",)
     min_world = 3  # a slow pair is told from the median link only among several
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         if ctx.rank not in (self.a, self.b):
             return

@@ -9,17 +9,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
 
 
 class Straggler(Fault):
     name = "straggler"
     description = "one rank sleeps `delay` seconds in every forward from `step` on"
+    delay: float
     params = (RANK, STEP, Param("delay", float, 0.05, "seconds added to each of its steps"))
     catcher = "straggler"
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
         if ctx.models and self.mine():
             ctx.models[0].register_forward_pre_hook(self._pre)

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
 
 
 class UnsyncedBn(Fault):
     name = "unsynced_bn"
     description = "DDP broadcast_buffers=False (mode=buffers) or SyncBatchNorm conversion skipped (mode=sync)"
+    mode: str
     params = (Param("mode", str, "buffers", "buffers or sync"),)
     catcher = "bn_divergence"
     engines = ("ddp",)
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,7 +46,7 @@ class UnsyncedBn(Fault):
         ctx.patch(DDP, "__init__", init)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
-        mods = next((i["modules"] for i in injected if i.get("modules")), [])
+        mods: list[str] = next((i["modules"] for i in injected if i.get("modules")), [])
         # Running statistics apart on every rank; compared first at step 2.
         return [Expect("bn_divergence", ranks=list(range(world)), step=2, subject=m) for m in mods[:1]]
 

@@ -1,4 +1,4 @@
-"""DDP ConvNet with BatchNorm on synthetic images (the seed's BatchNorm story lives here).
+"""DDP ConvNet with BatchNorm on synthetic images (unsynchronised BatchNorm statistics live here).
 
     torchrun --nproc-per-node 2 recipes/ddp_convnet.py --steps 20
     distdebug attach recipes/ddp_convnet.py --steps 20

@@ -1,6 +1,6 @@
 """Hand-written data parallelism: a plain MLP whose gradients the loop all-reduces itself (no wrapper).
 
-The shape of many research loops and of the seed's first debugging stage. Nothing broadcasts the
+The shape of many research loops and of a first debugging stage. Nothing broadcasts the
 initial parameters here, so every rank must seed alike; DistributedSampler shards the data.
 
     distdebug attach recipes/manual_allreduce.py --steps 20

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from distdebug.detectors.base import Finding, Severity
+from distdebug.findings import Finding, Severity
 
 
 def oom_phase(stack: list[dict[str, Any]]) -> str:

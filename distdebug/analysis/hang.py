@@ -27,7 +27,7 @@ from typing import Any
 
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Run
-from distdebug.detectors.base import Finding, Severity
+from distdebug.findings import Finding, Severity
 from distdebug.runtime.inflight import read_inflight
 
 DETECTOR = "hang"
@@ -447,10 +447,10 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         if not waiting or not culprits:
             culprits = sorted(r for r, s in states.items() if s.status in ("stalled", "crashed", "exited", "absent")
                               and s.rank not in waiting) or sorted(states)
-        first = next(iter(waiting.values()), None)
-        op = first["op"] if first else "a collective"
-        seq = first["seq"] if first else "?"
-        sizes = first.get("shapes") if first else None
+        waited = next(iter(waiting.values()), None)
+        op = waited["op"] if waited else "a collective"
+        seq = waited["seq"] if waited else "?"
+        sizes = waited.get("shapes") if waited else None
         at = where(states[next(iter(waiting))].stack) if waiting else "?"
         waiters = sorted(waiting)
     step = min((states[r].current_step for r in culprits if r in states), default=None)

@@ -103,7 +103,7 @@ def plot_data(run: Run, summary: RunSummary, findings: list[dict[str, Any]]) -> 
     heat = []
     for g in rows:
         per = [binned(times[r]) for r in g]
-        heat.append([max((p[i] for p in per if p[i] is not None), default=None) for i in range(len(starts))])
+        heat.append([max((v for p in per if (v := p[i]) is not None), default=None) for i in range(len(starts))])
     all_times = [v for row in heat for v in row if v is not None and math.isfinite(v)]
     step_time = {"rows": [label(g) for g in rows], "group": len(rows[0]) if rows else 1,
                  "values_ms": [[None if v is None else v * 1000 for v in row] for row in heat],

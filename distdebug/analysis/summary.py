@@ -14,7 +14,7 @@ from distdebug.analysis.errors import error_findings
 from distdebug.analysis.traces import analyze_run
 from distdebug.artifacts import schema
 from distdebug.artifacts.reader import Run
-from distdebug.detectors.base import Finding, Severity
+from distdebug.findings import Finding, Severity
 
 
 @dataclass
@@ -72,7 +72,7 @@ def _merge(findings: list[Finding]) -> list[Finding]:
             merged[key] = Finding.from_dict(f.to_dict())
     return sorted(
         merged.values(),
-        key=lambda f: (-Severity(f.severity).rank, f.step if f.step is not None else -1, f.detector, f.subject),
+        key=lambda f: (-Severity(f.severity).order, f.step if f.step is not None else -1, f.detector, f.subject),
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from distdebug.artifacts import schema
 from distdebug.artifacts.reader import Run
-from distdebug.detectors.base import Finding, Severity
+from distdebug.findings import Finding, Severity
 
 DETECTOR = "teardown"
 

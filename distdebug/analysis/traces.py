@@ -12,7 +12,7 @@ counts as what, read from the events torch writes:
   of the step marks), collective enqueues (``c10d::``) left out;
 - data loader: ``enumerate(DataLoader)#...`` annotations.
 
-Overlap ratio = time communication and computation run together / communication time (the seed's
+Overlap ratio = time communication and computation run together / communication time (a common
 rule: 70% or more is healthy, under 50% communication blocks computation). Intervals of one kind
 are merged first, so nested operators are not counted twice.
 """
@@ -80,7 +80,10 @@ def analyze_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
             steps[int(m.group(1))] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
             main_tid = e.get("tid")
     gpu = any(e.get("cat") == "kernel" for e in events)
-    comm, compute, data, ops = [], [], [], {}
+    comm: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
+    data: list[tuple[float, float]] = []
+    ops: dict[str, Any] = {}
     for e in events:
         name, cat = str(e.get("name", "")), e.get("cat")
         iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))

@@ -9,77 +9,15 @@ training itself never sees it.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from distdebug.runtime.session import RankContext
+# Finding, Severity, StepEvent and RankContext live on the ground floor (distdebug.findings,
+# distdebug.context); they are re-exported here because a plugin detector imports them from here.
+from distdebug.context import RankContext, StepEvent
+from distdebug.findings import Finding, Severity
 
-
-class Severity(str, enum.Enum):
-    """Ordered from least to most severe; ``rank`` gives the order."""
-
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
-    CRITICAL = "critical"
-
-    @property
-    def rank(self) -> int:
-        return list(Severity).index(self)
-
-
-@dataclass(kw_only=True)
-class Finding:
-    """One diagnosis: who (ranks), when (step), what (subject), and the evidence for it.
-
-    ``step`` is the 1-based optimizer step the finding refers to (None: not tied to a step).
-    ``subject`` names a tensor, module, collective or ``detector:<name>`` for harness findings.
-    """
-
-    severity: Severity
-    detector: str
-    ranks: list[int]
-    step: int | None
-    subject: str
-    message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
-    fix: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["severity"] = Severity(self.severity).value
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Finding:
-        return cls(
-            severity=Severity(d.get("severity", "info")),
-            detector=str(d.get("detector", "?")),
-            ranks=[int(r) for r in d.get("ranks", [])],
-            step=d.get("step"),
-            subject=str(d.get("subject", "")),
-            message=str(d.get("message", "")),
-            evidence=dict(d.get("evidence") or {}),
-            fix=d.get("fix"),
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepEvent:
-    """What one rank saw in one step. Times in seconds; loss is the mean of the step's backward losses."""
-
-    rank: int
-    step: int
-    loss: float | None
-    step_time_s: float
-    backward_calls: int
-    collectives: int
-    backward_total: int = 0
-    """Backward calls since the start: equal across ranks in lockstep training, even when a rank
-    skips optimizer.step (which the step number alone cannot show)."""
+__all__ = ["Detector", "Finding", "RankContext", "Severity", "StepEvent"]
 
 
 class Detector:

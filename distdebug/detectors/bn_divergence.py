@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.runtime.discovery import unwrap
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
@@ -58,7 +60,7 @@ class BatchNormDivergence(ExchangeUser, Detector):
                    "BatchNorm whose per-rank batch statistics disagree (recommends SyncBatchNorm)")
 
     def __init__(self) -> None:
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.exchange: Any = None
         self.modules: list[tuple[str, torch.nn.Module, bool]] = []  # (name, module, is SyncBatchNorm)
         self.armed = False
@@ -66,7 +68,7 @@ class BatchNormDivergence(ExchangeUser, Detector):
         self.reported: set[tuple[str, str]] = set()
         self._hooks: list[Any] = []
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
 
         self.ctx = ctx
         many = len(ctx.models) > 1
@@ -83,7 +85,7 @@ class BatchNormDivergence(ExchangeUser, Detector):
         self.armed = self.exchange is not None and checked(2)  # attach comes at the end of step 1
 
     def _pre_hook(self, label: str) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+        def hook(module: Any, args: Any) -> None:
             if not self.armed or label in self.seen or not args or not isinstance(args[0], torch.Tensor):
                 return
             x = args[0].detach()
@@ -108,9 +110,11 @@ class BatchNormDivergence(ExchangeUser, Detector):
         step = event.step
 
         def verdict(gathered: list[Any]) -> None:
-            if self.ctx.rank == 0:  # every rank has the same view; one writes the verdict
+            ctx = self.ctx
+            assert ctx is not None  # set in setup()/attach(), which the session calls first
+            if ctx.rank == 0:  # every rank has the same view; one writes the verdict
                 for f in self._compare(step, dict(enumerate(gathered))):
-                    self.ctx.report(f)
+                    ctx.report(f)
 
         self.exchange.post(seen, verdict)
         return ()

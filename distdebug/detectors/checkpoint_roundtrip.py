@@ -39,7 +39,9 @@ from typing import Any
 import torch
 
 from distdebug.artifacts import layout
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import fingerprints
 
 RECORDS = layout.CHECKPOINTS
@@ -119,7 +121,7 @@ class CheckpointRoundTrip(Detector):
     description = "a torch.load restores other tensors than torch.save wrote (names them), or another rank's shard"
 
     def __init__(self) -> None:
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.step = 0
         self.saved: dict[str, dict[str, Any]] = {}  # abs path -> {"fps", "step"} saved by this rank
         self._loaded: set[str] = set()
@@ -128,7 +130,7 @@ class CheckpointRoundTrip(Detector):
         self._hook: _ImportHook | None = None
         self._lock = threading.Lock()
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
         self._patch(torch, "save", self._wrap_save)
         self._patch(torch, "load", self._wrap_load)
@@ -139,7 +141,9 @@ class CheckpointRoundTrip(Detector):
             sys.meta_path.insert(0, self._hook)
 
     def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
-        self.ctx.patch(obj, name, wrapper(getattr(obj, name)))
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        ctx.patch(obj, name, wrapper(getattr(obj, name)))
 
     def _patch_dcp(self, dcp: Any) -> None:
         self._patch(dcp, "save", self._wrap_dcp_save)
@@ -207,28 +211,34 @@ class CheckpointRoundTrip(Detector):
         return load
 
     def _guard(self, fn: Any, obj: Any, f: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         try:
             fn(obj, f)
         except Exception as e:  # never break the user's save or load
-            self.ctx.report(Finding(
-                severity=Severity.INFO, detector="harness", ranks=[self.ctx.rank], step=self.step or None,
+            ctx.report(Finding(
+                severity=Severity.INFO, detector="harness", ranks=[ctx.rank], step=self.step or None,
                 subject=f"detector:{self.name}", message=f"could not check {f}: {type(e).__name__}: {e}",
             ))
 
     def _records_path(self, rank: int) -> Path | None:
-        return layout.rank_dir(self.ctx.run_dir, rank) / RECORDS if self.ctx.run_dir is not None else None
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        return layout.rank_dir(ctx.run_dir, rank) / RECORDS if ctx.run_dir is not None else None
 
     def _record_save(self, obj: Any, f: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         path = str(Path(f).resolve())
         fps = fingerprints(tensor_items(obj))
         with self._lock:
             self.saved[path] = {"fps": fps, "step": self.step}
-        records = self._records_path(self.ctx.rank)
+        records = self._records_path(ctx.rank)
         if records is not None:
             records.parent.mkdir(parents=True, exist_ok=True)
             with open(records, "a") as out:
                 out.write(json.dumps({"v": 1, "op": "save", "path": path, "step": self.step,
-                                      "rank": self.ctx.rank, "stamp": _file_stamp(path),
+                                      "rank": ctx.rank, "stamp": _file_stamp(path),
                                       "fps": {k: f"{v:016x}" for k, v in fps.items()}}) + "\n")
 
     @staticmethod
@@ -268,9 +278,11 @@ class CheckpointRoundTrip(Detector):
 
     def _earlier_runs(self) -> list[Path]:
         """Sibling run directories (the same runs root), newest first."""
-        if self.ctx.run_dir is None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        if ctx.run_dir is None:
             return []
-        here = Path(self.ctx.run_dir).resolve()
+        here = Path(ctx.run_dir).resolve()
         try:
             runs = [d for d in here.parent.iterdir()
                     if d.is_dir() and not d.is_symlink() and d.resolve() != here and (d / layout.MANIFEST).exists()]
@@ -280,14 +292,16 @@ class CheckpointRoundTrip(Detector):
 
     def _find_save(self, path: str) -> tuple[str, int, dict[str, Any]] | None:
         """Where ``path`` was saved, preferring this rank's own save: ("this run" or a run directory, rank, record)."""
-        rank = self.ctx.rank
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        rank = ctx.rank
         with self._lock:
             mine = self.saved.get(path)
         if mine is not None:
             return "this run", rank, {"fps": mine["fps"], "step": mine["step"]}
         candidates: list[tuple[str, list[tuple[int, dict[str, Any]]]]] = []
-        if self.ctx.run_dir is not None:
-            candidates.append(("this run", self._saves_in(Path(self.ctx.run_dir), path)))
+        if ctx.run_dir is not None:
+            candidates.append(("this run", self._saves_in(Path(ctx.run_dir), path)))
         for run in self._earlier_runs():
             saves = self._saves_in(run, path)
             if saves:
@@ -300,12 +314,14 @@ class CheckpointRoundTrip(Detector):
             r, rec = (own or saves)[0]
             fps = {k: int(v, 16) for k, v in rec["fps"].items()}
             # This rank's own files from that save (a restart restores what the earlier run saved).
-            run_dir = Path(self.ctx.run_dir) if where == "this run" else Path(where)
+            run_dir = ctx.run_dir if where == "this run" and ctx.run_dir is not None else Path(where)
             mine_there = {p for p in self._paths_saved_by(run_dir, rank) if siblings(p, path)}
             return where, r, {"fps": fps, "step": rec.get("step"), "stamp": rec.get("stamp"), "own": mine_there}
         return None
 
     def _check_load(self, obj: Any, f: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         path = str(Path(f).resolve())
         found = self._find_save(path)
         if found is None:
@@ -313,7 +329,7 @@ class CheckpointRoundTrip(Detector):
         where, saver, rec = found
         loaded = fingerprints(tensor_items(obj))
         diff = compare_saved(rec["fps"], loaded)
-        rank = self.ctx.rank
+        rank = ctx.rank
         earlier = where != "this run"
         rewritten = earlier and rec.get("stamp") is not None and rec["stamp"] != _file_stamp(path)
         names = diff["differ"] + diff["missing"] + diff["extra"]
@@ -326,7 +342,7 @@ class CheckpointRoundTrip(Detector):
                 + (f" of run {Path(where).name}" if earlier else "")
             note = "; the file was rewritten after that save (another job or run may have saved there)" \
                 if rewritten else ""
-            self.ctx.report(Finding(
+            ctx.report(Finding(
                 severity=Severity.WARNING if rewritten else Severity.ERROR, detector=self.name, ranks=[rank],
                 step=self.step or None, subject=names[0],
                 message=f"restored {Path(path).name} does not match what {origin} ({', '.join(parts)}): "
@@ -345,6 +361,8 @@ class CheckpointRoundTrip(Detector):
                 self._foreign.append({"path": path, "saver": saver, "step": self.step or None, "own": own_files})
 
     def _wrong_shards(self) -> list[Finding]:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         with self._lock:
             pending, self._foreign = self._foreign, []
             loaded = set(self._loaded)
@@ -352,7 +370,7 @@ class CheckpointRoundTrip(Detector):
         for item in pending:
             if any(p in loaded for p in item["own"]):
                 continue
-            rank, name = self.ctx.rank, Path(item["path"]).name
+            rank, name = ctx.rank, Path(item["path"]).name
             out.append(Finding(
                 severity=Severity.ERROR, detector=self.name, ranks=[rank], step=item["step"], subject=name,
                 message=f"rank {rank} restored {name}, which rank {item['saver']} saved, although it saved "

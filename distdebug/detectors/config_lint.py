@@ -23,7 +23,9 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 
 BIG_MODEL = 100 << 20
 MANY_BUCKETS = 1000
@@ -34,14 +36,14 @@ class ConfigLint(Detector):
     description = "lint's checks on the live DDP/DeepSpeed objects (unused parameters, buffers, wrap order, buckets)"
 
     def __init__(self) -> None:
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.step = 1
         self.reported: set[str] = set()
         self.checkpoint_calls = 0
         self.pending: list[Finding] = []
         """Findings noted before attach (while ranks and steps are not known yet), reported at attach."""
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         """Watch torch.nn.utils.clip_grad_norm_ from the script's first line (clipping in step 1 counts)."""
         self.ctx = ctx
         import torch.nn.utils
@@ -103,6 +105,8 @@ class ConfigLint(Detector):
         could be iterated only once) and handed on unchanged: the result is the original's.
         """
         det = self
+        ctx = self.ctx
+        assert ctx is not None  # set in setup(), before this patch
 
         def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
             import torch
@@ -111,8 +115,8 @@ class ConfigLint(Detector):
             norm = original(params, *args, **kwargs)
             if "fsdp1_clip" not in det.reported and any(getattr(p, "_fsdp_flattened", False) for p in params):
                 det.reported.add("fsdp1_clip")
-                det.ctx.report(Finding(
-                    severity=Severity.ERROR, detector=det.name, ranks=[det.ctx.rank], step=det.step,
+                ctx.report(Finding(
+                    severity=Severity.ERROR, detector=det.name, ranks=[ctx.rank], step=det.step,
                     subject="clip_grad_norm_ on FSDP1",
                     message=f"torch.nn.utils.clip_grad_norm_ on FSDP1's sharded parameters in step {det.step}: it "
                             f"returned {float(norm):.6g}, the norm of this rank's shard only, so every rank clips "
@@ -123,7 +127,7 @@ class ConfigLint(Detector):
 
         return clip_grad_norm_
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         from distdebug.runtime.discovery import is_deepspeed_engine, unwrap
 
         self.ctx = ctx
@@ -140,7 +144,9 @@ class ConfigLint(Detector):
             ctx.report(f)
 
     def _finding(self, severity: Severity, subject: str, message: str, fix: str, **evidence: Any) -> Finding:
-        return Finding(severity=severity, detector=self.name, ranks=[self.ctx.rank], step=1, subject=subject,
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        return Finding(severity=severity, detector=self.name, ranks=[ctx.rank], step=1, subject=subject,
                        message=message, fix=fix, evidence=evidence)
 
     def _ddp(self, root: Any, inner: Any, chain: list[str], opts: dict[str, Any]) -> list[Finding]:
@@ -226,6 +232,8 @@ class ConfigLint(Detector):
 
     def _watch_engine(self, engine: Any) -> None:
         """zero_grad between backward and step, caught as it happens."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         det = self
         state = {"after_backward": False}
         backward, step, zero_grad = engine.backward, engine.step, engine.zero_grad
@@ -242,8 +250,8 @@ class ConfigLint(Detector):
         def wrapped_zero_grad(*args: Any, **kwargs: Any) -> Any:
             if state["after_backward"] and "ds_zero_grad" not in det.reported:
                 det.reported.add("ds_zero_grad")
-                det.ctx.report(Finding(
-                    severity=Severity.ERROR, detector=det.name, ranks=[det.ctx.rank], step=det.step,
+                ctx.report(Finding(
+                    severity=Severity.ERROR, detector=det.name, ranks=[ctx.rank], step=det.step,
                     subject="engine.zero_grad",
                     message=f"zero_grad() between engine.backward() and engine.step() in step {det.step}: the "
                             "step that follows applies no gradient",
@@ -251,9 +259,9 @@ class ConfigLint(Detector):
             return zero_grad(*args, **kwargs)
 
         self._watch_saves(engine)
-        self.ctx.patch(engine, "backward", wrapped_backward)
-        self.ctx.patch(engine, "step", wrapped_step)
-        self.ctx.patch(engine, "zero_grad", wrapped_zero_grad)
+        ctx.patch(engine, "backward", wrapped_backward)
+        ctx.patch(engine, "step", wrapped_step)
+        ctx.patch(engine, "zero_grad", wrapped_zero_grad)
 
     def _watch_saves(self, engine: Any) -> None:
         """torch.save of the engine's model state instead of engine.save_checkpoint, seen as it happens.
@@ -262,6 +270,8 @@ class ConfigLint(Detector):
         ``engine.module.state_dict()``) is the engine's state; saves made by save_checkpoint itself
         (DeepSpeed writes its files with torch.save) are not counted.
         """
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         import torch
 
         det = self
@@ -280,7 +290,7 @@ class ConfigLint(Detector):
             if not inside["depth"] and "ds_torch_save" not in det.reported and names and isinstance(obj, dict):
                 # Every dotted tail of every key ("module.0.weight" -> "0.weight", "weight"): one pass,
                 # not names x keys, which a model of thousands of parameters would pay at each save.
-                tails = set()
+                tails: set[str] = set()
                 for k in obj:
                     parts = str(k).split(".")
                     tails.update(".".join(parts[i:]) for i in range(len(parts)))
@@ -289,8 +299,8 @@ class ConfigLint(Detector):
                     det.reported.add("ds_torch_save")
                     stage = engine.zero_optimization_stage()
                     after = det.step - 1  # saves come after a step's step(): the checkpoint of that step
-                    det.ctx.report(Finding(
-                        severity=Severity.WARNING, detector=det.name, ranks=[det.ctx.rank], step=after or None,
+                    ctx.report(Finding(
+                        severity=Severity.WARNING, detector=det.name, ranks=[ctx.rank], step=after or None,
                         subject="torch.save of engine state",
                         message="torch.save of the DeepSpeed engine's model state "
                                 + (f"after step {after}" if after else "before the first step") + " (ZeRO stage "
@@ -302,8 +312,8 @@ class ConfigLint(Detector):
                         evidence={"parameters_named": held, "zero_stage": stage}))
             return torch_save(obj, *args, **kwargs)
 
-        self.ctx.patch(engine, "save_checkpoint", wrapped_save_checkpoint)
-        self.ctx.patch(torch, "save", wrapped_torch_save)
+        ctx.patch(engine, "save_checkpoint", wrapped_save_checkpoint)
+        ctx.patch(torch, "save", wrapped_torch_save)
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.step = event.step + 1

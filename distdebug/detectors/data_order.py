@@ -6,8 +6,8 @@ the same batch but compute different losses.
   ranks exchange (step, batch fingerprint, loss) since the last check in one small all_gather, in
   the background (``runtime.exchange``): training never waits for it.
 - Every rank holding the same batch in every checked step means DistributedSampler (or any
-  sharding) is missing: each rank repeats the others' work. When that is meant (the seed's first
-  stage: two ranks, the same data, losses must agree), the losses are compared: the same batch
+  sharding) is missing: each rank repeats the others' work. When that is meant (a first
+  debugging stage: two ranks, the same data, losses must agree), the losses are compared: the same batch
   with losses apart by more than 1e-5 (relative) means the replicas differ.
 - ``DistributedSampler(shuffle=True)`` iterated again for a new epoch without ``set_epoch`` having
   changed its epoch repeats the previous order exactly: found from the sampler itself (its
@@ -21,7 +21,9 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fingerprints
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
@@ -49,7 +51,7 @@ class DataOrder(ExchangeUser, Detector):
                    "without set_epoch, the same batch giving different losses")
 
     def __init__(self) -> None:
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.exchange: Any = None
         self.records: list[list[Any]] = []  # [step, batch fingerprint, loss]
         self.pending: Any = None  # this step's batch fingerprint
@@ -58,7 +60,7 @@ class DataOrder(ExchangeUser, Detector):
         self._epochs: dict[int, int] = {}  # id(sampler) -> epoch of its last iteration
         self._hooks: list[Any] = []
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
         from torch.utils.data.distributed import DistributedSampler
 
@@ -78,6 +80,8 @@ class DataOrder(ExchangeUser, Detector):
             pass
 
     def _sampler_iter(self, sampler: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         key = id(sampler)
         epoch = int(getattr(sampler, "epoch", 0))
         before = self._epochs.get(key)
@@ -88,8 +92,8 @@ class DataOrder(ExchangeUser, Detector):
         frame = next((f for f in reversed(traceback.extract_stack()[:-3])
                       if "distdebug" not in f.filename and "/torch/" not in f.filename), None)
         where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
-        self.ctx.report(Finding(
-            severity=Severity.WARNING, detector=self.name, ranks=[self.ctx.rank], step=None,
+        ctx.report(Finding(
+            severity=Severity.WARNING, detector=self.name, ranks=[ctx.rank], step=None,
             subject="DistributedSampler.set_epoch",
             message=f"DistributedSampler(shuffle=True) starts another pass over the data with epoch {epoch} again "
                     f"(iterated at {where}): set_epoch was not called, so every epoch repeats the same order",
@@ -97,7 +101,7 @@ class DataOrder(ExchangeUser, Detector):
             fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the DataLoader",
         ))
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
 
         from distdebug.runtime.discovery import unwrap
 
@@ -136,11 +140,13 @@ class DataOrder(ExchangeUser, Detector):
                 rec[1] = combine_device(fp.tolist(), t)
 
         def verdicts(gathered: list[Any]) -> None:  # on the exchange's thread
+            ctx = self.ctx
+            assert ctx is not None  # set in setup()/attach(), which the session calls first
             for rank, records in enumerate(gathered):
                 self.history.setdefault(rank, []).extend(records or [])
-            if self.ctx.rank == 0:
+            if ctx.rank == 0:
                 for f in self._verdicts():
-                    self.ctx.report(f)
+                    ctx.report(f)
 
         self.exchange.post(mine, verdicts)
         return ()

@@ -11,14 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from distdebug.detectors.base import Detector, Finding, Severity
+from distdebug.context import RankContext
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 
 
 class EnvCheck(Detector):
     name = "env_check"
     description = "dangerous NCCL_*/TORCH_NCCL_*/GLOO_*/MASTER_* variables in each rank (as distdebug doctor)"
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         from distdebug.doctor.checks import FAIL, PASS, variable_checks
 
         for c in variable_checks():

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.compare import compare
 from distdebug.fingerprint.hashing import fingerprints
 from distdebug.runtime.exchange import ExchangeUser
@@ -35,7 +37,7 @@ class InitSeed(ExchangeUser, Detector):
     description = "initial parameters that differ across ranks (named; before DDP's broadcast too), unseeded torch"
 
     def __init__(self) -> None:
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.initial: dict[str, int] = {}
         self.broadcast = False  # DDP made the parameters equal after they were fingerprinted
         self.seeded = False
@@ -43,7 +45,7 @@ class InitSeed(ExchangeUser, Detector):
         self._seen: set[int] = set()
         self.exchange: Any = None
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
         from torch.nn.parallel import DistributedDataParallel
 
@@ -86,7 +88,7 @@ class InitSeed(ExchangeUser, Detector):
         if not self.initial:
             self._guard(self._record, module, False)
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
 
         if self._hook is not None:
             self._hook.remove()

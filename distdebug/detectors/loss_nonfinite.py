@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 
 
 class LossNonFinite(Detector):

@@ -36,7 +36,9 @@ from typing import Any
 import torch
 
 from distdebug import envvars
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.exchange import ExchangeUser, checked_step
 
@@ -130,12 +132,12 @@ class LossSpike(ExchangeUser, Detector):
         self.params: list[torch.nn.Parameter] = []
         self.sharded = False
         self.rank = 0
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.losses: list[tuple[int, float]] = []  # (step, loss) since the last exchange
         self.cross = CrossRank(self.threshold, self.window)
         self.cross_found = 0
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
 
         from distdebug.runtime.discovery import unwrap
 
@@ -158,9 +160,11 @@ class LossSpike(ExchangeUser, Detector):
         mine, self.losses = self.losses, []
 
         def judge(gathered: list[Any]) -> None:
-            if self.ctx.rank != 0:
+            ctx = self.ctx
+            assert ctx is not None  # set in setup()/attach(), which the session calls first
+            if ctx.rank != 0:
                 return
-            by_step: dict[int, dict[int, float]] = {}
+            by_step: dict[int, dict[int, float | None]] = {}
             for rank, records in enumerate(gathered):
                 for step, loss in records or []:
                     by_step.setdefault(step, {})[rank] = loss
@@ -171,7 +175,7 @@ class LossSpike(ExchangeUser, Detector):
                     self.cross_found += 1
                     if self.cross_found > MAX_FINDINGS:
                         continue
-                    self.ctx.report(Finding(
+                    ctx.report(Finding(
                         severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step,
                         subject="loss across ranks",
                         message=f"rank {rank}'s loss departs from the other ranks' at step {step}: {value:.4g} "
@@ -183,7 +187,8 @@ class LossSpike(ExchangeUser, Detector):
                             "--step N shows which tensors differ), or its BatchNorm statistics (bn_divergence)",
                     ))
 
-        self.exchange.post(mine, judge)
+        if self.exchange is not None:
+            self.exchange.post(mine, judge)
 
     def _grad_norm(self) -> float | None:
         if self.sharded:

@@ -1,6 +1,6 @@
 """Memory: where each rank's bytes go (parameters, gradients, optimizer state, activations, other), per
-step and at the peak, against the static estimate, so that "OOM in forward means activations" (the
-seed's table) is a reading, not a guess.
+step and at the peak, against the static estimate, so that "OOM in forward means activations" (a
+practitioners' rule) is a reading, not a guess.
 
 - Parameters, gradients and optimizer state: the bytes of the tensors this rank holds (a DTensor's
   local shard), each storage counted once, read at the step boundary (after the optimizer step,
@@ -26,7 +26,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.runtime.exchange import checked_step
 
 OUTGROW = 1.5
@@ -81,7 +83,7 @@ class Memory(Detector):
     description = "bytes per rank in parameters, gradients, optimizer state, activations, other; per step, at peak"
 
     def __init__(self) -> None:
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.params: list[Any] = []
         self.param_keys: set[int] = set()
         self.saved: set[int] = set()
@@ -94,7 +96,7 @@ class Memory(Detector):
         self.cuda = False
         self.reported: set[str] = set()
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
 
         from distdebug.runtime.discovery import unwrap
 
@@ -161,9 +163,11 @@ class Memory(Detector):
         return self._verdicts(event.step)
 
     def _read(self, step: int, activations: int = 0) -> None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         import torch
 
-        self.static = breakdown(self.params, self.ctx.optimizers)
+        self.static = breakdown(self.params, ctx.optimizers)
         row: dict[str, Any] = {**self.static, "activations": activations}
         if self.cuda:
             allocated = torch.cuda.memory_allocated()
@@ -171,7 +175,7 @@ class Memory(Detector):
             row["allocator_peak"] = torch.cuda.max_memory_allocated()
         self._track_peak(step, row)
         if step:
-            self.ctx.emit("memory", step=step, **row, total=sum(v for k, v in row.items() if k != "allocator_peak"))
+            ctx.emit("memory", step=step, **row, total=sum(v for k, v in row.items() if k != "allocator_peak"))
 
     def _track_peak(self, step: int, row: dict[str, Any]) -> None:
         total = sum(v for k, v in row.items() if k != "allocator_peak")
@@ -179,19 +183,21 @@ class Memory(Detector):
             self.peak = {"step": step, **row, "total": total}
 
     def _verdicts(self, step: int) -> list[Finding]:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         params = self.static.get("parameters", 0)
-        if not params or not self.ctx.optimizers or step < 2:
+        if not params or not ctx.optimizers or step < 2:
             return []
         out = []
-        k = optimizer_factor(self.ctx.optimizers[0])
+        k = optimizer_factor(ctx.optimizers[0])
         for cat, factor in (("gradients", 1.0), ("optimizer_state", k)):
             have = self.static.get(cat, 0)
             if factor and have > OUTGROW * factor * params and cat not in self.reported:
                 self.reported.add(cat)
                 out.append(Finding(
-                    severity=Severity.INFO, detector=self.name, ranks=[self.ctx.rank], step=step, subject=cat,
+                    severity=Severity.INFO, detector=self.name, ranks=[ctx.rank], step=step, subject=cat,
                     message=f"{cat.replace('_', ' ')} hold {have / params:.1f}x the parameters' bytes; the static "
-                            f"estimate for {type(self.ctx.optimizers[0]).__name__} is {factor:g}x "
+                            f"estimate for {type(ctx.optimizers[0]).__name__} is {factor:g}x "
                             f"(parameters {params} B, {cat} {have} B)",
                     evidence={"parameters": params, cat: have, "estimate_factor": factor},
                     fix="fp32 master copies or extra buffers (mixed precision, EMA), gradients kept in another "

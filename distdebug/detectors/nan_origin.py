@@ -36,7 +36,9 @@ import torch
 
 from distdebug import envvars
 from distdebug.config import EXIT_NAN
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.discovery import first_tensor, unwrap
 
@@ -67,7 +69,7 @@ class NanOrigin(Detector):
 
     def __init__(self) -> None:
         self.stop = envvars.get(envvars.STOP_ON_NAN) == "1"
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.names: dict[int, str] = {}  # id(param) -> name as the user wrote it
         self.params: list[tuple[str, torch.nn.Parameter]] = []
         self.grad_ptrs: dict[int, str] = {}
@@ -81,10 +83,11 @@ class NanOrigin(Detector):
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         self.ctx = ctx
         many = len(ctx.models) > 1
-        for i, root in enumerate(ctx.models):
+        roots: list[Any] = list(ctx.models)  # DDP, FSDP2, DeepSpeed or plain: their own methods are used
+        for i, root in enumerate(roots):
             inner, chain, _ = unwrap(root)
             prefix = f"{type(inner).__name__}[{i}]." if many else ""
             for name, p in inner.named_parameters():

@@ -1,4 +1,4 @@
-"""Profiler: torch.profiler traces of chosen steps on every rank (the seed's "profile steps 4995-5005
+"""Profiler: torch.profiler traces of chosen steps on every rank (the practice of "profile steps 4995-5005
 and read the timeline", made automatic), and of the steps right after a detector fires.
 
 - ``--profile-steps A:B[,C:D...]``: torch.profiler runs from the start of step A to the end of step B
@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from distdebug import envvars
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 
 CHECK_EVERY = 8
 TRIGGERS = ("loss_spike", "nan_origin", "loss_nonfinite", "straggler")
@@ -60,7 +62,7 @@ class Profiler(Detector):
         self.windows = parse_windows(envvars.get(envvars.PROFILE_STEPS))
         self.on_finding = int(envvars.get(envvars.PROFILE_ON_FINDING) or 0)
         self.starts = {a - 1: (a, b) for a, b in self.windows}  # boundary before the window -> window
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.prof: Any = None
         self.window: tuple[int, int] | None = None
         self.current = 1
@@ -68,7 +70,7 @@ class Profiler(Detector):
         self.seen = False  # a trigger was read from the store (by every rank, this one included)
         self.store: Any = None
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         self.ctx = ctx
         if self.on_finding > 0:
             import torch.distributed as dist
@@ -83,7 +85,7 @@ class Profiler(Detector):
     def _on_finding(self, finding: Finding) -> None:
         """Called from any thread for every finding of this rank."""
         if (self.fired or self.seen or self.store is None or finding.detector not in TRIGGERS
-                or Severity(finding.severity).rank < Severity.WARNING.rank):
+                or Severity(finding.severity).order < Severity.WARNING.order):
             return
         self.fired = True
         start = (self.current + CHECK_EVERY + 1 + CHECK_EVERY - 1) // CHECK_EVERY * CHECK_EVERY

@@ -11,8 +11,8 @@ from distdebug.errors import UserError
 
 
 def _builtin() -> dict[str, type[Detector]]:
-    # Imported here, not at module load, so that listing names stays cheap and a broken
-    # detector module cannot break the others' import.
+    # Imported when first asked for, not at module load: importing the registry (the CLI, the
+    # launcher) does not import every detector module and torch with it.
     from distdebug.detectors.bn_divergence import BatchNormDivergence
     from distdebug.detectors.checkpoint_roundtrip import CheckpointRoundTrip
     from distdebug.detectors.config_lint import ConfigLint

@@ -35,7 +35,9 @@ import torch
 import xxhash
 
 from distdebug import envvars
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, odd_ones_out
 from distdebug.fingerprint.hashing import fingerprints, root_digest
@@ -63,7 +65,7 @@ class ReplicaDivergence(Detector):
 
     def __init__(self) -> None:
         self.every = max(1, int(envvars.get(envvars.FINGERPRINT_EVERY) or 1))
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.group: Any = None
         self.snapshots: SnapshotWriter | None = None
         self.replicas: ReplicaSet | None = None
@@ -77,7 +79,7 @@ class ReplicaDivergence(Detector):
         self._thread: threading.Thread | None = None
         self._stopped = False
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
         import torch.distributed as dist
 
         self.ctx = ctx
@@ -156,6 +158,8 @@ class ReplicaDivergence(Detector):
 
     def _worker(self) -> None:
         """Background: the cross-rank exchange, in step order, BATCH checks at a time."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         assert self._queue is not None
         while True:
             item = self._queue.get()
@@ -167,11 +171,11 @@ class ReplicaDivergence(Detector):
             if exchange and self.group is not None:
                 try:
                     for finding in self._exchange(pending):
-                        self.ctx.report(finding)
+                        ctx.report(finding)
                 except Exception as e:  # a peer that left, a destroyed group: stop checking, never raise
                     self.group = None
-                    self.ctx.report(Finding(  # info: it follows from a failure that other findings explain
-                        severity=Severity.INFO, detector="harness", ranks=[self.ctx.rank],
+                    ctx.report(Finding(  # info: it follows from a failure that other findings explain
+                        severity=Severity.INFO, detector="harness", ranks=[ctx.rank],
                         step=pending[0][0] if pending else None, subject=f"detector:{self.name}",
                         message=f"cross-rank exchange failed ({type(e).__name__}: {str(e)[:200]}); "
                                 "stopped on this rank", evidence={},
@@ -185,9 +189,11 @@ class ReplicaDivergence(Detector):
                 _signed(root_digest(grouped)) if grouped else 0]
 
     def _exchange(self, batch: list[tuple[int, int, dict[str, int]]]) -> Iterable[Finding]:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         import torch.distributed as dist
 
-        raw = self.ctx.raw_collectives
+        raw = ctx.raw_collectives
         world = dist.get_world_size(self.group)
         mine = torch.full((BATCH, _FIELDS), -1, dtype=torch.int64)
         for i, (step, backward_total, fps) in enumerate(batch):
@@ -232,8 +238,10 @@ class ReplicaDivergence(Detector):
 
     def _name_tensors(self, step: int, fps: dict[str, int], world: int) -> Iterable[Finding]:
         """Roots differ at ``step``: exchange per-tensor fingerprints (this once) to name the tensors."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
         per_rank: list[Any] = [None] * world
-        self.ctx.raw_collectives["all_gather_object"](per_rank, fps, group=self.group)
+        ctx.raw_collectives["all_gather_object"](per_rank, fps, group=self.group)
         diffs = compare(dict(enumerate(per_rank)), list(fps))
         if not diffs:
             return ()
@@ -257,7 +265,9 @@ class ReplicaDivergence(Detector):
 
     def _emit(self, finding: Finding) -> Iterable[Finding]:
         # Every rank reaches the same verdict; one writes it.
-        return (finding,) if self.ctx.rank == 0 else ()
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        return (finding,) if ctx.rank == 0 else ()
 
     def before_destroy(self) -> None:
         """The script destroys its process group (every rank does, at a clean end): the last exchange."""

@@ -31,7 +31,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.runtime.exchange import ExchangeUser, checked_step
 
 SCORE = 0.7
@@ -62,11 +64,11 @@ def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, float]
     data: dict[int, list[float]] = {r: [] for r in ranks}
     step_time: list[float] = []
     for s in steps:
-        rows = by_step[s]
+        at_step = by_step[s]
         lateness = {r: 0.0 for r in ranks}
         waits = {r: 0.0 for r in ranks}
         for col in (3, 4):  # forward entry, backward entry
-            arrivals = {r: rows[r][col] - offset[r] for r in ranks if rows[r][col] == rows[r][col]}
+            arrivals = {r: at_step[r][col] - offset[r] for r in ranks if at_step[r][col] == at_step[r][col]}
             if len(arrivals) < len(ranks):
                 continue
             first, last = min(arrivals.values()), max(arrivals.values())
@@ -75,12 +77,12 @@ def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, float]
                 # the same delay shows at both (a lower bound when there was one).
                 lateness[r] = max(lateness[r], t - first)
                 waits[r] = max(waits[r], last - t)
-        step = statistics.median(rows[r][1] for r in ranks)
+        step = statistics.median(at_step[r][1] for r in ranks)
         step_time.append(step)
         for r in ranks:
             work[r].append(max(step - waits[r], 1e-9))
             late[r].append(lateness[r])
-            data[r].append(rows[r][5])
+            data[r].append(at_step[r][5])
     med_work = {r: statistics.median(v) for r, v in work.items()}
     fastest = min(med_work.values())
     return {r: {"score": fastest / med_work[r], "work_s": med_work[r], "lateness_s": statistics.median(late[r]),
@@ -106,7 +108,7 @@ class Straggler(ExchangeUser, Detector):
                    "computes slower or waits for its data loader")
 
     def __init__(self) -> None:
-        self.ctx: Any = None
+        self.ctx: RankContext | None = None
         self.exchange: Any = None
         self.rows: list[list[float]] = []
         self.history: dict[int, deque[list[float]]] = {}
@@ -115,7 +117,7 @@ class Straggler(ExchangeUser, Detector):
         self.reported: set[int] = set()
         self._hooks: list[Any] = []
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
@@ -131,7 +133,7 @@ class Straggler(ExchangeUser, Detector):
 
         ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
 
-    def attach(self, ctx: Any) -> None:
+    def attach(self, ctx: RankContext) -> None:
 
         self.ctx = ctx
         if ctx.models and self.open_exchange(ctx):
@@ -157,7 +159,9 @@ class Straggler(ExchangeUser, Detector):
         return ()
 
     def _judge(self, gathered: list[Any]) -> None:  # on the exchange's thread
-        if self.ctx.rank != 0:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        if ctx.rank != 0:
             return
         for rank, rows in enumerate(gathered):
             self.history.setdefault(rank, deque(maxlen=WINDOW)).extend(rows or [])
@@ -165,7 +169,7 @@ class Straggler(ExchangeUser, Detector):
         if not table:
             return
         step = max(int(r[0]) for h in self.history.values() for r in h)
-        self.ctx.emit("straggler_scores", step=step, ranks={str(r): {k: round(v, 6) for k, v in row.items()}
+        ctx.emit("straggler_scores", step=step, ranks={str(r): {k: round(v, 6) for k, v in row.items()}
                                                             for r, row in table.items()})
         for rank, cause, row in verdicts(table):
             if rank in self.reported:
@@ -177,7 +181,7 @@ class Straggler(ExchangeUser, Detector):
                     if cause == "data" else
                     "computes slower (its data loader is not the cause: {:.1f} ms per step)".format(
                         row["data_wait_s"] * 1000))
-            self.ctx.report(Finding(
+            ctx.report(Finding(
                 severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step,
                 subject="data loader" if cause == "data" else "compute",
                 message=f"rank {rank} is a straggler: the others wait {row['lateness_s'] * 1000:.1f} ms for it per "

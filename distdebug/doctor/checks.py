@@ -1,4 +1,4 @@
-"""Environment checks of one host: what the seed blames for most distributed failures.
+"""Environment checks of one host: the usual causes of distributed failures.
 
 Each check is a pure function of what it is given (the environment, the host's interfaces...), so
 that tests can hand it any host; ``local_checks()`` gathers the real inputs. Each result is pass,

@@ -174,8 +174,10 @@ def main() -> None:
         result["links"] = pair_matrix(dist, device, rank, world, args.pair_bytes)
     if rank == 0:
         _report(result)
-        out = args.out or str(Path(os.environ.get("DISTDEBUG_RUN_DIR") or ".") / "doctor.json")
+        from distdebug import envvars
         from distdebug.artifacts.redact import Redactor
+
+        out = args.out or str(Path(envvars.get(envvars.RUN_DIR) or ".") / "doctor.json")
 
         Path(out).write_text(Redactor()(json.dumps(result, indent=2)))
     dist.destroy_process_group()
@@ -183,7 +185,7 @@ def main() -> None:
 
 def _report(result: dict[str, Any]) -> None:
     """Rank 0's findings, through the attach session (written to its event stream)."""
-    from distdebug.detectors.base import Finding, Severity
+    from distdebug.findings import Finding, Severity
     from distdebug.runtime.session import current_session
 
     session = current_session()

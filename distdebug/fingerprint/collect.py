@@ -22,7 +22,7 @@ tensors it recorded (and ``.grad``, which the training may replace every step).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -38,7 +38,7 @@ def model_layout(root: torch.nn.Module) -> tuple[torch.nn.Module, bool, bool]:
     return inner, sharded, ddp_sync
 
 
-def replica_group(t: Any, world: int) -> list[int] | None | bool:
+def replica_group(t: Any, world: int) -> list[int] | Literal[False] | None:
     """For a DTensor: the global ranks holding the same local shard, None if that is every rank, or
     False if it is replicated nowhere (fully sharded). Plain tensors: None (every rank)."""
     placements = getattr(t, "placements", None)
@@ -114,9 +114,9 @@ class ReplicaSet:
                     continue
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        group = replica_group(value, self.world)
-                        if group is not False:
-                            out.append((with_group(f"optimizer.{pname}.{key}", group), value))
+                        value_group = replica_group(value, self.world)
+                        if value_group is not False:
+                            out.append((with_group(f"optimizer.{pname}.{key}", value_group), value))
         return out
 
     @staticmethod

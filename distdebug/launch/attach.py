@@ -269,7 +269,7 @@ def _offline_replica_check(run_dir: Path) -> None:
     crashed, hung or never destroyed its process group) are compared from the snapshots."""
     from distdebug.analysis.diff import first_divergent_step, load_snapshots
     from distdebug.artifacts.reader import load_run
-    from distdebug.detectors.base import Finding, Severity
+    from distdebug.findings import Finding, Severity
 
     try:
         run = load_run(run_dir)

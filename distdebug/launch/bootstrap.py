@@ -19,8 +19,9 @@ from distdebug import envvars
 def _start_session():  # -> Session | None
     from distdebug.artifacts import layout
     from distdebug.artifacts.writer import EventWriter
+    from distdebug.context import RankIdentity
     from distdebug.detectors import registry
-    from distdebug.runtime.session import RankIdentity, Session
+    from distdebug.runtime.session import Session
 
     identity = RankIdentity.from_env()
     run_dir_s = envvars.get(envvars.RUN_DIR)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.writer import EventWriter
-from distdebug.detectors.base import Finding, Severity
+from distdebug.findings import Finding, Severity
 
 GRACE_S = 5.0
 """After the first stall record, how long to wait for the other ranks' dumps before diagnosing."""
@@ -244,7 +244,7 @@ def summary_line(findings: list[Finding]) -> str:
 
 
 def dangerous_env(env: dict[str, str] | None = None) -> list[Finding]:
-    """Settings that turn collective errors into silent hangs (the seed article has this backwards)."""
+    """Settings that turn collective errors into silent hangs (TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed NCCL collective waits forever)."""
     env = dict(os.environ if env is None else env)
     out: list[Finding] = []
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):

@@ -1,7 +1,7 @@
 """``distdebug lint SCRIPT``: DDP, FSDP and DeepSpeed pitfalls read from the source (nothing is run).
 
-Each rule follows what PyTorch and DeepSpeed really do, not the seed's words where they are wrong
-(SEED.md's marked claims): in-place clipping after backward is fine with gradient_as_bucket_view
+Each rule follows what PyTorch and DeepSpeed really do, shown by tests where folklore says
+otherwise: in-place clipping after backward is fine with gradient_as_bucket_view
 (only ``detach_()`` on gradients is not); clip_grad_norm_ after DDP needs no rescaling by the world
 size (every rank holds the same averaged gradient; tests/dist/test_lint_claims.py shows it); after
 ``engine.step()`` an extra ``zero_grad()`` is only redundant, zeroing between ``engine.backward()``
@@ -175,8 +175,7 @@ def _rules(src: _Source) -> list[LintFinding]:
             add(LintFinding("clip-rescaled-by-world-size", WARN, c.lineno,
                             "clip_grad_norm_ max_norm scaled by the world size",
                             "after DDP's all-reduce every rank holds the same averaged gradient, so the norm is "
-                            "already global: rescaling changes the threshold (a claim of the seed article that "
-                            "PyTorch does not bear out)",
+                            "already global: rescaling changes the threshold",
                             "clip_grad_norm_(model.parameters(), max_norm) with the single-GPU max_norm"))
     out += _deepspeed_rules(src)
     return out
@@ -209,17 +208,18 @@ def _deepspeed_rules(src: _Source) -> list[LintFinding]:
                    key=lambda c: (c.lineno, c.col_offset))
     last_backward = None
     for c in calls:
-        if c.func.attr == "backward":
+        method = c.func.attr if isinstance(c.func, ast.Attribute) else ""
+        if method == "backward":
             last_backward = c
-        elif c.func.attr == "step":
+        elif method == "step":
             last_backward = None
-        elif c.func.attr == "zero_grad" and last_backward is not None:
+        elif method == "zero_grad" and last_backward is not None:
             out.append(LintFinding("deepspeed-zero-grad-before-step", ERROR, c.lineno,
                                    "zero_grad() between engine.backward() and engine.step()",
                                    "it clears the gradients engine.step() is about to apply: the step updates "
                                    "nothing (engine.step() zeroes them itself afterwards)",
                                    "remove it: the engine zeroes gradients in step()"))
-        elif c.func.attr == "zero_grad":
+        elif method == "zero_grad":
             out.append(LintFinding("deepspeed-zero-grad-redundant", INFO, c.lineno,
                                    "engine.zero_grad() outside backward/step",
                                    "engine.step() already zeroes gradients; this call is only redundant",
@@ -233,8 +233,8 @@ def _deepspeed_rules(src: _Source) -> list[LintFinding]:
                                    "engine.save_checkpoint(dir, tag) and engine.load_checkpoint(dir, tag)"))
     for node in ast.walk(src.tree):
         cfg = _const(node) if isinstance(node, ast.Dict) else None
-        if not isinstance(cfg, dict) or not any(k in cfg for k in ("zero_optimization", "train_batch_size",
-                                                                   "train_micro_batch_size_per_gpu", "fp16")):
+        keys = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16")
+        if not isinstance(node, ast.Dict) or not isinstance(cfg, dict) or not any(k in cfg for k in keys):
             continue
         zero = cfg.get("zero_optimization") or {}
         if isinstance(zero, dict) and zero.get("offload_param") and (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape as esc
@@ -88,8 +89,8 @@ def notable_ranks(summary: RunSummary, limit: int = MAX_RANK_ROWS) -> list:
     if len(ranks) <= limit:
         return list(ranks)
     pick = {r.rank for r in ranks if r.findings or r.status != "exit 0"}
-    timed = sorted((r for r in ranks if r.median_step_time_s is not None), key=lambda r: -r.median_step_time_s)
-    scored = sorted((r for r in ranks if r.straggler_score is not None), key=lambda r: r.straggler_score)
+    timed = sorted((r for r in ranks if r.median_step_time_s is not None), key=lambda r: -(r.median_step_time_s or 0.0))
+    scored = sorted((r for r in ranks if r.straggler_score is not None), key=lambda r: r.straggler_score or 0.0)
     pick |= {r.rank for r in timed[:3]} | {r.rank for r in scored[:3]}
     return [r for r in ranks if r.rank in pick][:max(limit, 8)]
 
@@ -110,7 +111,7 @@ def _windows(console: Console, windows: list[dict]) -> None:
         cells = []
         for key in ("overlap_ratio", "comm_share", "data_share"):
             cells.append(f"{_pct(s.get(key))} ({_pct(s.get(key + '_min'))}-{_pct(s.get(key + '_max'))})")
-        first = next(iter(w["ranks"].values()), {})
+        first: dict[str, Any] = next(iter(w["ranks"].values()), {})
         top = (first.get("top_ops") or [{}])[0]
         table.add_row(f"{w['steps'][0]}-{w['steps'][1]}" if w.get("steps") else "?", str(len(w["ranks"])), *cells,
                       esc(f"{top.get('name', '-')} ({top.get('total_us', 0) / 1000:.1f} ms)") if top else "-",

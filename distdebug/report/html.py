@@ -44,7 +44,7 @@ PLOTS = [
 
 
 def _asset(name: str) -> str:
-    return resources.files("distdebug.report").joinpath("assets", name).read_text(encoding="utf-8")
+    return resources.files("distdebug.report").joinpath("assets").joinpath(name).read_text(encoding="utf-8")
 
 
 def _jsonable(x: Any) -> Any:

@@ -1,6 +1,6 @@
-"""Likely cause, quick check and fix for each finding: the seed's symptom table as a knowledge base.
+"""Likely cause, quick check and fix for each finding: a practitioners' symptom table as a knowledge base.
 
-The seed (``SEED.md``, "Symptom table") maps what a practitioner sees to its usual cause:
+The table maps what a practitioner sees to its usual cause:
 
 ==========================================  ============================================
 loss suddenly x10 / NaN                     failed gradient sync, non-finite gradients
@@ -11,9 +11,10 @@ loss jumps after restoring a checkpoint     shards restored wrongly
 ==========================================  ============================================
 
 A detector already knows more than the symptom (which rank, which tensor), so its own ``fix``
-stays first; this table adds the *why* and what to look at next, in the seed's words where they
-hold and in PyTorch's where the seed is wrong (no sqrt(world) rescaling of clip_grad_norm_ after
-DDP; asynchronous error handling must stay on). Pure functions: no torch, no rich.
+stays first; this table adds the *why* and what to look at next, as PyTorch behaves (after DDP's
+all-reduce every rank holds the averaged gradient, so clip_grad_norm_ needs no sqrt(world)
+rescaling; with TORCH_NCCL_ASYNC_ERROR_HANDLING=0 a failed NCCL collective hangs instead of
+ending the job). Pure functions: no torch, no rich.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distdebug.detectors.base import Finding
+from distdebug.findings import Finding
 
 LOSS_X10 = "loss suddenly x10 or NaN"
 SLOW = "GPU utilisation stuck under 50 %, slow steps"
@@ -36,7 +37,7 @@ CONFIG = "a configuration trap (runs, but wrong or slow)"
 @dataclass(frozen=True)
 class Advice:
     symptom: str
-    """The seed's symptom row this finding belongs to (what the user would have seen)."""
+    """The symptom row this finding belongs to (what the user would have seen)."""
     cause: str
     check: str
     """What to look at next, as a command where distdebug has one."""
@@ -152,7 +153,7 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
                       "make every rank call the same collectives with the same sizes; keep "
                       "TORCH_NCCL_ASYNC_ERROR_HANDLING on so NCCL errors end the job instead of hanging")
     if d in ("env_check", "env_diff", "link_matrix"):
-        return Advice(ENVIRONMENT, "the environment (the seed: 70 % of distributed failures): "
+        return Advice(ENVIRONMENT, "the environment (the usual cause of distributed failures): "
                       + {"env_check": "a variable with a known-dangerous value",
                          "env_diff": "nodes or ranks run with different software or variables",
                          "link_matrix": "one slow link between two ranks (cabling, PCIe path, NIC)"}[d],

@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from distdebug.context import RankContext
+
 HARNESS_GROUP_DESC = "distdebug_harness"
 """Description of the harness's own process groups; hang analysis leaves their collectives out."""
 DRAIN_TIMEOUT_S = 10.0
@@ -32,7 +34,7 @@ def checked_step(step: int) -> bool:
 
 
 class BackgroundExchange:
-    def __init__(self, ctx: Any, name: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, ctx: RankContext, name: str, timeout_s: float = 300.0) -> None:
         import torch.distributed as dist
 
         self.ctx = ctx
@@ -68,7 +70,7 @@ class BackgroundExchange:
                 callback(gathered)
             except Exception as e:  # a peer that left, a destroyed group: stop, never raise
                 self.group = None
-                from distdebug.detectors.base import Finding, Severity
+                from distdebug.findings import Finding, Severity
 
                 self.ctx.report(Finding(
                     severity=Severity.INFO, detector="harness", ranks=[self.ctx.rank], step=None,
@@ -103,7 +105,7 @@ class ExchangeUser:
     exchange: BackgroundExchange | None = None
     last_step: int = 0
 
-    def open_exchange(self, ctx: Any) -> bool:
+    def open_exchange(self, ctx: RankContext) -> bool:
         """Start this detector's exchange when there are peers to exchange with (a process group of 2+)."""
         import torch.distributed as dist
 

@@ -22,12 +22,10 @@ import functools
 import gc
 import math
 import os
-import socket
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,9 @@ import torch
 
 from distdebug.artifacts import schema
 from distdebug.artifacts.writer import EventWriter
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.context import RankContext, RankIdentity, StepEvent
+from distdebug.detectors.base import Detector
+from distdebug.findings import Finding, Severity
 from distdebug.runtime import discovery
 
 _SESSION: Session | None = None
@@ -51,63 +51,6 @@ COLLECTIVES = (
 
 def current_session() -> Session | None:
     return _SESSION
-
-
-@dataclass(kw_only=True)
-class RankIdentity:
-    """Where this process sits in the job; read from torchrun's environment variables."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node: int
-    attempt: int
-    host: str
-    pid: int
-
-    @classmethod
-    def from_env(cls) -> RankIdentity:
-        env = os.environ
-        return cls(
-            rank=int(env.get("RANK", 0)),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            world_size=int(env.get("WORLD_SIZE", 1)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-            node=int(env.get("GROUP_RANK", 0)),
-            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-        )
-
-
-@dataclass
-class RankContext:
-    """What detectors may read: identity, live models and optimizers, and what discovery said."""
-
-    identity: RankIdentity
-    run_dir: Path | None
-    rank_dir: Path | None
-    models: list[torch.nn.Module] = field(default_factory=list)
-    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
-    discovery: dict[str, Any] = field(default_factory=dict)
-    report: Any = None
-    """Callable(Finding): report a finding from any thread (detectors' background work)."""
-    patch: Any = None
-    """Callable(obj, name, replacement): replace an attribute until the session ends (restored then)."""
-    emit: Any = None
-    """Callable(kind, **fields): append one record of that kind to this rank's event stream."""
-    finding_listeners: list[Any] = field(default_factory=list)
-    """Callables(Finding) told of every finding this rank reports (from any thread)."""
-    backward_t: float | None = None
-    """time.monotonic() of the step's first backward call (arrival at the gradient reduction)."""
-    raw_collectives: dict[str, Any] = field(default_factory=dict)
-    """torch.distributed functions as they were before the session wrapped them: the harness's own
-    collectives use these, so they are neither counted nor tracked as the training's."""
-
-    @property
-    def rank(self) -> int:
-        return self.identity.rank
 
 
 class Session:

@@ -20,7 +20,7 @@ import traceback
 from typing import Any
 
 from distdebug.artifacts import layout, schema
-from distdebug.detectors.base import Severity
+from distdebug.findings import Severity
 
 DEFAULT_STALL_TIMEOUT_S = 300.0
 

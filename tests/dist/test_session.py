@@ -16,7 +16,8 @@ from distdebug.artifacts.reader import read_events
 from distdebug.artifacts.writer import EventWriter
 from distdebug.detectors.base import Detector
 from distdebug.detectors.loss_nonfinite import LossNonFinite
-from distdebug.runtime.session import RankIdentity, Session
+from distdebug.context import RankIdentity
+from distdebug.runtime.session import Session
 from tests.helpers import spawn_ranks
 
 

@@ -8,10 +8,12 @@ from distdebug.analysis.summary import summarize
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import load_run
 from distdebug.artifacts.writer import EventWriter
+from distdebug.context import StepEvent
 from distdebug.detectors import registry
-from distdebug.detectors.base import Detector, Finding, Severity, StepEvent
+from distdebug.detectors.base import Detector
 from distdebug.detectors.loss_nonfinite import LossNonFinite
 from distdebug.errors import UserError
+from distdebug.findings import Finding, Severity
 
 
 def ev(step, loss, rank=0):

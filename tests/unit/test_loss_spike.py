@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from distdebug.detectors.base import StepEvent
+from distdebug.context import StepEvent
 from distdebug.detectors.loss_spike import MIN_HISTORY, CrossRank, LossSpike, spike
 
 

@@ -15,7 +15,7 @@ from distdebug.analysis.plots import MAX_BARS, MAX_ROWS, MAX_STEPS, plot_data
 from distdebug.analysis.summary import summarize
 from distdebug.artifacts.reader import load_run
 from distdebug.cli import main as cli_main
-from distdebug.detectors.base import Finding, Severity
+from distdebug.findings import Finding, Severity
 from distdebug.report import knowledge as kb
 from distdebug.report.console import notable_ranks
 from distdebug.report.html import render_html

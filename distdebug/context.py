@@ -1,0 +1,97 @@
+"""What a detector is given: the rank's identity, its context, and one step's event.
+
+These types sit below the runtime and the detectors alike (the session builds them, detectors read
+them), so neither package imports the other for them. torch is named for types only: importing
+this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distdebug.findings import Finding
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim import Optimizer
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """The default of a context callable before the session fills it in (tests build bare contexts)."""
+
+
+@dataclass(kw_only=True)
+class RankIdentity:
+    """Where this process sits in the job; read from torchrun's environment variables."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node: int
+    attempt: int
+    host: str
+    pid: int
+
+    @classmethod
+    def from_env(cls) -> RankIdentity:
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            node=int(env.get("GROUP_RANK", 0)),
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+
+@dataclass
+class RankContext:
+    """What detectors may read: identity, live models and optimizers, and what discovery said."""
+
+    identity: RankIdentity
+    run_dir: Path | None
+    rank_dir: Path | None
+    models: list[nn.Module] = field(default_factory=list)
+    optimizers: list[Optimizer] = field(default_factory=list)
+    discovery: dict[str, Any] = field(default_factory=dict)
+    report: Callable[[Finding], None] = _ignore
+    """Report a finding from any thread (detectors' background work)."""
+    patch: Callable[[Any, str, Any], None] = _ignore
+    """patch(obj, name, replacement): replace an attribute until the session ends (restored then)."""
+    emit: Callable[..., None] = _ignore
+    """emit(kind, **fields): append one record of that kind to this rank's event stream."""
+    finding_listeners: list[Callable[[Finding], None]] = field(default_factory=list)
+    """Callables(Finding) told of every finding this rank reports (from any thread)."""
+    backward_t: float | None = None
+    """time.monotonic() of the step's first backward call (arrival at the gradient reduction)."""
+    raw_collectives: dict[str, Any] = field(default_factory=dict)
+    """torch.distributed functions as they were before the session wrapped them: the harness's own
+    collectives use these, so they are neither counted nor tracked as the training's."""
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepEvent:
+    """What one rank saw in one step. Times in seconds; loss is the mean of the step's backward losses."""
+
+    rank: int
+    step: int
+    loss: float | None
+    step_time_s: float
+    backward_calls: int
+    collectives: int
+    backward_total: int = 0
+    """Backward calls since the start: equal across ranks in lockstep training, even when a rank
+    skips optimizer.step (which the step number alone cannot show)."""

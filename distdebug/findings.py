@@ -1,0 +1,60 @@
+"""The ground floor: what every layer says and reads (detectors, the runtime, analysis, reports).
+
+A finding is the product's unit of output: who (ranks), when (step), what (subject), the evidence,
+and what to do. It lives here, below every package, so that nothing importing it pulls a layer in.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Severity(str, enum.Enum):
+    """Ordered from least to most severe; ``order`` gives the position (0: info)."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+    @property
+    def order(self) -> int:
+        return list(Severity).index(self)
+
+
+@dataclass(kw_only=True)
+class Finding:
+    """One diagnosis: who (ranks), when (step), what (subject), and the evidence for it.
+
+    ``step`` is the 1-based optimizer step the finding refers to (None: not tied to a step).
+    ``subject`` names a tensor, module, collective or ``detector:<name>`` for harness findings.
+    """
+
+    severity: Severity
+    detector: str
+    ranks: list[int]
+    step: int | None
+    subject: str
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fix: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["severity"] = Severity(self.severity).value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        return cls(
+            severity=Severity(d.get("severity", "info")),
+            detector=str(d.get("detector", "?")),
+            ranks=[int(r) for r in d.get("ranks", [])],
+            step=d.get("step"),
+            subject=str(d.get("subject", "")),
+            message=str(d.get("message", "")),
+            evidence=dict(d.get("evidence") or {}),
+            fix=d.get("fix"),
+        )

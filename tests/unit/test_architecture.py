@@ -1,0 +1,144 @@
+"""Tier 1: the house's load-bearing walls (issue 19): no import circle anywhere in distdebug/, the
+shared types on the ground floor, and typed detector contexts. Read from the source, no imports run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "distdebug"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every distdebug module to the distdebug modules it imports: module level, inside functions
+    and under TYPE_CHECKING alike (a circle of types is still a circle a reader has to untangle)."""
+    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t.startswith("distdebug") and t != name:
+                    out.add(t)
+        graph[name] = out
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_distdebug():
+    graph = import_graph()
+    assert len(graph) > 60 and graph["distdebug.runtime.session"]  # the graph is really read
+    assert cycles(graph) == []
+
+
+def test_shared_types_sit_on_the_ground_floor():
+    graph = import_graph()
+    # findings.py and context.py import nothing of distdebug's but each other's ground floor.
+    assert graph["distdebug.findings"] == set()
+    assert graph["distdebug.context"] <= {"distdebug.findings"}
+    # Every layer takes Finding/Severity from the ground floor, not from the detectors package.
+    for name, deps in graph.items():
+        if not name.startswith("distdebug.detectors"):
+            assert "distdebug.detectors.base" not in deps or name.startswith("distdebug.runtime"), name
+
+
+def test_severity_order_is_not_called_rank():
+    from distdebug.findings import Severity
+
+    assert [s.order for s in Severity] == [0, 1, 2, 3]
+    assert not hasattr(Severity.ERROR, "rank")
+
+
+def test_every_detector_types_its_context():
+    untyped = []
+    for path in list((PKG / "detectors").glob("*.py")) + list((ROOT / "fault_injection").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg) and node.arg == "ctx":
+                if node.annotation is None or "RankContext" not in ast.unparse(node.annotation):
+                    untyped.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "self.ctx":
+                if "RankContext" not in ast.unparse(node.annotation):
+                    untyped.append(f"{path.name}:{node.lineno}")
+    assert untyped == []
+
+
+def _env_reads(tree: ast.AST) -> list[ast.AST]:
+    """os.environ.get(X), os.getenv(X), os.environ[X] (read) where X is a DISTDEBUG_* literal or an
+    envvars constant."""
+    def distdebug_name(x: ast.AST) -> bool:
+        if isinstance(x, ast.Constant) and isinstance(x.value, str):
+            return x.value.startswith("DISTDEBUG_")
+        return isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "envvars"
+
+    out: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and distdebug_name(node.args[0]):
+            f = ast.unparse(node.func)
+            if f in ("os.environ.get", "os.getenv", "environ.get", "getenv", "os.environ.pop"):
+                out.append(node)
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and distdebug_name(node.slice) \
+                and ast.unparse(node.value) in ("os.environ", "environ"):
+            out.append(node)
+    return out
+
+
+def test_distdebug_variables_are_read_only_through_envvars():
+    assert len(_env_reads(ast.parse('import os\nos.environ.get("DISTDEBUG_X")\nos.environ[envvars.RUN_DIR]'))) == 2
+    found = []
+    for path in list(PKG.rglob("*.py")) + list((ROOT / "fault_injection").glob("*.py")):
+        if path.name == "envvars.py":
+            continue
+        found += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in _env_reads(ast.parse(path.read_text()))]
+    assert found == []
