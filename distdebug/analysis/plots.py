@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.analysis.summary import RunSummary
-from distdebug.artifacts import schema
+from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Run, read_json
 
 MAX_STEPS = 500
@@ -139,7 +139,7 @@ def plot_data(run: Run, summary: RunSummary, findings: list[dict[str, Any]]) -> 
         straggler = {"threshold": 0.7, "rows": bars,
                      "named": [f["ranks"][0] for f in findings if f["detector"] == "straggler" and f["ranks"]]}
 
-    doctor = read_json(Path(run.path) / "doctor.json")
+    doctor = read_json(layout.doctor_path(Path(run.path)))
     doctor_plot = None
     if doctor and (doctor.get("all_reduce") or doctor.get("links")):
         links = doctor.get("links") or {}

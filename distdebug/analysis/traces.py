@@ -26,6 +26,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from distdebug.artifacts import layout
+
 HEALTHY_OVERLAP = 0.7
 BLOCKING_OVERLAP = 0.5
 DATA_SHARE = 0.2
@@ -161,7 +163,7 @@ def analyze_window(directory: Path) -> dict[str, Any]:
 
 
 def analyze_run(run_dir: Path) -> list[dict[str, Any]]:
-    root = run_dir / "traces"
+    root = layout.traces_root(run_dir)
     if not root.is_dir():
         return []
     dirs = sorted((d for d in root.iterdir() if d.is_dir()),

@@ -1,16 +1,7 @@
 """Every path inside a run directory comes from a template here, so readers and writers agree.
 
-    RUN/manifest.json                 run manifest (written by the node-rank-0 launcher)
-    RUN/nodes/node-NNN.json           per launcher agent: host, start/end, exit code, failures
-    RUN/rank-NNNNN/events.jsonl       per rank: append-only JSON Lines (start, discovery, step, finding, end)
-    RUN/rank-NNNNN/stacks.txt         per rank, on a stall: Python stacks of all threads
-    RUN/rank-NNNNN/fr_trace.pkl       per rank, on a stall: PyTorch Flight Recorder dump (pickle, torch's format)
-    RUN/rank-NNNNN/inflight           per rank: the collective it is inside now (memory-mapped, survives a crash)
-    RUN/rank-NNNNN/crash.txt          per rank, on a fatal signal (SIGABRT, SIGSEGV): Python stacks (faulthandler)
-    RUN/rank-NNNNN/fingerprints.bin   per rank: per checked step, a fingerprint per replicated tensor (binary)
-    RUN/rank-NNNNN/fingerprint-names.json  the tensor names those fingerprints refer to
-    RUN/rank-NNNNN/checkpoints.jsonl  per rank: fingerprints of every checkpoint it saved (path, step, file stamp)
-    RUN/findings.jsonl                run-level findings (cross-rank verdicts such as hangs), append-only
+``FILES`` lists them all with what each holds; the README's run-directory section is checked
+against it (tests/unit/test_layout_readme.py), so a new file is documented or the suite fails.
 """
 
 from __future__ import annotations
@@ -29,8 +20,35 @@ FINGERPRINTS = "fingerprints.bin"
 FINGERPRINT_NAMES = "fingerprint-names.json"
 CRASH = "crash.txt"
 CHECKPOINTS = "checkpoints.jsonl"
+DOCTOR = "doctor.json"
+TRACES = "traces"
+TRACE_WINDOW_TEMPLATE = "steps-{start}-{end}"
+TRACE_FILE_TEMPLATE = "rank-{rank:05d}.pt.trace.json.gz"
 DEFAULT_RUNS_ROOT = "distdebug-runs"
 LATEST_LINK = "latest"
+
+FILES: tuple[tuple[str, str], ...] = (
+    (MANIFEST, "command, launcher options, versions (python, torch, deepspeed, CUDA, NCCL, cuDNN), host, "
+               "environment with secrets redacted; after the job the world size and rank -> node/host/pid"),
+    (NODE_TEMPLATE, "per launcher agent: host, start/end, exit code, first failure"),
+    (RUN_FINDINGS, "run-level verdicts (hangs, failed collectives, a killed rank, the offline replica check, "
+                   "teardown, dangerous environment), append-only"),
+    (DOCTOR, "distdebug doctor's results (rank 0 writes them): environment, differences, bandwidth, link matrix"),
+    (f"{TRACES}/{TRACE_WINDOW_TEMPLATE}/{TRACE_FILE_TEMPLATE}",
+     "a profiler window of each rank: torch's gzip Chrome trace (--profile-steps, --profile-on-finding)"),
+    (f"{RANK_DIR_TEMPLATE}/{EVENTS}", "per rank, append-only JSON Lines: the record kinds below"),
+    (f"{RANK_DIR_TEMPLATE}/{INFLIGHT}", "the collective the rank is inside now (memory-mapped; survives a crash)"),
+    (f"{RANK_DIR_TEMPLATE}/{STACKS}", "on a stall: every thread's Python stack"),
+    (f"{RANK_DIR_TEMPLATE}/{FR_TRACE}",
+     "on a stall or failed collective: PyTorch Flight Recorder dump (torch's pickle)"),
+    (f"{RANK_DIR_TEMPLATE}/{CRASH}", "on a fatal signal (SIGABRT, SIGSEGV): faulthandler stacks (empty otherwise)"),
+    (f"{RANK_DIR_TEMPLATE}/{FINGERPRINTS}", "per checked step, a fingerprint per replicated tensor (binary, "
+                                            "append-only; read by distdebug diff)"),
+    (f"{RANK_DIR_TEMPLATE}/{FINGERPRINT_NAMES}", "the tensor names those fingerprints refer to"),
+    (f"{RANK_DIR_TEMPLATE}/{CHECKPOINTS}", "fingerprints of every checkpoint the rank saved (path, step, file stamp), "
+                                           "append-only"),
+)
+"""(template relative to the run directory, what it holds), for every file a run directory may hold."""
 
 
 def manifest_path(run_dir: Path) -> Path:
@@ -67,6 +85,22 @@ def crash_path(run_dir: Path, rank: int) -> Path:
 
 def run_findings_path(run_dir: Path) -> Path:
     return run_dir / RUN_FINDINGS
+
+
+def doctor_path(run_dir: Path) -> Path:
+    return run_dir / DOCTOR
+
+
+def traces_root(run_dir: Path) -> Path:
+    return run_dir / TRACES
+
+
+def trace_dir(run_dir: Path, start: int, end: int) -> Path:
+    return traces_root(run_dir) / TRACE_WINDOW_TEMPLATE.format(start=start, end=end)
+
+
+def trace_path(run_dir: Path, start: int, end: int, rank: int) -> Path:
+    return trace_dir(run_dir, start, end) / TRACE_FILE_TEMPLATE.format(rank=rank)
 
 
 def rank_of_dir(name: str) -> int | None:

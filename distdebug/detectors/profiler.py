@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug import envvars
+from distdebug.artifacts import layout
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -51,7 +52,7 @@ def parse_windows(text: str | None) -> list[tuple[int, int]]:
 
 
 def trace_dir(run_dir: Path, start: int, end: int) -> Path:
-    return run_dir / "traces" / f"steps-{start}-{end}"
+    return layout.trace_dir(run_dir, start, end)
 
 
 class Profiler(Detector):
@@ -142,7 +143,7 @@ class Profiler(Detector):
         if self.ctx is not None and self.ctx.run_dir is not None:
             out = trace_dir(Path(self.ctx.run_dir), *window)
             out.mkdir(parents=True, exist_ok=True)
-            path = out / f"rank-{self.ctx.rank:05d}.pt.trace.json.gz"
+            path = layout.trace_path(Path(self.ctx.run_dir), *window, self.ctx.rank)
             prof.export_chrome_trace(str(path))
             self.ctx.emit("trace", steps=list(window), path=str(path))
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distdebug.artifacts import layout
 from distdebug.errors import UserError
 
 
@@ -20,7 +21,7 @@ def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, r
     from distdebug.launch.attach import attach
 
     run_dir = run_dir or Path("distdebug-runs") / time.strftime("doctor-%Y%m%d-%H%M%S")
-    out = Path(run_dir).resolve() / "doctor.json"
+    out = layout.doctor_path(Path(run_dir).resolve())
     args = ["--out", str(out), "--max-bytes", str(max_bytes)] + (["--bandwidth"] if bandwidth else [])
     cfg = AttachConfig(target=str(Path(__file__).with_name("worker.py")), target_args=args, run_dir=run_dir,
                        nproc_per_node=nproc_per_node, detectors=["env_check"], profile_on_finding=0,

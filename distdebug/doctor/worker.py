@@ -175,9 +175,10 @@ def main() -> None:
     if rank == 0:
         _report(result)
         from distdebug import envvars
+        from distdebug.artifacts import layout
         from distdebug.artifacts.redact import Redactor
 
-        out = args.out or str(Path(envvars.get(envvars.RUN_DIR) or ".") / "doctor.json")
+        out = args.out or str(layout.doctor_path(Path(envvars.get(envvars.RUN_DIR) or ".")))
 
         Path(out).write_text(Redactor()(json.dumps(result, indent=2)))
     dist.destroy_process_group()

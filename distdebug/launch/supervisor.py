@@ -244,7 +244,11 @@ def summary_line(findings: list[Finding]) -> str:
 
 
 def dangerous_env(env: dict[str, str] | None = None) -> list[Finding]:
-    """Settings that turn collective errors into silent hangs (TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed NCCL collective waits forever)."""
+    """Settings that turn collective errors into silent hangs.
+
+    With TORCH_NCCL_ASYNC_ERROR_HANDLING=0 a failed or timed-out NCCL collective does not end the
+    process: the job waits forever instead of failing.
+    """
     env = dict(os.environ if env is None else env)
     out: list[Finding] = []
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):

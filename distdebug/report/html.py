@@ -20,6 +20,7 @@ from typing import Any
 
 from distdebug.analysis.plots import plot_data
 from distdebug.analysis.summary import RunSummary
+from distdebug.artifacts import layout
 from distdebug.artifacts.reader import Run, read_json
 from distdebug.report.fmt import memory_mb, number, rank_list
 from distdebug.report.knowledge import findings_with_advice
@@ -135,7 +136,7 @@ def _windows(windows: list[dict[str, Any]], out_dir: Path) -> str:
 
 def _doctor_checks(run: Run) -> str:
     """The doctor's checks that did not pass, with the ranks they failed on (doctor runs only)."""
-    doctor = read_json(Path(run.path) / "doctor.json") or {}
+    doctor = read_json(layout.doctor_path(Path(run.path))) or {}
     ranks = doctor.get("ranks") or {}
     if not ranks:
         return ""
