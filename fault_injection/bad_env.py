@@ -1,8 +1,8 @@
 """bad_env: a dangerous communication variable set in every rank before the process group starts
 (by default GLOO_SOCKET_IFNAME naming an interface this host does not have).
 
-The seed puts most distributed failures on the environment. What must catch it is the environment
-check (``distdebug doctor``'s checks, run inside attach too); until that exists this fault is a miss.
+What must catch it is the environment check (``distdebug doctor``'s checks, which attach runs too,
+once per node, before the script's first line).
 """
 
 from __future__ import annotations

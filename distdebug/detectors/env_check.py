@@ -2,8 +2,10 @@
 
 Why inside attach: a socket interface that does not exist, or error handling turned off, shows up
 later as a raw trace from init_process_group or as a hang; the same checks as ``distdebug doctor``
-(``doctor.checks.variable_checks``: no subprocess, no torch) run in ``setup`` and every warn or fail
-becomes a finding with its fix, written before the script's first line.
+(``doctor.checks.variable_checks``: no subprocess, no torch) run in ``setup`` of each node's local
+rank 0 (torch's launcher hands every rank of a node the launcher's environment unchanged), and every
+warn or fail becomes a finding with its fix, written before the script's first line. This is the
+only environment check attach makes: one finding per node and variable, one wording, one fix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class EnvCheck(Detector):
     def setup(self, ctx: RankContext) -> None:
         from distdebug.doctor.checks import FAIL, PASS, variable_checks
 
+        if ctx.identity.local_rank != 0:
+            return  # torch's launcher hands every rank of a node the same environment: one report per node
         for c in variable_checks():
             if c.status == PASS:
                 continue

@@ -65,8 +65,10 @@ def check_variables(env: dict[str, str], interfaces: list[str], has_ib: bool) ->
                              "it"))
     for var in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         if env.get(var) == "0":
-            out.append(Check(var, WARN, f"{var}=0: a failed or stuck collective is not torn down, so ranks hang "
-                                        "until the job is killed instead of failing", f"unset {var} (default: 3)"))
+            out.append(Check(var, WARN, f"{var}=0 turns off asynchronous error handling: a NCCL error or timeout "
+                                        "then hangs the job instead of failing it (distdebug's stall detection "
+                                        "still catches the hang)",
+                             f"unset {var}: PyTorch's default (3) is what makes NCCL errors and timeouts fail the job"))
     for var in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
         if env.get(var) == "1":
             out.append(Check(var, WARN, f"{var}=1: the CPU waits for every collective (slower; meant for "

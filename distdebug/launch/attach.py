@@ -171,11 +171,6 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     _worker_env(cfg, run_dir, detectors)
     _quiet_torch_launcher(cfg.launcher_log_level)
     args = torchrun.parse_args(torchrun_argv(cfg, nproc))
-    env_findings = supervisor_mod.dangerous_env()
-    if env_findings and cfg.node_rank == 0:
-        supervisor_mod.write_run_findings(run_dir, env_findings)
-        for f in env_findings:
-            print(supervisor_mod.format_finding(f), file=sys.stderr, flush=True)
     supervisor = supervisor_mod.Supervisor(
         run_dir, stall_timeout=cfg.stall_timeout, on_hang=cfg.on_hang, node_rank=cfg.node_rank,
         expected_nodes=parse_nnodes(cfg.nnodes)[0],

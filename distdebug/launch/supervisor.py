@@ -243,23 +243,3 @@ def summary_line(findings: list[Finding]) -> str:
     return f"hang: {f.subject}" + (f" (rank {ranks})" if ranks else "")
 
 
-def dangerous_env(env: dict[str, str] | None = None) -> list[Finding]:
-    """Settings that turn collective errors into silent hangs.
-
-    With TORCH_NCCL_ASYNC_ERROR_HANDLING=0 a failed or timed-out NCCL collective does not end the
-    process: the job waits forever instead of failing.
-    """
-    env = dict(os.environ if env is None else env)
-    out: list[Finding] = []
-    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
-        if env.get(name, "").strip() == "0":
-            out.append(Finding(
-                severity=Severity.WARNING, detector="hang", ranks=[], step=None, subject=name,
-                message=f"{name}=0 turns off asynchronous error handling: a NCCL error or timeout then hangs the "
-                        "job instead of failing it (distdebug's stall detection still catches the hang)",
-                evidence={name: "0"},
-                fix=f"unset {name}: PyTorch's default (on) is what makes NCCL errors and timeouts fail the job",
-            ))
-    return out
-
-

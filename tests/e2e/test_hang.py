@@ -125,12 +125,21 @@ def test_collective_timeout_surfaces_as_a_finding_and_non_zero_exit(tmp_path):
     assert err["collective"] == "all_reduce" and err["flight_recorder"] is True
 
 
-def test_async_error_handling_off_is_flagged():
-    from distdebug.launch.supervisor import dangerous_env
+def test_async_error_handling_off_is_flagged_once(tmp_path):
+    # One environment check (doctor's), made once per node: not once by the launcher and once more
+    # in every rank with another wording and fix.
+    from distdebug.doctor.checks import WARN, check_variables
 
-    (f,) = dangerous_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_DEBUG": "INFO"})
-    assert f.subject == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and "hangs the job" in f.message
-    assert dangerous_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == []  # on is the safe value
+    (c,) = check_variables({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_DEBUG": "INFO"}, ["lo"], False)
+    assert (c.name, c.status) == ("TORCH_NCCL_ASYNC_ERROR_HANDLING", WARN) and "hangs the job" in c.detail
+    assert check_variables({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, ["lo"], False) == []  # on is the safe value
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--nproc-per-node", "3", SCRIPT, "--steps", "2",
+                  env=make_env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0"))
+    assert r.returncode == 0, r.output
+    rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
+    (f,) = [x for x in rep["findings"] if x["subject"] == "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+    assert (f["detector"], f["ranks"], f["severity"]) == ("env_check", [0], "warning")
+    assert "hangs the job" in f["message"] and f["fix"].startswith("unset TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def test_report_only_mode_keeps_waiting(tmp_path):
