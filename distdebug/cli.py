@@ -191,15 +191,16 @@ def diff(run: str | None, other: str | None, step: int | None, as_json: bool) ->
     distdebug diff RUN_A RUN_B      the first step and tensor where two runs differ
     Exit code 1 when something differs, 0 when identical.
     """
+    from distdebug.analysis import diff as diff_mod
     from distdebug.artifacts.runs import resolve_run
     from distdebug.report import diffview
 
     if other is not None:
         if step is not None:
             raise click.UsageError("--step applies to one run; give RUN alone, or RUN_A RUN_B without --step")
-        result = diffview.runs(resolve_run(run), resolve_run(other))
+        result = diff_mod.runs_result(resolve_run(run), resolve_run(other))
     else:
-        result = diffview.ranks(resolve_run(run), step)
+        result = diff_mod.rank_result(resolve_run(run), step)
     if as_json:
         import json
 

@@ -122,3 +122,38 @@ def diff_runs(a: Snapshots, b: Snapshots) -> tuple[RunDiff | None, int]:
             names = [split_group(n)[0] for n in dict.fromkeys(na + nb) if ma.get(n) != mb.get(n)]
             return RunDiff(step, rank, names), compared
     return None, compared
+
+
+# ---------------------------------------------------------------- distdebug diff
+def rank_result(run_dir: Path, step: int | None) -> dict[str, Any]:
+    snaps = load_snapshots(run_dir)
+    steps = steps_of(snaps)
+    if step is not None:
+        if step not in steps:
+            raise UserError(f"step {step} was not checked in {run_dir}; checked steps: {_span(steps)}")
+        diffs = diff_step(snaps, step)
+        found_step = step if diffs else None
+    else:
+        first = first_divergent_step(snaps)
+        found_step, diffs = first if first else (None, [])
+    return {
+        "mode": "ranks", "run": str(run_dir), "ranks": sorted(snaps), "checked_steps": _span(steps),
+        "step": step if step is not None else found_step, "identical": not diffs,
+        "tensors": [d.to_dict() for d in diffs],
+    }
+
+
+def runs_result(a: Path, b: Path) -> dict[str, Any]:
+    sa, sb = load_snapshots(a), load_snapshots(b)
+    found, compared = diff_runs(sa, sb)
+    if compared == 0:
+        raise UserError(f"{a} and {b} share no checked (rank, step): nothing to compare")
+    return {
+        "mode": "runs", "run_a": str(a), "run_b": str(b), "compared": compared, "identical": found is None,
+        "step": found.step if found else None, "rank": found.rank if found else None,
+        "tensors": [{"tensor": t} for t in (found.tensors if found else [])],
+    }
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]} ({len(steps)})" if steps else "none"

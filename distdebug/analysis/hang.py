@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distdebug.analysis.teardown import how
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Run
 from distdebug.findings import Finding, Severity
@@ -289,15 +290,6 @@ def _fix(kind: str) -> str:
     }[kind]
 
 
-def _signal_name(exit_code: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(-exit_code).name
-    except ValueError:
-        return f"signal {-exit_code}"
-
-
 def _mark_killed(states: dict[int, RankState], first_failure: tuple[int, int] | None) -> RankState | None:
     """The launcher saw rank R die by a signal and R left no end record: mark it killed and return it."""
     if first_failure is None:
@@ -306,7 +298,7 @@ def _mark_killed(states: dict[int, RankState], first_failure: tuple[int, int] | 
     st = states.get(rank)
     if st is None or exit_code >= 0 or st.status != "running":
         return None
-    st.killed_by = _signal_name(exit_code)
+    st.killed_by = how(exit_code)
     return st
 
 

@@ -70,10 +70,19 @@ def teardown_findings(run: Run, failures: dict[int, int], first: int | None = No
     """
     if not failures:
         return None
-    ends = {rank: completed_end(run, rank) for rank in failures}
-    if any(end is None for end in ends.values()):
-        return None  # at least one rank failed inside the script: a real failure
     first = first if first in failures else min(failures)
+    ends = {rank: completed_end(run, rank) for rank in failures}
+    first_end = ends[first]
+    if first_end is None:
+        return None  # the root cause failed inside the script: a real failure
+    # A rank the launcher stopped (SIGTERM) after the first failure, before it wrote its end record,
+    # is the launcher's doing: acceptable when it had run every step the finished rank ran and
+    # raised nothing (it was at its own end of the script, or in what follows the last step).
+    steps = first_end.get("steps") or 0
+    stopped = sorted(r for r, end in ends.items() if end is None and r != first
+                     and failures[r] == -signal.SIGTERM and _clean_through(run, r, steps))
+    if any(end is None for r, end in ends.items() if r not in stopped):
+        return None  # at least one rank failed inside the script: a real failure
     order = [first] + sorted(r for r in failures if r != first and failures[r] != -signal.SIGTERM)
     out = []
     for rank, code in ((r, failures[r]) for r in order):
@@ -88,7 +97,10 @@ def teardown_findings(run: Run, failures: dict[int, int], first: int | None = No
                     "results are complete; "
                     + ("a known teardown race in torch's gloo/NCCL shutdown" if code < 0 else
                        "an atexit handler or a finaliser ended it")
-                    + (f". Still alive when the script ended: {still}" if still else ""),
+                    + (f". Still alive when the script ended: {still}" if still else "")
+                    + (f". Rank(s) {stopped} were stopped by the launcher (SIGTERM) after their last step "
+                       f"({steps}) and before they recorded their end: anything they did after that step (a final "
+                       "save) may be incomplete" if stopped and rank == first else ""),
             evidence={"exit_status": code, "alive": alive, "steps": end.get("steps")},
             fix="call torch.distributed.destroy_process_group() after the last collective (every group you "
                 "created, then the default one), stop your own threads and DataLoader workers, and let the "
@@ -96,6 +108,17 @@ def teardown_findings(run: Run, failures: dict[int, int], first: int | None = No
                 "the groups",
         ))
     return out
+
+
+def _clean_through(run: Run, rank: int, steps: int) -> bool:
+    """The rank recorded ``steps`` optimizer steps (at least) and no script error."""
+    stream = run.ranks.get(rank)
+    if stream is None:
+        return False
+    records = stream.last_attempt()
+    if any(r.get("kind") == schema.SCRIPT_ERROR for r in records):
+        return False
+    return max((int(r.get("step", 0)) for r in records if r.get("kind") == schema.STEP), default=0) >= steps
 
 
 def summary_line(findings: list[Finding]) -> str:

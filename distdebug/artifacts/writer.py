@@ -44,3 +44,13 @@ class EventWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def append_run_findings(run_dir: Path, findings: list) -> None:
+    """Append run-level findings (``Finding`` objects) to the run's findings.jsonl."""
+    from distdebug.artifacts import layout, schema
+
+    w = EventWriter(layout.run_findings_path(run_dir))
+    for f in findings:
+        w.write(schema.record(schema.FINDING, **f.to_dict()))
+    w.close()

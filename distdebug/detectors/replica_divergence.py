@@ -39,12 +39,11 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.collect import ReplicaSet, model_layout
-from distdebug.fingerprint.compare import compare, odd_ones_out
+from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
 from distdebug.fingerprint.hashing import fingerprints, root_digest
 from distdebug.fingerprint.snapshots import SnapshotWriter
 from distdebug.runtime.exchange import HARNESS_GROUP_DESC
 
-MAX_NAMED = 10
 QUEUE_STEPS = 256
 """Checks the background exchange may fall behind before it is stopped (never blocks training)."""
 BATCH = 32
@@ -245,23 +244,8 @@ class ReplicaDivergence(Detector):
         diffs = compare(dict(enumerate(per_rank)), list(fps))
         if not diffs:
             return ()
-        culprits = sorted({r for d in diffs for r in d["ranks"]})
-        named = ", ".join(d["tensor"] for d in diffs[:MAX_NAMED]) + (" ..." if len(diffs) > MAX_NAMED else "")
-        sizes = {len(d["replica_group"]) if d["replica_group"] else world for d in diffs}
-        majority = all(d["by_majority"] for d in diffs) and min(sizes) >= 3
-        groups = sorted({tuple(d["replica_group"]) for d in diffs if d["replica_group"]})
-        among = f" within replica group(s) {', '.join(str(list(g)) for g in groups)}" if groups else ""
-        who = (f"rank(s) {culprits} differ from the majority{among}" if majority
-               else f"ranks {culprits} disagree{among} (no majority with {min(sizes)} ranks)")
-        return self._emit(Finding(
-            severity=Severity.ERROR, detector=self.name, ranks=culprits, step=step,
-            subject=diffs[0]["tensor"],
-            message=f"replicas diverged at step {step}: {len(diffs)} tensor(s) differ ({named}); {who}",
-            evidence={"tensors": diffs[:200], "count": len(diffs)},
-            fix="first divergent step and tensor are above; 'distdebug diff RUN --step N' lists all of them. "
-                "Usual causes: a rank-local update (unsynchronised gradients or buffers), silent data corruption, "
-                "non-deterministic kernels",
-        ))
+        run_dir = str(ctx.run_dir) if ctx.run_dir is not None else None
+        return self._emit(divergence_finding(step, diffs, world, run_dir=run_dir))
 
     def _emit(self, finding: Finding) -> Iterable[Finding]:
         # Every rank reaches the same verdict; one writes it.

@@ -6,6 +6,8 @@ import re
 from collections import Counter
 from typing import Any
 
+from distdebug.findings import Finding, Severity
+
 _GROUP = re.compile(r"^(.*)@replicas\[([0-9,]*)\]$")
 
 
@@ -57,3 +59,36 @@ def _groups(values: dict[int, int]) -> list[list[int]]:
     for r, v in sorted(values.items()):
         by.setdefault(v, []).append(r)
     return sorted(by.values())
+
+
+MAX_NAMED = 10
+"""Tensors named in a divergence message (all of them are in the evidence, up to 200)."""
+
+
+def divergence_finding(step: int, diffs: list[dict[str, Any]], world: int, *, after_job: bool = False,
+                       run_dir: str | None = None) -> Finding:
+    """The replica-divergence verdict, one rule and one wording for the online check (the ranks'
+    exchange) and the check after the job (the snapshots on disk).
+
+    A culprit is named "by majority" only when every differing tensor has a strict majority among
+    at least 3 ranks of the group that must agree on it; otherwise every rank involved is listed and
+    the message says there was no majority (two replicas that disagree cannot tell which is right).
+    """
+    culprits = sorted({r for d in diffs for r in d["ranks"]})
+    named = ", ".join(d["tensor"] for d in diffs[:MAX_NAMED]) + (" ..." if len(diffs) > MAX_NAMED else "")
+    sizes = {len(d["replica_group"]) if d.get("replica_group") else world for d in diffs}
+    majority = all(d["by_majority"] for d in diffs) and min(sizes) >= 3
+    groups = sorted({tuple(d["replica_group"]) for d in diffs if d.get("replica_group")})
+    among = f" within replica group(s) {', '.join(str(list(g)) for g in groups)}" if groups else ""
+    who = (f"rank(s) {culprits} differ from the majority{among}" if majority
+           else f"ranks {culprits} disagree{among} (no majority with {min(sizes)} ranks)")
+    found = " (found from the snapshots after the job)" if after_job else ""
+    return Finding(
+        severity=Severity.ERROR, detector="replica_divergence", ranks=culprits, step=step,
+        subject=diffs[0]["tensor"],
+        message=f"replicas diverged at step {step}{found}: {len(diffs)} tensor(s) differ ({named}); {who}",
+        evidence={"tensors": diffs[:200], "count": len(diffs)},
+        fix=f"first divergent step and tensor are above; 'distdebug diff {run_dir or 'RUN'} --step {step}' lists "
+            "all of them. Usual causes: a rank-local update (unsynchronised gradients or buffers), silent data "
+            "corruption, non-deterministic kernels",
+    )

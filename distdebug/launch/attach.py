@@ -19,12 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from distdebug import envvars
+from distdebug.analysis.after_job import JobEnd, analyse, print_notes
+from distdebug.analysis.teardown import how
+from distdebug.analysis.teardown import summary_line as teardown_summary
 from distdebug.artifacts import layout, runs
+from distdebug.artifacts.reader import read_json
 from distdebug.config import EXIT_HANG, AttachConfig, parse_nnodes
 from distdebug.detectors import registry
 from distdebug.errors import UserError
 from distdebug.launch import manifest as manifest_mod
 from distdebug.launch import supervisor as supervisor_mod
+from distdebug.report.fmt import format_finding
 
 BOOTSTRAP_MODULE = "distdebug.launch.bootstrap"
 
@@ -127,13 +132,7 @@ def _failure_message(err: Any) -> tuple[int, str]:
     rank, failure = err.get_first_failure()
     code = int(failure.exitcode)
     if code < 0:
-        import signal
-
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return 128 - code, f"rank {rank} was killed by {name}"
+        return 128 - code, f"rank {rank} was killed by {how(code)}"
     return code, f"rank {rank} exited with code {code}"
 
 
@@ -176,15 +175,13 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         expected_nodes=parse_nnodes(cfg.nnodes)[0],
     )
     supervisor.start()
-    code, message, completed = 0, None, False
-    first_failure: tuple[int, int] | None = None
+    code, message = 0, None
+    end = JobEnd(exit_code=0, primary=cfg.node_rank == 0)
     try:
         torchrun.run(args)
     except ChildFailedError as e:
         code, message = _failure_message(e)
-        first_failure = _first_failure(e)
-        completed, teardown_message = _teardown_verdict(run_dir, e)
-        message = teardown_message or message
+        end.failures, end.first_failure = _failures(e)
     except SignalException as e:
         code, message = 128 + int(e.sigval), f"the launcher received {e.sigval.name}; ranks were stopped"
     except RendezvousError as e:
@@ -194,128 +191,32 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         code, message = 2, f"the launcher refused to start: {e}"
     finally:
         supervisor.stop()
-    if supervisor.verdict is not None and code != 0:
+    end.exit_code = code
+    end.hang_named = supervisor.verdict is not None and code != 0
+    result = analyse(run_dir, end)  # every run-level verdict, from the run loaded once
+    for f in result.findings:
+        print(format_finding(f), file=sys.stderr, flush=True)
+    print_notes(result)
+    if end.hang_named:
+        assert supervisor.verdict is not None
         code, message = EXIT_HANG, supervisor_mod.summary_line(supervisor.verdict)
-    elif code != 0 and cfg.node_rank == 0 and not completed:
-        _post_mortem(run_dir, first_failure)
-    if cfg.node_rank == 0:
-        _offline_replica_check(run_dir)
+    elif result.completed:
+        message = teardown_summary([f for f in result.findings if f.detector == "teardown"])
     node_info.update(ended=time.time(), exit_code=code, message=message)
     manifest_mod.write_json_atomic(node_file, node_info)
     if cfg.node_rank == 0:
-        _record_layout(run_dir)
-    return AttachResult(code, run_dir, message, completed)
+        data = read_json(layout.manifest_path(run_dir)) or {}
+        data.update(world_size=result.world_size, layout=result.layout)
+        manifest_mod.write_json_atomic(layout.manifest_path(run_dir), data)
+    return AttachResult(code, run_dir, message, result.completed)
 
 
-def _teardown_verdict(run_dir: Path, err: Any) -> tuple[bool, str | None]:
-    """(True, one line) when every failed rank had finished the script: it died at interpreter exit.
-
-    The exit code is left as torch's launcher gave it; the finding says results are complete.
-    """
-    from distdebug.analysis.teardown import summary_line, teardown_findings
-    from distdebug.artifacts.reader import load_run
-
+def _failures(err: Any) -> tuple[dict[int, int], int | None]:
+    """Each failed rank's exit status (negative: the signal that ended it) and torch's first failure."""
     try:
         failures = {int(rank): int(f.exitcode) for rank, f in err.failures.items()}
-        findings = teardown_findings(load_run(run_dir), failures, first=int(err.get_first_failure()[0]))
-    except Exception as e:  # the verdict is a courtesy; the job's own failure stays what it is
-        print(f"distdebug: could not read the ranks' end records: {type(e).__name__}: {e}", file=sys.stderr)
-        return False, None
-    if not findings:
-        return False, None
-    supervisor_mod.write_run_findings(run_dir, findings)
-    for f in findings:
-        print(supervisor_mod.format_finding(f), file=sys.stderr, flush=True)
-    return True, summary_line(findings)
+        return failures, int(err.get_first_failure()[0])
+    except Exception:  # torch's error type changed: the analysis does without it
+        return {}, None
 
 
-def _first_failure(err: Any) -> tuple[int, int] | None:
-    """(rank, exit code) of torch's first failed rank; a negative code is the signal that ended it."""
-    try:
-        rank, failure = err.get_first_failure()
-        return int(rank), int(failure.exitcode)
-    except Exception:  # torch's error type changed: the diagnosis does without it
-        return None
-
-
-def _post_mortem(run_dir: Path, first_failure: tuple[int, int] | None = None) -> None:
-    """After a failed job: explain a failed collective (a rank that left, a size mismatch) or a rank
-    killed from outside, if any."""
-    from distdebug.analysis.hang import diagnose
-    from distdebug.artifacts.reader import load_run
-
-    try:
-        findings = diagnose(load_run(run_dir), first_failure)
-    except Exception as e:  # diagnosis must not hide the job's own failure
-        print(f"distdebug: could not diagnose the failure: {type(e).__name__}: {e}", file=sys.stderr)
-        return
-    if findings:
-        supervisor_mod.write_run_findings(run_dir, findings)
-        for f in findings:
-            print(supervisor_mod.format_finding(f), file=sys.stderr, flush=True)
-
-
-OFFLINE_CHECK_MAX_BYTES = 256 << 20
-"""Snapshots larger than this in all are left to ``distdebug diff`` (it says so)."""
-
-
-def _offline_replica_check(run_dir: Path) -> None:
-    """After every job: the steps the online check did not exchange (the last few of a run that
-    crashed, hung or never destroyed its process group) are compared from the snapshots."""
-    from distdebug.analysis.diff import first_divergent_step, load_snapshots
-    from distdebug.artifacts.reader import load_run
-    from distdebug.findings import Finding, Severity
-
-    try:
-        run = load_run(run_dir)
-        if any(f.get("detector") == "replica_divergence" for f in run.all_findings()):
-            return  # the online check already named the first divergent step
-        size = sum(p.stat().st_size for p in run_dir.glob(f"rank-*/{layout.FINGERPRINTS}"))
-        if not size:
-            return
-        if size > OFFLINE_CHECK_MAX_BYTES:
-            print(f"distdebug: fingerprint snapshots are {size >> 20} MiB; run 'distdebug diff {run_dir}' "
-                  "to check the last steps offline", file=sys.stderr)
-            return
-        found = first_divergent_step(load_snapshots(run_dir))
-    except Exception as e:  # an offline check must never change the job's outcome
-        print(f"distdebug: offline replica check failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return
-    if found is None:
-        return
-    step, diffs = found
-    culprits = sorted({r for d in diffs for r in d.ranks})
-    majority = all(d.by_majority for d in diffs) and len({r for d in diffs for g in d.groups for r in g}) >= 3
-    who = f"rank(s) {culprits} differ from the majority" if majority else f"ranks {culprits} disagree"
-    finding = Finding(
-        severity=Severity.ERROR, detector="replica_divergence", ranks=culprits, step=step, subject=diffs[0].tensor,
-        message=f"replicas diverged at step {step} (found from the snapshots after the job): {len(diffs)} "
-                f"tensor(s) differ ({', '.join(d.tensor for d in diffs[:10])}); {who}",
-        evidence={"tensors": [d.to_dict() for d in diffs[:200]], "count": len(diffs)},
-        fix=f"'distdebug diff {run_dir} --step {step}' lists them all. Usual causes: a rank-local update "
-            "(unsynchronised gradients or buffers), silent data corruption, non-deterministic kernels",
-    )
-    supervisor_mod.write_run_findings(run_dir, [finding])
-    print(supervisor_mod.format_finding(finding), file=sys.stderr, flush=True)
-
-
-def _record_layout(run_dir: Path) -> None:
-    """Add the realised world size and rank -> node/host/pid layout to the manifest.
-
-    Only known after rendezvous (elastic ``MIN:MAX`` node counts, c10d's own node ranks), so it
-    is read back from the ranks' ``start`` records visible from this node.
-    """
-    from distdebug.artifacts.reader import load_run
-
-    run = load_run(run_dir)
-    layout_map: dict[str, Any] = {}
-    world_size = None
-    for rank, stream in sorted(run.ranks.items()):
-        start = next((r for r in reversed(stream.records) if r.get("kind") == "start"), None)
-        if start is None:
-            continue
-        world_size = start.get("world_size", world_size)
-        layout_map[str(rank)] = {k: start.get(k) for k in ("node", "local_rank", "host", "pid", "attempt")}
-    data = run.manifest or {}
-    data.update(world_size=world_size, layout=layout_map)
-    manifest_mod.write_json_atomic(layout.manifest_path(run_dir), data)

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 from distdebug.artifacts import layout, schema
-from distdebug.artifacts.writer import EventWriter
+from distdebug.artifacts.writer import append_run_findings
 from distdebug.findings import Finding, Severity
+from distdebug.report.fmt import format_finding
 
 GRACE_S = 5.0
 """After the first stall record, how long to wait for the other ranks' dumps before diagnosing."""
@@ -54,20 +55,6 @@ class _Tail:
         return out
 
 
-def format_finding(f: Finding) -> str:
-    step = f" step {f.step}" if f.step is not None else ""
-    ranks = f" rank(s) {','.join(map(str, f.ranks))}" if f.ranks else ""
-    text = f"distdebug: {f.severity.value.upper()} {f.detector}{ranks}{step}: {f.subject}: {f.message}"
-    return text + (f"\ndistdebug:   fix: {f.fix}" if f.fix else "")
-
-
-def write_run_findings(run_dir: Path, findings: list[Finding]) -> None:
-    w = EventWriter(layout.run_findings_path(run_dir))
-    for f in findings:
-        w.write(schema.record(schema.FINDING, **f.to_dict()))
-    w.close()
-
-
 class Supervisor:
     def __init__(self, run_dir: Path, *, stall_timeout: float, on_hang: str, node_rank: int, expected_nodes: int,
                  interval: float = 0.5) -> None:
@@ -84,6 +71,8 @@ class Supervisor:
         self._host: dict[int, str] = {}
         self._stalled: dict[int, float] = {}
         self._ended: set[int] = set()
+        self._heard: dict[int, float] = {}
+        """rank -> when its last record arrived (a step, a finding, anything: the rank is alive)."""
         self._reported = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="distdebug-supervisor", daemon=True)
@@ -113,6 +102,7 @@ class Supervisor:
                 self._tails[rank] = _Tail(child / layout.EVENTS)
         for rank, tail in self._tails.items():
             for rec in tail.read():
+                self._heard[rank] = time.monotonic()
                 kind = rec.get("kind")
                 if kind == schema.START:
                     self._pids[rank], self._host[rank] = int(rec["pid"]), str(rec.get("host"))
@@ -140,8 +130,15 @@ class Supervisor:
         if not self._stalled:
             return
         live = set(self._pids) - self._ended
-        waited = time.monotonic() - min(self._stalled.values())
-        if live <= set(self._stalled) or waited > GRACE_S:
+        now = time.monotonic()
+        waited = now - min(self._stalled.values())
+        # A rank that has not stalled is waited for while it keeps writing records (a slow rank makes
+        # progress: no kill without a culprit); one silent for a whole stall timeout without a stall
+        # record of its own (its watchdog could not run: a native hang holding the GIL, a stopped
+        # process) is no longer waited for once the grace period is over.
+        silent = all(now - self._heard.get(r, self.started) > self.stall_timeout
+                     for r in live - set(self._stalled))
+        if live <= set(self._stalled) or (waited > GRACE_S and silent):
             self._hang()
 
     # ------------------------------------------------------------------ verdicts
@@ -185,7 +182,7 @@ class Supervisor:
     def _conclude(self, findings: list[Finding]) -> None:
         self.verdict = findings
         self._reported = True
-        write_run_findings(self.run_dir, findings)
+        append_run_findings(self.run_dir, findings)
         for f in findings:
             print(format_finding(f), file=sys.stderr, flush=True)
 

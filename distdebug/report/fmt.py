@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 def number(x: float | None, digits: int = 4) -> str:
@@ -30,3 +31,11 @@ def memory_mb(peak: dict | None) -> str:
     if peak.get("other") is not None:
         text += f" + other {peak['other'] / 2**20:.3g}"
     return f"{text} (step {peak.get('step')})"
+
+
+def format_finding(f: Any) -> str:
+    """A finding as the launcher prints it on stderr: one line, and its fix on a second."""
+    step = f" step {f.step}" if f.step is not None else ""
+    ranks = f" rank(s) {','.join(map(str, f.ranks))}" if f.ranks else ""
+    text = f"distdebug: {f.severity.value.upper()} {f.detector}{ranks}{step}: {f.subject}: {f.message}"
+    return text + (f"\ndistdebug:   fix: {f.fix}" if f.fix else "")

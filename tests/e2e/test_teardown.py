@@ -25,7 +25,10 @@ def threads(out):
 
 
 def test_plain_torchrun_keeps_the_destroyed_default_group_alive_into_interpreter_exit(tmp_path):
-    r = torchrun(SCRIPT, "--threads-out", str(tmp_path))
+    # The gloo threads are listed at the start of interpreter exit, then the rank leaves with
+    # os._exit(0): this test shows what is alive, it does not run torch's teardown race (which
+    # aborts now and then on a loaded machine, pytorch#179291) and call the outcome a result.
+    r = torchrun(SCRIPT, "--threads-out", str(tmp_path), "--exit-after-listing")
     assert r.returncode == 0, r.output
     seen = threads(tmp_path)
     assert sorted(seen) == ["rank0.txt", "rank1.txt"]

@@ -49,3 +49,16 @@ def test_what_was_alive_is_named_without_distdebugs_own_threads(tmp_path):
     [f] = teardown_findings(load_run(root), {0: -6})
     assert ("Still alive when the script ended: 1 process group(s) not destroyed; threads gloo_tcp_loop, "
             "pt_gloo_runloop x2; Python threads prefetcher") in f.message
+
+
+def test_a_rank_the_launcher_stopped_after_its_last_step_does_not_hide_a_teardown_abort(tmp_path):
+    # Rank 1 finished and aborted at exit; the launcher SIGTERMed rank 0 before rank 0 wrote its end
+    # record (seen in the suite on a loaded machine). Rank 0 had run all 5 steps and raised nothing.
+    run = load_run(write_run(tmp_path, ranks=2, steps=5, killed=(0,), killed_at=5))
+    (f,) = teardown_findings(run, {1: -6, 0: -15}, first=1)
+    assert (f.ranks, f.step) == ([1], 5)
+    assert "Rank(s) [0] were stopped by the launcher (SIGTERM) after their last step (5)" in f.message
+    # Stopped before its last step, or killed by anything but the launcher's SIGTERM: a real failure.
+    short = load_run(write_run(tmp_path / "short", ranks=2, steps=5, killed=(0,), killed_at=3))
+    assert teardown_findings(short, {1: -6, 0: -15}, first=1) is None
+    assert teardown_findings(run, {1: -6, 0: -9}, first=1) is None

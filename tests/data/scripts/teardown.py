@@ -21,6 +21,9 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--threads-out", default=None)
 p.add_argument("--abort-at-exit", type=int, default=None)
 p.add_argument("--os-exit", type=int, default=None, help="leave with os._exit(CODE) after destroying the group")
+p.add_argument("--exit-after-listing", action="store_true",
+               help="os._exit(0) right after --threads-out is written: the threads listed are exactly those that "
+                    "would race the interpreter's finalisation, and a demonstration must not run that race itself")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -52,6 +55,8 @@ if args.threads_out:
         os.makedirs(args.threads_out, exist_ok=True)
         with open(os.path.join(args.threads_out, f"rank{rank}.txt"), "w") as f:
             f.write("\n".join(native_threads()))
+        if args.exit_after_listing:
+            os._exit(0)
     atexit.register(write_threads)
 if args.abort_at_exit == rank:
     atexit.register(os.abort)
