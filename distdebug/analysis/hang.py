@@ -15,6 +15,7 @@ never reached), each naming culprit ranks, the collective, and the culprit's own
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import logging
 import os
@@ -37,11 +38,27 @@ _LIBRARY_MARKERS = (
 )
 
 
+class Status(str, enum.Enum):
+    """What a rank's records say it was doing when the job ended or stalled (a str: reads as its value)."""
+
+    RUNNING = "running"
+    """No end record and no stall: still running, or killed without a chance to write."""
+    STALLED = "stalled"
+    """Its watchdog recorded no progress for the stall timeout (stacks and Flight Recorder dumped)."""
+    RAISED = "raised"
+    """The script raised (the script_error record)."""
+    CRASHED = "crashed"
+    """A fatal signal (faulthandler wrote crash.txt)."""
+    EXITED = "exited"
+    """The end record: the script returned or exited."""
+    ABSENT = "absent"
+    """No records at all: it never started."""
+
+
 @dataclass
 class RankState:
     rank: int
-    status: str
-    """stalled | raised | crashed | exited | running | absent"""
+    status: Status
     step: int = 0
     phase: str | None = None
     pg_init: str | None = None
@@ -127,7 +144,7 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
     states: dict[int, RankState] = {}
     for rank, stream in run.ranks.items():
         recs = stream.last_attempt()
-        st = RankState(rank=rank, status="running")
+        st = RankState(rank=rank, status=Status.RUNNING)
         for r in recs:
             kind = r.get("kind")
             if kind == schema.STEP:
@@ -136,16 +153,16 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
             elif kind == schema.PG_INIT:
                 st.pg_init = r.get("phase")
             elif kind == schema.STALL:
-                st.status, st.phase, st.stack = "stalled", r.get("phase"), r.get("main_stack") or []
+                st.status, st.phase, st.stack = Status.STALLED, r.get("phase"), r.get("main_stack") or []
                 if r.get("collectives_entered") is not None:
                     st.entered_total = int(r["collectives_entered"])
             elif kind == schema.STALL_CLEARED:
-                st.status = "running"
+                st.status = Status.RUNNING
             elif kind == schema.SCRIPT_ERROR:
-                st.status, st.exception, st.message = "raised", r.get("exception"), r.get("message")
+                st.status, st.exception, st.message = Status.RAISED, r.get("exception"), r.get("message")
                 st.collective_error, st.stack = r.get("collective"), r.get("stack") or []
-            elif kind == schema.END and st.status != "raised":
-                st.status, st.exit_code = "exited", r.get("exit_code")
+            elif kind == schema.END and st.status != Status.RAISED:
+                st.status, st.exit_code = Status.EXITED, r.get("exit_code")
         st.inflight_state, st.inflight = read_inflight(layout.inflight_path(run.path, rank))
         try:
             crash = layout.crash_path(run.path, rank).read_text()
@@ -153,12 +170,12 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
             crash = ""
         if crash.strip():
             st.crash_stack = crash
-            if st.status in ("running", "stalled"):
-                st.status = "crashed"
+            if st.status in (Status.RUNNING, Status.STALLED):
+                st.status = Status.CRASHED
                 st.stack = _crash_frames(crash)
         states[rank] = st
     for rank in range(world_size or 0):
-        states.setdefault(rank, RankState(rank=rank, status="absent"))
+        states.setdefault(rank, RankState(rank=rank, status=Status.ABSENT))
     return dict(sorted(states.items()))
 
 
@@ -229,21 +246,21 @@ def flight_recorder_verdict(run: Run, world_size: int) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------- verdicts
 def _describe(st: RankState) -> str:
-    if st.status == "exited":
+    if st.status == Status.EXITED:
         return f"rank {st.rank} exited with code {st.exit_code} after step {st.step}"
-    if st.status == "absent":
+    if st.status == Status.ABSENT:
         return f"rank {st.rank} never started (no records)"
-    if st.status == "raised":
+    if st.status == Status.RAISED:
         return f"rank {st.rank} raised {st.exception} at step {st.current_step} ({where(st.stack)})"
-    if st.status == "crashed":
+    if st.status == Status.CRASHED:
         return f"rank {st.rank} died by a fatal signal at step {st.current_step} in {where(st.stack)}"
     inside = st.inflight if st.inflight_state == "inside" else None
     if inside:
         return f"rank {st.rank} is inside {inside['op']} #{inside['seq']} at step {st.current_step}"
-    if st.status == "running" and st.killed_by:
+    if st.status == Status.RUNNING and st.killed_by:
         return (f"rank {st.rank} was killed by {st.killed_by} during step {st.current_step} "
                 f"(no record after step {st.step})")
-    if st.status == "running":
+    if st.status == Status.RUNNING:
         return (f"rank {st.rank} left no record after step {st.step} "
                 "(killed by a signal, or still running without having stalled)")
     return f"rank {st.rank} is stuck at step {st.current_step} in {where(st.stack)}"
@@ -273,7 +290,7 @@ def _inflight_of(st: RankState) -> dict[str, Any] | None:
     """The collective a rank is (or was, when it failed) inside; None if it stopped elsewhere."""
     if st.inflight_state in ("inside", "failed"):
         return st.inflight
-    if st.status == "raised" and st.collective_error and st.inflight is not None:
+    if st.status == Status.RAISED and st.collective_error and st.inflight is not None:
         return st.inflight  # the collective it failed in (the slot keeps the last one)
     return None
 
@@ -296,7 +313,7 @@ def _mark_killed(states: dict[int, RankState], first_failure: tuple[int, int] | 
         return None
     rank, exit_code = first_failure
     st = states.get(rank)
-    if st is None or exit_code >= 0 or st.status != "running":
+    if st is None or exit_code >= 0 or st.status != Status.RUNNING:
         return None
     st.killed_by = how(exit_code)
     return st
@@ -331,8 +348,8 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
     world = max([int(s.get("world_size", 0)) for st in run.ranks.values() for s in st.of_kind(schema.START)] + [0])
     states = rank_states(run, world)
     killed = _mark_killed(states, first_failure)
-    bad = [s for s in states.values() if s.status in ("stalled", "raised", "crashed")]
-    if not bad or not any(s.status == "stalled" or s.collective_error or s.status == "crashed" for s in bad):
+    bad = [s for s in states.values() if s.status in (Status.STALLED, Status.RAISED, Status.CRASHED)]
+    if not bad or not any(s.status == Status.STALLED or s.collective_error or s.status == Status.CRASHED for s in bad):
         return _killed_rank_finding(states, killed)
     count_diff = first_collective_count_difference(states)
     evidence_common: dict[str, Any] = {
@@ -344,7 +361,7 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
 
     # A) startup: a rank's init_process_group raised. Its own error (a bad argument) is said as such;
     # only an error about reaching the others is a connection verdict with network advice.
-    failed_init = [s for s in states.values() if s.status == "raised" and s.pg_init == "begin" and s.step == 0]
+    failed_init = [s for s in states.values() if s.status == Status.RAISED and s.pg_init == "begin" and s.step == 0]
     if failed_init and not any(s.pg_init == "done" and s.step > 0 for s in states.values()):
         own = [s for s in failed_init if not is_connection_error(s.exception, s.message)]
         if own:
@@ -362,7 +379,7 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         text = (first.message or "").strip().splitlines()[0][:300] if first.message else ""
         # The launcher ends the others as soon as one rank fails: they may die inside init, unrecorded.
         still = sorted(s.rank for s in states.values() if s.pg_init == "begin" and s not in failed_init)
-        never = sorted(s.rank for s in states.values() if s.pg_init is None and s.status != "raised")
+        never = sorted(s.rank for s in states.values() if s.pg_init is None and s.status != Status.RAISED)
         tail = (f"; rank(s) {still} were still in init_process_group when the job ended" if still else "") + \
             (f"; rank(s) {never} left no record of reaching it (ended by the launcher)" if never else "")
         return [Finding(
@@ -385,7 +402,7 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
                 severity=Severity.CRITICAL, detector=DETECTOR, ranks=[s.rank for s in late], step=None,
                 subject="init_process_group",
                 message=f"ranks {in_init} wait in init_process_group; "
-                        + "; ".join(_describe(s) if s.status != "stalled" else
+                        + "; ".join(_describe(s) if s.status != Status.STALLED else
                                     f"rank {s.rank} never called it: stuck in {where(s.stack)}" for s in late),
                 evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in late}}, fix=_fix("init"),
             )]
@@ -424,7 +441,7 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         )]
 
     # C) missing ranks: some ranks wait in a collective that others never reached.
-    waiting = {r: i for r, i in inflight.items() if states[r].status in ("stalled", "raised")}
+    waiting = {r: i for r, i in inflight.items() if states[r].status in (Status.STALLED, Status.RAISED)}
     op: str
     seq: Any
     sizes: Any
@@ -433,12 +450,13 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         op, seq, sizes = fr["op"], fr["seq"], f"{fr['input_sizes']}, group {fr['process_group']}"
         at = where([{"file": f["file"], "line": f["line"], "func": f["func"]} for f in reversed(fr["frames"])]) \
             if fr["frames"] else "?"
-        waiters = sorted(r for r in states if r not in culprits and states[r].status != "absent")
+        waiters = sorted(r for r in states if r not in culprits and states[r].status != Status.ABSENT)
     else:
         culprits = sorted(r for r, s in states.items() if r not in waiting)
         if not waiting or not culprits:
-            culprits = sorted(r for r, s in states.items() if s.status in ("stalled", "crashed", "exited", "absent")
-                              and s.rank not in waiting) or sorted(states)
+            ended = (Status.STALLED, Status.CRASHED, Status.EXITED, Status.ABSENT)
+            culprits = sorted(r for r, s in states.items() if s.status in ended and s.rank not in waiting) \
+                or sorted(states)
         waited = next(iter(waiting.values()), None)
         op = waited["op"] if waited else "a collective"
         seq = waited["seq"] if waited else "?"
