@@ -31,13 +31,21 @@ def how(code: int) -> str:
     return f"exit code {code}"
 
 
-def completed_end(run: Run, rank: int) -> dict[str, Any] | None:
-    """The rank's end record if its script finished cleanly (exit 0, no script error); else None."""
+def _records_without_error(run: Run, rank: int) -> list[dict[str, Any]] | None:
+    """The rank's records of its last attempt, or None if it has none or raised (a script error)."""
     stream = run.ranks.get(rank)
     if stream is None:
         return None
     records = stream.last_attempt()
     if any(r.get("kind") == schema.SCRIPT_ERROR for r in records):
+        return None
+    return records
+
+
+def completed_end(run: Run, rank: int) -> dict[str, Any] | None:
+    """The rank's end record if its script finished cleanly (exit 0, no script error); else None."""
+    records = _records_without_error(run, rank)
+    if records is None:
         return None
     end = next((r for r in reversed(records) if r.get("kind") == schema.END), None)
     if end is None or end.get("exit_code") not in (0, None):
@@ -112,11 +120,8 @@ def teardown_findings(run: Run, failures: dict[int, int], first: int | None = No
 
 def _clean_through(run: Run, rank: int, steps: int) -> bool:
     """The rank recorded ``steps`` optimizer steps (at least) and no script error."""
-    stream = run.ranks.get(rank)
-    if stream is None:
-        return False
-    records = stream.last_attempt()
-    if any(r.get("kind") == schema.SCRIPT_ERROR for r in records):
+    records = _records_without_error(run, rank)
+    if records is None:
         return False
     return max((int(r.get("step", 0)) for r in records if r.get("kind") == schema.STEP), default=0) >= steps
 
