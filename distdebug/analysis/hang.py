@@ -286,6 +286,31 @@ def first_collective_count_difference(states: dict[int, RankState]) -> dict[str,
     return None
 
 
+def odd_ranks_out(count_diff: dict[str, Any] | None, states: dict[int, RankState]) -> list[int]:
+    """Ranks that provably issued a different number of collectives in the first differing step.
+
+    Only ranks that completed that step count (their number is exact). With a strict majority
+    agreeing on one number, the others are the odd ones out; without one (two ranks, a tie), the
+    ranks with fewer (a skipped collective, the commoner bug; the message says the other reading).
+    This does not depend on when each rank's stall record was written, so it decides the culprit
+    whenever it exists.
+    """
+    if not count_diff:
+        return []
+    step = count_diff["step"]
+    exact = {r: s.step_collectives[step] for r, s in states.items() if step in s.step_collectives}
+    if len(set(exact.values())) < 2:
+        return []
+    tally: dict[int, int] = {}
+    for n in exact.values():
+        tally[n] = tally.get(n, 0) + 1
+    top, votes = max(tally.items(), key=lambda kv: kv[1])
+    if votes * 2 > len(states) and list(tally.values()).count(votes) == 1:
+        return sorted(r for r, n in exact.items() if n != top)
+    low = min(exact.values())
+    return sorted(r for r, n in exact.items() if n == low)
+
+
 def _inflight_of(st: RankState) -> dict[str, Any] | None:
     """The collective a rank is (or was, when it failed) inside; None if it stopped elsewhere."""
     if st.inflight_state in ("inside", "failed"):
@@ -463,19 +488,28 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         sizes = waited.get("shapes") if waited else None
         at = where(states[next(iter(waiting))].stack) if waiting else "?"
         waiters = sorted(waiting)
+    odd = odd_ranks_out(count_diff, states)
+    if odd and len(odd) < len(states):
+        # The count difference is proof; which rank happened to be waiting when the records were
+        # written is timing (a rank that skipped one all_reduce later waits in its own last one).
+        culprits = odd
+        waiters = [r for r in waiters if r not in culprits]
     step = min((states[r].current_step for r in culprits if r in states), default=None)
     if count_diff and culprits:
         # Where it went wrong, not where it stopped: the step in which the culprits issued fewer
         # collectives than the others (a skipped all_reduce shows here, and only here).
         counts = count_diff["collectives_per_rank"]
-        if all(r in counts for r in culprits) and max(counts[r] for r in culprits) < max(counts.values()):
+        if culprits == odd or (all(r in counts for r in culprits)
+                               and max(counts[r] for r in culprits) < max(counts.values())):
             step = count_diff["step"]
     located = f" (step {count_diff['step']} is the first with different collective counts: " \
               f"{count_diff['collectives_per_rank']})" if count_diff else ""
+    head = f"ranks {waiters} wait in {op} #{seq} (sizes {sizes}, called at {at}); " if waiters else \
+        f"{op} #{seq} (sizes {sizes}, called at {at}) never completed; "
     return [Finding(
         severity=Severity.CRITICAL, detector=DETECTOR, ranks=list(culprits), step=step,
         subject=f"{op} #{seq}",
-        message=f"ranks {waiters} wait in {op} #{seq} (sizes {sizes}, called at {at}); "
+        message=head
                 + "; ".join(_describe(states[r]) for r in culprits if r in states) + located,
         evidence={**evidence_common, "flight_recorder": fr,
                   "stacks": {r: states[r].stack[-8:] for r in culprits if r in states}},

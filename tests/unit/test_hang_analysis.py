@@ -114,3 +114,31 @@ def test_rank_killed_from_outside_is_named_from_the_launcher_whatever_the_others
     w.write(schema.record(schema.END, exit_code=0))
     w.close()
     assert diagnose(load_run(tmp_path), first_failure=(1, -9)) == []
+
+
+def _stalled(run_dir, rank, counts, inflight=None):
+    write(run_dir, rank, steps(counts) + [schema.record(schema.STALL, step=len(counts), phase="training",
+                                                        main_stack=[USER, TORCH] if inflight else [USER])])
+    if inflight:
+        InflightSlot(layout.inflight_path(run_dir, rank)).enter(inflight)
+
+
+def test_skipped_collective_names_the_skipper_whichever_rank_was_caught_waiting(tmp_path):
+    # Rank 1 skipped its all_reduce in step 3; its later ones paired with rank 0's earlier ones,
+    # and here it is rank 1 that was recorded inside the last one while rank 0 was not: the count
+    # difference, not the timing of the stall records, decides.
+    _stalled(tmp_path, 0, [1, 1, 1, 1])
+    _stalled(tmp_path, 1, [1, 1, 0, 1], inflight={"op": "all_reduce", "seq": 5, "step": 5, "shapes": [[8]]})
+    (f,) = diagnose(load_run(tmp_path))
+    assert (f.ranks, f.step) == ([1], 3)
+    assert f.message.startswith("all_reduce #5 (sizes [[8]]") and "never completed" in f.message
+
+
+def test_extra_collective_is_named_by_the_majority_of_counts(tmp_path):
+    # Three ranks: rank 0 made one collective more in step 2 (a rank-0-only all_reduce): the two
+    # ranks that agree are not blamed, though they are the ones caught outside a collective.
+    _stalled(tmp_path, 0, [1, 2, 1], inflight={"op": "all_reduce", "seq": 5, "step": 4, "shapes": [[8]]})
+    _stalled(tmp_path, 1, [1, 1, 1, 1])
+    _stalled(tmp_path, 2, [1, 1, 1, 1])
+    (f,) = diagnose(load_run(tmp_path))
+    assert (f.ranks, f.step) == ([0], 2)
