@@ -12,7 +12,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from distdebug.findings import Finding
 
@@ -23,6 +23,26 @@ if TYPE_CHECKING:
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
     """The default of a context callable before the session fills it in (tests build bare contexts)."""
+
+
+class ExchangeChannel(Protocol):
+    """One detector's channel on the rank's cross-rank exchange (runtime.exchange.Channel)."""
+
+    @property
+    def world(self) -> int: ...
+
+    def post(self, payload: Any, callback: Callable[[list[Any]], None],
+             prepare: Callable[[Any], Any] | None = None) -> bool: ...
+
+    def gather(self, payload: Any) -> list[Any]: ...
+
+
+class SharedExchange(Protocol):
+    """The rank's one cross-rank exchange (runtime.exchange.Exchange), as detectors see it."""
+
+    world: int
+
+    def channel(self, tag: str) -> ExchangeChannel: ...
 
 
 @dataclass(kw_only=True)
@@ -73,6 +93,9 @@ class RankContext:
     """Callables(Finding) told of every finding this rank reports (from any thread)."""
     backward_t: float | None = None
     """time.monotonic() of the step's first backward call (arrival at the gradient reduction)."""
+    exchange: SharedExchange | None = None
+    """The rank's one background exchange with its peers (None without peers, or before discovery):
+    detectors take a channel of it (runtime.exchange.ExchangeUser.open_exchange)."""
     raw_collectives: dict[str, Any] = field(default_factory=dict)
     """torch.distributed functions as they were before the session wrapped them: the harness's own
     collectives use these, so they are neither counted nor tracked as the training's."""

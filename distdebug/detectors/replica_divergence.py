@@ -25,9 +25,6 @@ so that the harness's own collectives can never pair the wrong steps or wait at 
 
 from __future__ import annotations
 
-import datetime
-import queue
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,37 +32,32 @@ import torch
 import xxhash
 
 from distdebug import envvars
-from distdebug.context import RankContext, StepEvent
+from distdebug.context import ExchangeChannel, RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
 from distdebug.fingerprint.hashing import fingerprints, root_digest
 from distdebug.fingerprint.snapshots import SnapshotWriter
-from distdebug.runtime.exchange import HARNESS_GROUP_DESC
+from distdebug.runtime.exchange import CAPACITY, ExchangeUser
 
-QUEUE_STEPS = 256
-"""Checks the background exchange may fall behind before it is stopped (never blocks training)."""
 BATCH = 32
 """Checked steps per exchange: one all_gather carries BATCH records, so the harness's collectives
 cost 1/BATCH of one per step. The first divergent step is still exact (each record carries its
 step); the finding comes at most BATCH checks later, or at the end of the run."""
-DRAIN_TIMEOUT_S = 10.0
-_FIELDS = 5  # step, backward passes, root digest of world replicas, replica-group id, its root digest
 
 
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-class ReplicaDivergence(Detector):
+class ReplicaDivergence(ExchangeUser, Detector):
     name = "replica_divergence"
     description = "data-parallel replicas differ: first step, tensor names and odd rank(s) (cross-rank fingerprints)"
 
     def __init__(self) -> None:
         self.every = max(1, int(envvars.get(envvars.FINGERPRINT_EVERY) or 1))
         self.ctx: RankContext | None = None
-        self.group: Any = None
         self.snapshots: SnapshotWriter | None = None
         self.replicas: ReplicaSet | None = None
         self.synced_buffers: dict[str, int] | None = None
@@ -73,10 +65,8 @@ class ReplicaDivergence(Detector):
         self.armed = False  # the coming step is checked: forward hooks fingerprint
         self.reported = False
         self._hooks: list[Any] = []
-        self._queue: queue.Queue | None = None
         self._batch: list[tuple[int, int, dict[str, int]]] = []
-        self._thread: threading.Thread | None = None
-        self._stopped = False
+        self._stopped = False  # the ranks' step counts parted, or the exchange fell behind: no more checks
 
     def attach(self, ctx: RankContext) -> None:
         import torch.distributed as dist
@@ -87,12 +77,8 @@ class ReplicaDivergence(Detector):
         if ctx.rank_dir is not None:
             self.snapshots = SnapshotWriter(ctx.rank_dir)
         if world > 1:
-            # A group of our own: our all_gathers never interleave with the training's collectives.
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300),
-                                        group_desc=HARNESS_GROUP_DESC)
-            self._queue = queue.Queue(maxsize=QUEUE_STEPS // BATCH)
-            self._thread = threading.Thread(target=self._worker, name="distdebug-fingerprints", daemon=True)
-            self._thread.start()
+            # The rank's harness exchange: our all_gathers never interleave with the training's collectives.
+            self.open_exchange(ctx)
         for root in ctx.models:
             inner, _, ddp_sync = model_layout(root)
             if ddp_sync:
@@ -132,53 +118,33 @@ class ReplicaDivergence(Detector):
         if self.snapshots is not None:
             # Written here, one append per check: a rank killed a moment later keeps every snapshot.
             self.snapshots.write(event.step, fps)
-        if self._queue is None or self._stopped:
+        if self.exchange is None or self._stopped:
             return ()
         self._batch.append((event.step, event.backward_total, fps))
         if len(self._batch) < BATCH:
             return ()
-        batch, self._batch = self._batch, []
-        try:
-            self._queue.put_nowait((batch, True))  # one hand-over to the background thread per BATCH checks
-        except queue.Full:
-            # The exchange is stuck (a peer is gone): stop here rather than ever block training.
+        if not self._post():
+            # The exchange is stuck (a peer is gone): stopped here rather than ever block training.
             self._stopped = True
             return (Finding(
                 severity=Severity.WARNING, detector=self.name, ranks=[self.ctx.rank], step=event.step,
-                subject="cross-rank check", message=f"the cross-rank exchange fell {QUEUE_STEPS} checks behind; "
+                subject="cross-rank check", message=f"the cross-rank exchange fell {CAPACITY} exchanges behind; "
                 "stopped on this rank (snapshots go on)", evidence={},
             ),)
         return ()
+
+    def _post(self) -> bool:
+        """One hand-over to the exchange per BATCH checks: the rows go, the fingerprints stay here."""
+        batch, self._batch = self._batch, []
+        channel = self.exchange  # the callback may run after close_exchange() (the drain at a clean end)
+        if channel is None:
+            return False
+        return channel.post(batch, lambda rows: self._judge(channel, batch, rows), prepare=self._rows)
 
     def _next(self, step: int) -> None:
         self.synced_buffers = None
         self.forward_fps = {}
         self.armed = (step + 1) % self.every == 0
-
-    def _worker(self) -> None:
-        """Background: the cross-rank exchange, in step order, BATCH checks at a time."""
-        ctx = self.ctx
-        assert ctx is not None  # set in setup()/attach(), which the session calls first
-        assert self._queue is not None
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            pending, exchange = item
-            # A full batch, or the last (maybe empty) one when the script destroys its process
-            # group: every rank makes the same number of exchanges.
-            if exchange and self.group is not None:
-                try:
-                    for finding in self._exchange(pending):
-                        ctx.report(finding)
-                except Exception as e:  # a peer that left, a destroyed group: stop checking, never raise
-                    self.group = None
-                    ctx.report(Finding(  # info: it follows from a failure that other findings explain
-                        severity=Severity.INFO, detector="harness", ranks=[ctx.rank],
-                        step=pending[0][0] if pending else None, subject=f"detector:{self.name}",
-                        message=f"cross-rank exchange failed ({type(e).__name__}: {str(e)[:200]}); "
-                                "stopped on this rank", evidence={},
-                    ))
 
     def _row(self, step: int, backward_total: int, fps: dict[str, int]) -> list[int]:
         world = {n: v for n, v in fps.items() if "@replicas[" not in n}
@@ -187,29 +153,30 @@ class ReplicaDivergence(Detector):
         return [step, backward_total, _signed(root_digest(world)), _signed(group_id),
                 _signed(root_digest(grouped)) if grouped else 0]
 
-    def _exchange(self, batch: list[tuple[int, int, dict[str, int]]]) -> Iterable[Finding]:
-        ctx = self.ctx
-        assert ctx is not None  # set in setup()/attach(), which the session calls first
-        import torch.distributed as dist
+    def _rows(self, batch: list[tuple[int, int, dict[str, int]]]) -> list[list[int]]:
+        return [self._row(step, backward_total, fps) for step, backward_total, fps in batch]
 
-        raw = ctx.raw_collectives
-        world = dist.get_world_size(self.group)
-        mine = torch.full((BATCH, _FIELDS), -1, dtype=torch.int64)
-        for i, (step, backward_total, fps) in enumerate(batch):
-            mine[i] = torch.tensor(self._row(step, backward_total, fps), dtype=torch.int64)
-        gathered = [torch.zeros(BATCH, _FIELDS, dtype=torch.int64) for _ in range(world)]
-        raw["all_gather"](gathered, mine, group=self.group)
-        rows = [t.tolist() for t in gathered]
-        for i in range(BATCH):
-            steps = {r: rows[r][i][0] for r in range(world)}
-            if all(v == -1 for v in steps.values()):
-                break
-            backwards = {r: rows[r][i][1] for r in range(world)}
+    def _judge(self, channel: ExchangeChannel, batch: list[tuple[int, int, dict[str, int]]],
+               rows: list[Any]) -> None:
+        """On the exchange thread, with every rank's rows of the same BATCH checks."""
+        if self._stopped:
+            return
+        ctx = self.ctx
+        assert ctx is not None  # set in attach(), which comes before any post
+        for finding in self._verdict(channel, batch, rows):
+            ctx.report(finding)
+
+    def _verdict(self, channel: ExchangeChannel, batch: list[tuple[int, int, dict[str, int]]],
+                 rows: list[Any]) -> Iterable[Finding]:
+        world = len(rows)
+        for i in range(max((len(r) for r in rows), default=0)):
+            steps = {r: rows[r][i][0] if i < len(rows[r]) else -1 for r in range(world)}
+            backwards = {r: rows[r][i][1] if i < len(rows[r]) else -1 for r in range(world)}
             if len(set(steps.values())) > 1 or len(set(backwards.values())) > 1:
                 # A rank skipped (or repeated) optimizer.step: its step boundaries no longer line up with
                 # the others'. Every rank saw the same records, so all stop checking together, and the
                 # harness's own collectives can never pair the wrong steps or wait at the end.
-                self.group = None
+                self._stopped = True
                 behind, _ = odd_ones_out(backwards if len(set(steps.values())) == 1 else steps)
                 step = min(v for v in steps.values() if v >= 0)
                 return self._emit(Finding(
@@ -232,15 +199,15 @@ class ReplicaDivergence(Detector):
                 continue
             self.reported = True
             step, _, fps = batch[i]
-            return self._name_tensors(step, fps, world)
+            return self._name_tensors(channel, step, fps, world)
         return ()
 
-    def _name_tensors(self, step: int, fps: dict[str, int], world: int) -> Iterable[Finding]:
+    def _name_tensors(self, channel: ExchangeChannel, step: int, fps: dict[str, int],
+                      world: int) -> Iterable[Finding]:
         """Roots differ at ``step``: exchange per-tensor fingerprints (this once) to name the tensors."""
         ctx = self.ctx
         assert ctx is not None  # set in setup()/attach(), which the session calls first
-        per_rank: list[Any] = [None] * world
-        ctx.raw_collectives["all_gather_object"](per_rank, fps, group=self.group)
+        per_rank = channel.gather(fps)  # on the exchange thread, inside the callback: every rank does it
         diffs = compare(dict(enumerate(per_rank)), list(fps))
         if not diffs:
             return ()
@@ -254,34 +221,19 @@ class ReplicaDivergence(Detector):
         return (finding,) if ctx.rank == 0 else ()
 
     def before_destroy(self) -> None:
-        """The script destroys its process group (every rank does, at a clean end): the last exchange."""
-        self._finish(final_exchange=True)
+        """The script destroys its process group (every rank does, at a clean end): the last exchange.
 
-    def _finish(self, final_exchange: bool) -> None:
-        """Finish the queued checks, then release the harness group (before the script destroys its own).
-
-        The last, partial batch is exchanged only when the script destroys its process group, which
-        every rank does together. A rank that ends otherwise (an exception, an early exit, the end
-        of a script that never destroys its group) cannot know whether its peers will ever exchange
-        those steps, so it does not wait: their snapshots are on disk, and the launcher's check
-        after the job (``analysis.diff``) covers them.
+        The last, partial batch is exchanged only then, when every rank does it together. A rank that
+        ends otherwise (an exception, an early exit, the end of a script that never destroys its group)
+        cannot know whether its peers will ever exchange those steps, so it does not wait: their
+        snapshots are on disk, and the check after the job (``analysis.after_job``) covers them.
         """
-        import torch.distributed as dist
-
-        if self._thread is not None:
-            assert self._queue is not None
-            batch, self._batch = self._batch, []
-            if not self._stopped and final_exchange:
-                self._queue.put((batch, True))
-            self._queue.put(None)
-            self._thread.join(timeout=DRAIN_TIMEOUT_S)
-            self._thread = None
-        group, self.group = self.group, None
-        if group is not None and dist.is_initialized():
-            dist.distributed_c10d.destroy_process_group(group)
+        if self.exchange is not None and not self._stopped:
+            self._post()
+        self.close_exchange()
 
     def on_end(self) -> Iterable[Finding]:
-        self._finish(final_exchange=False)
+        self.close_exchange()
         for h in self._hooks:
             h.remove()
         if self.snapshots is not None:

@@ -1,11 +1,18 @@
-"""A detector's cross-rank exchange that never blocks training.
+"""The rank's one cross-rank exchange: one harness gloo group and one background thread, shared by
+every detector (tagged payloads), with one drain and close rule.
 
 Why a thread: a harness collective on the training thread waits for every peer. When ranks are out
 of step (one skipped a collective, one is stuck), that wait turns the script's own hang into a
 deadlock inside distdebug, and the hang diagnosis then points at the harness. Here the training
-thread only queues a payload; a background thread runs ``all_gather_object`` on a gloo group of
-the harness's own (hang analysis leaves that group out) and hands the gathered payloads to a
+thread only queues a payload; the background thread runs ``all_gather_object`` on the harness's own
+gloo group (hang analysis leaves that group out) and hands the gathered payloads to the detector's
 callback, which reports findings through ``ctx.report`` (thread-safe).
+
+Why one: a group per detector is a socket mesh per detector per rank (six, at scale) and a thread
+each. One group, one thread, one queue: every detector's posts are carried in the order they were
+made, each tagged with the detector's name and its post count, so a rank whose posts no longer pair
+with its peers' (a detector switched off on one rank, a queue that overflowed) is seen at once, and
+the exchange stops on every rank together instead of pairing the wrong payloads.
 
 Every rank queues the same exchanges in the same order (detectors choose them by step number), so
 they pair up. At a clean end (the script destroys its process group, every rank together) the
@@ -20,11 +27,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from distdebug.context import RankContext
+from distdebug.findings import Finding, Severity
 
 HARNESS_GROUP_DESC = "distdebug_harness"
-"""Description of the harness's own process groups; hang analysis leaves their collectives out."""
+"""Description of the harness's own process group; hang analysis leaves its collectives out."""
+THREAD_NAME = "distdebug-exchange"
 DRAIN_TIMEOUT_S = 10.0
+"""How long a clean end waits for the queued exchanges (every peer is ending too)."""
+UNCLEAN_WAIT_S = 2.0
+"""How long any other end waits: peers that are ending too pair up in a moment; others never will."""
+CAPACITY = 64
+"""Exchanges that may wait in the queue; one more and this rank stops exchanging (never blocks training)."""
 CHECK_EVERY = 16
 
 
@@ -33,85 +46,170 @@ def checked_step(step: int) -> bool:
     return step in (2, 4, 8) or step % CHECK_EVERY == 0
 
 
-class BackgroundExchange:
-    def __init__(self, ctx: RankContext, name: str, timeout_s: float = 300.0) -> None:
+class Channel:
+    """One detector's view of the exchange: its posts carry its tag."""
+
+    def __init__(self, exchange: Exchange, tag: str) -> None:
+        self._exchange = exchange
+        self.tag = tag
+
+    @property
+    def world(self) -> int:
+        return self._exchange.world
+
+    def post(self, payload: Any, callback: Callable[[list[Any]], None],
+             prepare: Callable[[Any], Any] | None = None) -> bool:
+        """Queue one exchange; False (nothing queued) once the exchange has stopped or closed.
+
+        ``callback(gathered)`` runs on the exchange thread with every rank's payload, by rank.
+        ``prepare(payload)``, if given, turns the payload into what is sent, on the exchange thread
+        (work the training thread need not do).
+        """
+        return self._exchange.post(self.tag, payload, callback, prepare)
+
+    def gather(self, payload: Any) -> list[Any]:
+        """Inside a callback only (the exchange thread): one more all_gather that every rank makes."""
+        return self._exchange.gather(self.tag + "/inner", payload)
+
+
+class Exchange:
+    """One per rank, made by the session when a detector uses it and there are peers (world >= 2)."""
+
+    def __init__(self, rank: int, report: Callable[[Finding], None], raw_collectives: dict[str, Any],
+                 timeout_s: float = 300.0) -> None:
         import torch.distributed as dist
 
-        self.ctx = ctx
-        self.name = name
+        self.rank = rank
+        self._report = report
+        self._all_gather_object = raw_collectives.get("all_gather_object", dist.all_gather_object)
         self.group: Any = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
                                          group_desc=HARNESS_GROUP_DESC)
         self.world = dist.get_world_size(self.group)
-        self._queue: queue.Queue = queue.Queue(maxsize=64)
-        self._thread = threading.Thread(target=self._worker, name=f"distdebug-{name}", daemon=True)
+        self._posts: dict[str, int] = {}  # posts made per tag, on the posting thread
+        self._inner: dict[str, int] = {}  # inner gathers per tag, on the exchange thread
+        self._queue: queue.Queue = queue.Queue()  # bounded by CAPACITY in post(), so close() never blocks
+        self._closed = False
+        self._muted: set[str] = set()  # tags whose callback raised on this rank: gathered, not handed on
+        self._thread: threading.Thread | None = threading.Thread(target=self._worker, name=THREAD_NAME,
+                                                                 daemon=True)
         self._thread.start()
 
-    def post(self, payload: Any, callback: Callable[[list[Any]], None]) -> bool:
-        """Queue one exchange; False (and nothing queued) if the exchange has stopped or fallen behind."""
-        if self.group is None:
+    def channel(self, tag: str) -> Channel:
+        return Channel(self, tag)
+
+    @property
+    def running(self) -> bool:
+        return self.group is not None and not self._closed
+
+    def post(self, tag: str, payload: Any, callback: Callable[[list[Any]], None],
+             prepare: Callable[[Any], Any] | None = None) -> bool:
+        if not self.running:
             return False
-        try:
-            self._queue.put_nowait((payload, callback))
-            return True
-        except queue.Full:
+        n = self._posts.get(tag, 0) + 1
+        self._posts[tag] = n  # counted even when refused below: the peers then see the gap and stop
+        if self._queue.qsize() >= CAPACITY:
+            self._stop(f"{CAPACITY} exchanges waiting (a peer is gone or far behind)", tag)
             return False
+        self._queue.put((tag, n, payload, callback, prepare))
+        return True
+
+    def gather(self, tag: str, payload: Any) -> list[Any]:
+        n = self._inner.get(tag, 0) + 1
+        self._inner[tag] = n
+        return self._checked_gather(tag, n, payload)
+
+    def _checked_gather(self, tag: str, n: int, payload: Any) -> list[Any]:
+        group = self.group
+        if group is None:
+            raise RuntimeError("the exchange has stopped")
+        gathered: list[Any] = [None] * self.world
+        self._all_gather_object(gathered, (tag, n, payload), group=group)
+        keys = [(g[0], g[1]) if isinstance(g, tuple) and len(g) == 3 else None for g in gathered]
+        if len(set(keys)) > 1:
+            raise OutOfStep(tag, {r: k for r, k in enumerate(keys)})
+        return [g[2] for g in gathered]
 
     def _worker(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            payload, callback = item
+            tag, n, payload, callback, prepare = item
             if self.group is None:
                 continue
             try:
-                gathered: list[Any] = [None] * self.world
-                self.ctx.raw_collectives["all_gather_object"](gathered, payload, group=self.group)
-                callback(gathered)
+                gathered = self._checked_gather(tag, n, prepare(payload) if prepare is not None else payload)
+            except OutOfStep as e:
+                self._stop(f"ranks' exchanges no longer pair up ({e})", tag)
+                continue
             except Exception as e:  # a peer that left, a destroyed group: stop, never raise
-                self.group = None
-                from distdebug.findings import Finding, Severity
+                self._stop(f"{type(e).__name__}: {str(e)[:200]}", tag)
+                continue
+            if tag in self._muted:
+                continue
+            try:
+                callback(gathered)
+            except OutOfStep as e:
+                self._stop(f"ranks' exchanges no longer pair up ({e})", tag)
+            except Exception as e:  # one detector's verdict code: that detector's verdicts stop here
+                self._muted.add(tag)
+                self._say(Severity.ERROR, tag, f"detector '{tag}' raised {type(e).__name__}: {str(e)[:200]} "
+                          "judging a cross-rank exchange; its cross-rank verdicts are off on this rank")
 
-                self.ctx.report(Finding(
-                    severity=Severity.INFO, detector="harness", ranks=[self.ctx.rank], step=None,
-                    subject=f"detector:{self.name}",
-                    message=f"cross-rank exchange failed ({type(e).__name__}: {str(e)[:200]}); stopped on this rank",
-                ))
+    def _stop(self, why: str, tag: str) -> None:
+        if self.group is None:
+            return
+        self.group = None
+        self._say(Severity.INFO, tag, f"cross-rank exchange stopped on this rank: {why}")
+
+    def _say(self, severity: Severity, tag: str, message: str) -> None:
+        try:
+            self._report(Finding(severity=severity, detector="harness", ranks=[self.rank], step=None,
+                                 subject=f"detector:{tag}", message=message))
+        except Exception:  # saying so must never take the thread down
+            pass
 
     def close(self, clean: bool) -> None:
-        """clean: every rank is ending together; drain, then release the group. Otherwise do not wait."""
+        """clean: every rank is ending together: drain, then release the group. Otherwise do not wait."""
         import torch.distributed as dist
 
-        if self._thread is None:
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
+        self._closed = True
         self._queue.put(None)
-        # Not clean: peers that are ending too still pair up in a moment; ones that are not never will.
-        self._thread.join(timeout=DRAIN_TIMEOUT_S if clean else 2.0)
-        busy = self._thread.is_alive()
-        self._thread = None  # type: ignore[assignment]
+        thread.join(timeout=DRAIN_TIMEOUT_S if clean else UNCLEAN_WAIT_S)
         group, self.group = self.group, None
-        if group is not None and not busy and dist.is_initialized():
+        if group is not None and not thread.is_alive() and dist.is_initialized():
             dist.distributed_c10d.destroy_process_group(group)
 
 
+class OutOfStep(RuntimeError):
+    """The ranks' payloads at this exchange are not the same post (tag, count) on every rank."""
+
+    def __init__(self, tag: str, keys: dict[int, Any]) -> None:
+        super().__init__(f"at {tag}: " + ", ".join(f"rank {r} {k}" for r, k in keys.items()))
+
+
 class ExchangeUser:
-    """Mixin for detectors with a ``BackgroundExchange`` in ``self.exchange``: drained at a clean end.
+    """Mixin for detectors that exchange across ranks: ``self.exchange`` is their channel (or None).
 
     A detector that sets ``last_step`` in ``on_step`` and overrides ``flush_pending`` also gets what
     it gathered since its last checked step exchanged at a clean end. Whether to flush depends on
-    the step number only, which every rank shares, so the exchanges still pair up.
+    the step number only, which every rank shares, so the exchanges still pair up. The session owns
+    the exchange itself and drains and closes it once, after every detector's ``before_destroy``.
     """
 
-    exchange: BackgroundExchange | None = None
+    uses_exchange = True
+    exchange: Channel | None = None
     last_step: int = 0
 
-    def open_exchange(self, ctx: RankContext) -> bool:
-        """Start this detector's exchange when there are peers to exchange with (a process group of 2+)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    def open_exchange(self, ctx: Any) -> bool:
+        """This detector's channel, when the rank has peers to exchange with (ctx.exchange is set)."""
+        shared = getattr(ctx, "exchange", None)
+        if shared is None:
             return False
-        self.exchange = BackgroundExchange(ctx, getattr(self, "name", "exchange"))
+        self.exchange = shared.channel(getattr(self, "name", "exchange") or "exchange")
         return True
 
     def flush_pending(self) -> None:
@@ -120,9 +218,8 @@ class ExchangeUser:
     def before_destroy(self) -> None:
         if self.exchange is not None and self.last_step and not checked_step(self.last_step):
             self.flush_pending()
-        self.close_exchange(clean=True)
+        self.close_exchange()
 
-    def close_exchange(self, clean: bool) -> None:
-        exchange, self.exchange = self.exchange, None
-        if exchange is not None:
-            exchange.close(clean)
+    def close_exchange(self, clean: bool = False) -> None:
+        """No more posts from this detector (the session drains the exchange)."""
+        self.exchange = None

@@ -37,6 +37,7 @@ from distdebug.context import RankContext, RankIdentity, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.runtime import discovery
+from distdebug.runtime.exchange import Exchange
 
 _SESSION: Session | None = None
 
@@ -99,6 +100,7 @@ class Session:
         self.inflight: Any = None  # runtime.inflight.InflightSlot when there is a run directory
         self._restore: list[tuple[Any, str, Any]] = []
         self._released_defaults: list[str] = []
+        self._exchange: Exchange | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -171,6 +173,7 @@ class Session:
             )
         for det in list(self.detectors):
             self._run_detector(det, "on_end", lambda d: d.on_end())
+        self._close_exchange(clean=False)
         self.release_groups()
         self.release_stale_defaults()
         if exit_code == 0:
@@ -371,8 +374,32 @@ class Session:
             pass
 
     def release_groups(self) -> None:
+        """Every rank is ending together (the script destroys its default group): detectors post what
+        they still hold, the exchange is drained and its group released, before torch's own go."""
         for det in list(self.detectors):
             self._run_detector(det, "before_destroy", lambda d: d.before_destroy())
+        self._close_exchange(clean=True)
+
+    def _open_exchange(self) -> None:
+        """The rank's one cross-rank exchange, made at the first step boundary on every rank alike
+        (new_group is collective), when some detector uses it and there are peers."""
+        if self._exchange is not None or not any(getattr(d, "uses_exchange", False) for d in self.detectors):
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        try:
+            self._exchange = Exchange(self.identity.rank, self.report, self.ctx.raw_collectives)
+            self.ctx.exchange = self._exchange
+        except Exception as e:  # no exchange: the cross-rank checks are off, training goes on
+            self._harness_finding(Severity.WARNING, "cross-rank exchange",
+                                  f"could not create the harness's process group ({type(e).__name__}: {e}); "
+                                  "cross-rank checks are off on this rank")
+
+    def _close_exchange(self, clean: bool) -> None:
+        if self._exchange is not None:
+            self._exchange.close(clean)
 
     def _wrap_collective(self, name: str, fn: Any) -> Any:
         session = self
@@ -453,6 +480,7 @@ class Session:
         self._end_discovery_hooks()
         self._discovering = False
         self._emit_discovery()
+        self._open_exchange()
         for det in list(self.detectors):
             self._run_detector(det, "attach", lambda d: d.attach(self.ctx))
 

@@ -1,0 +1,100 @@
+"""Tier 2 (real gloo ranks, forked): one cross-rank exchange per rank, shared by every detector.
+
+Counted on live ranks: the harness's process groups (by their group description) and its threads,
+with every exchanging detector on, during the training and after the script destroys its group.
+Also: posts that no longer pair up across ranks stop the exchange on every rank, never mis-pair.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distdebug.detectors.bn_divergence import BatchNormDivergence
+from distdebug.detectors.data_order import DataOrder
+from distdebug.detectors.init_seed import InitSeed
+from distdebug.detectors.loss_spike import LossSpike
+from distdebug.detectors.replica_divergence import ReplicaDivergence
+from distdebug.detectors.straggler import Straggler
+from distdebug.runtime.exchange import HARNESS_GROUP_DESC, THREAD_NAME, Exchange
+from tests.dist.test_replica_divergence import findings
+from tests.dist.test_session import start_session
+from tests.helpers import spawn_ranks
+
+
+def _harness_groups() -> int:
+    world = dist.distributed_c10d._world
+    return sum(1 for pg in world.pg_map if getattr(pg, "group_desc", "") == HARNESS_GROUP_DESC)
+
+
+def _our_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("distdebug"))
+
+
+def _all_detectors(rank, world, tmp):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dets = [LossSpike(), Straggler(), BatchNormDivergence(), DataOrder(), InitSeed(), ReplicaDivergence()]
+    s = start_session(tmp, rank, detectors=dets)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    during = None
+    for step in range(1, 21):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 10:
+            during = (_harness_groups(), _our_threads())
+    dist.destroy_process_group()
+    after = _our_threads()
+    s.close(0)
+    return during, after, [d.name for d in s.detectors]
+
+
+def test_one_group_and_one_thread_per_rank_for_every_detector(tmp_path):
+    results = spawn_ranks(_all_detectors, 3, timeout=120, tmp=tmp_path)
+    for rank, (during, after, running) in enumerate(results):
+        assert during == (1, [THREAD_NAME]), (rank, during)
+        assert after == [], (rank, after)  # drained and closed when the script destroyed its group
+        assert len(running) == 6, (rank, running)  # no detector was switched off
+    for rank in range(3):  # the exchange never stopped or failed
+        assert [f for f in findings(tmp_path, rank) if f["detector"] == "harness"] == [], rank
+
+
+def _out_of_step(rank, world, tmp):
+    """Rank 1 posts one exchange more under one tag: every rank must stop, none may mis-pair."""
+    from distdebug.artifacts import layout
+    from distdebug.artifacts.writer import EventWriter
+    from distdebug.findings import Finding
+
+    writer = EventWriter(layout.events_path(tmp, rank))
+    got: list[tuple[str, list]] = []
+
+    def report(f: Finding) -> None:
+        writer.write({"kind": "finding", **f.to_dict()})
+
+    ex = Exchange(rank, report, {})
+    a, b = ex.channel("a"), ex.channel("b")
+    a.post(rank, lambda g: got.append(("a", g)))
+    if rank == 1:
+        a.post(rank, lambda g: got.append(("a", g)))  # only here
+    b.post(rank * 10, lambda g: got.append(("b", g)))
+    b.post(rank * 10, lambda g: got.append(("b", g)))
+    ex.close(clean=True)
+    writer.close()
+    return got
+
+
+def test_posts_that_no_longer_pair_stop_the_exchange_on_every_rank(tmp_path):
+    got = spawn_ranks(_out_of_step, 2, timeout=60, tmp=tmp_path)
+    # The first exchange paired; the second did not ('a' #2 on rank 1 against 'b' #1 on rank 0): stopped.
+    assert got == [[("a", [0, 1])], [("a", [0, 1])]]
+    for rank in range(2):
+        (f,) = findings(tmp_path, rank)
+        assert f["detector"] == "harness" and "no longer pair up" in f["message"], f
