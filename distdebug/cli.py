@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from distdebug import envvars
+from distdebug.config import AttachConfig, LossSpikeConfig, ProfilerConfig, ReplicaDivergenceConfig, option_default
 from distdebug.errors import UserError
 
 
@@ -76,29 +77,39 @@ def main() -> None:
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run like python -m.")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where this run's records go. Default: a new directory under ./distdebug-runs/.")
-@click.option("--stall-timeout", type=float, default=300.0, show_default=True,
+@click.option("--stall-timeout", type=float, default=option_default(AttachConfig, "stall_timeout"), show_default=True,
               help="Seconds without progress (no step, no collective finished) before a rank counts as stalled; "
                    "then every rank's stacks and Flight Recorder trace are collected and the hang is diagnosed. "
                    "0: off.")
-@click.option("--on-hang", type=click.Choice(["abort", "report"]), default="abort", show_default=True,
+@click.option("--on-hang", type=click.Choice(["abort", "report"]), default=option_default(AttachConfig, "on_hang"),
+              show_default=True,
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")
-@click.option("--fingerprint-every", type=int, default=1, show_default=True,
-              help="Cross-rank fingerprint check of replicated tensors every K optimizer steps.")
-@click.option("--stop-on-nan", is_flag=True, default=False,
-              help="End the job at the first NaN/Inf (exit code 123) after reporting where it started. "
-                   "Default: report and keep going.")
+@click.option("--fingerprint-every", type=int, default=None,
+              show_default=str(option_default(ReplicaDivergenceConfig, "every")),
+              help="Cross-rank fingerprint check of replicated tensors every K optimizer steps "
+                   "(replica_divergence.every).")
+@click.option("--stop-on-nan", is_flag=True, default=None,
+              help="End the job at the first NaN/Inf (exit code 123) after reporting where it started "
+                   "(nan_origin.stop). Default: report and keep going.")
 @click.option("--deterministic", is_flag=True, default=False,
               help="Seed Python's, numpy's and torch's generators with 0 and turn on torch's deterministic "
                    "algorithms before the script runs.")
-@click.option("--spike-threshold", type=float, default=8.0, show_default=True,
-              help="Loss / gradient-norm spike: robust z (median and MAD of the window) above which a value counts.")
-@click.option("--spike-window", type=int, default=50, show_default=True,
-              help="Steps of history a spike is measured against.")
-@click.option("--profile-steps", default="", metavar="A:B[,C:D]",
+@click.option("--spike-threshold", type=float, default=None,
+              show_default=str(option_default(LossSpikeConfig, "threshold")),
+              help="Loss / gradient-norm spike: robust z (median and MAD of the window) above which a value counts "
+                   "(loss_spike.threshold).")
+@click.option("--spike-window", type=int, default=None, show_default=str(option_default(LossSpikeConfig, "window")),
+              help="Steps of history a spike is measured against (loss_spike.window).")
+@click.option("--profile-steps", default=None, metavar="A:B[,C:D]",
               help="Trace these optimizer steps with torch.profiler on every rank (gzip Chrome traces in the run "
-                   "directory, for Perfetto and Holistic Trace Analysis), e.g. 4995:5005.")
-@click.option("--profile-on-finding", type=int, default=5, show_default=True,
-              help="Steps traced on every rank after a spike, NaN or straggler finding (once per run); 0: off.")
+                   "directory, for Perfetto and Holistic Trace Analysis), e.g. 4995:5005 (profiler.steps).")
+@click.option("--profile-on-finding", type=int, default=None,
+              show_default=str(option_default(ProfilerConfig, "on_finding")),
+              help="Steps traced on every rank after a spike, NaN or straggler finding (once per run); 0: off "
+                   "(profiler.on_finding).")
+@click.option("--detector-option", "detector_option", multiple=True, metavar="DETECTOR.KEY=VALUE",
+              help="Set one option of a detector, yours included (by its name, its spec or its class name), "
+                   "e.g. loss_spike.window=100 (repeatable; see: distdebug detectors).")
 @click.option("--launcher-log-level", default="CRITICAL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")
@@ -109,20 +120,26 @@ def main() -> None:
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run_dir: Path | None,
-           module: bool, inject: tuple[str, ...], **launcher: object) -> int:
+           module: bool, inject: tuple[str, ...], detector_option: tuple[str, ...], **launcher: object) -> int:
     """Run SCRIPT on every rank under torch's elastic launcher, instrumented; no code changes.
 
     Options are torchrun's. Everything after SCRIPT goes to the script. The exit code is the
     training's exit code.
     """
     from distdebug import envvars
-    from distdebug.config import AttachConfig
+    from distdebug.config import SHORTHANDS
     from distdebug.launch.attach import attach as run_attach
 
+    options: dict[str, dict[str, object]] = {}
+    for name, (det, key) in SHORTHANDS.items():
+        value = launcher.pop(name)
+        if value is not None:
+            options.setdefault(det, {})[key] = value
     cfg = AttachConfig(
         target=script, target_args=list(script_args), module=module, run_dir=run_dir,
         detectors=envvars.decode_list(detectors) if detectors is not None else None,
-        inject=_resolve_faults(inject),
+        inject=_resolve_faults(inject), shorthand_options=options,
+        detector_options=_detector_options(detector_option),
         **launcher,  # type: ignore[arg-type]
     )
     result = run_attach(cfg, argv=["distdebug", *sys.argv[1:]])
@@ -131,6 +148,18 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
         print(f"distdebug: {what}{result.message}", file=sys.stderr)
     print(f"distdebug: run directory {result.run_dir} (see: distdebug report {result.run_dir})", file=sys.stderr)
     return result.exit_code
+
+
+def _detector_options(items: tuple[str, ...]) -> dict[str, dict[str, object]]:
+    """``DETECTOR.KEY=VALUE`` items -> {detector: {key: "value"}} (typed later, by the detector's config)."""
+    out: dict[str, dict[str, object]] = {}
+    for item in items:
+        lhs, eq, value = item.partition("=")
+        det, dot, key = lhs.rpartition(".")
+        if not (eq and dot and det and key):
+            raise UserError(f"--detector-option {item}: give DETECTOR.KEY=VALUE, e.g. loss_spike.window=100", 2)
+        out.setdefault(det, {})[key] = value
+    return out
 
 
 def _resolve_faults(specs: tuple[str, ...]) -> list[dict]:

@@ -1,13 +1,16 @@
 """Configuration dataclasses: defaults in one place, validated in ``__post_init__``.
 
 Validation raises UserError with one line that says what is wrong and what to do, because these
-values come straight from the command line.
+values come straight from the command line. Each configurable detector's options are a dataclass
+here (torch-free, so the CLI takes its defaults from them without importing torch); the detector
+names it as its ``Config`` and is built with an instance of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from distdebug.errors import UserError
 
@@ -55,20 +58,15 @@ class AttachConfig:
     stalled and dumps its stacks and Flight Recorder buffer; 0 turns hang detection off."""
     on_hang: str = "abort"
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
-    fingerprint_every: int = 1
-    """Cross-rank fingerprint check (replica_divergence) every K optimizer steps."""
-    stop_on_nan: bool = False
-    """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
     deterministic: bool = False
     """Seed every generator (0) and turn on torch.use_deterministic_algorithms before the script."""
-    spike_threshold: float = 8.0
-    """Robust z (median and MAD over the window) above which a loss or gradient norm is a spike."""
-    spike_window: int = 50
-    """Steps of history a spike is measured against."""
-    profile_steps: str = ""
-    """``A:B[,C:D]``: trace these optimizer steps with torch.profiler on every rank."""
-    profile_on_finding: int = 5
-    """Steps traced on every rank after a detector fires (once per run); 0: off."""
+    detector_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per detector (its name, spec or plugin class name), options from ``--detector-option`` (strings
+    or typed values); typed and checked against the detector's config dataclass by
+    ``detectors.registry.resolve``. An option for a detector not in the run is an error."""
+    shorthand_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The same, from attach's own options (SHORTHANDS: ``--spike-threshold``...): they apply only when
+    their detector runs."""
     inject: list[dict] = field(default_factory=list)
     """Faults to run in every rank, resolved from ``--inject`` specs by fault_injection:
     ``{"target": "module:Class", "params": {...}}`` each."""
@@ -80,14 +78,6 @@ class AttachConfig:
     def __post_init__(self) -> None:
         if not self.target:
             raise UserError("no script given: distdebug attach [OPTIONS] SCRIPT [ARGS]...", 2)
-        from distdebug.detectors.profiler import parse_windows
-
-        try:
-            parse_windows(self.profile_steps)
-        except ValueError as e:
-            raise UserError(f"--profile-steps {self.profile_steps}: {e}", 2) from None
-        if self.profile_on_finding < 0:
-            raise UserError(f"--profile-on-finding must be 0 or more, got {self.profile_on_finding}", 2)
         if self.nproc_per_node is not None:
             n = self.nproc_per_node
             if n not in NPROC_WORDS and not (n.isdigit() and int(n) > 0):
@@ -106,12 +96,6 @@ class AttachConfig:
             raise UserError(f"--rdzv-endpoint must be HOST:PORT, got '{self.rdzv_endpoint}'", 2)
         if self.stall_timeout < 0:
             raise UserError(f"--stall-timeout must be 0 (off) or a number of seconds, got {self.stall_timeout}", 2)
-        if not self.spike_threshold > 0:
-            raise UserError(f"--spike-threshold must be a positive number, got {self.spike_threshold}", 2)
-        if self.spike_window < 10:
-            raise UserError(f"--spike-window must be 10 steps or more, got {self.spike_window}", 2)
-        if self.fingerprint_every < 1:
-            raise UserError(f"--fingerprint-every must be 1 or more, got {self.fingerprint_every}", 2)
         if self.on_hang not in ON_HANG:
             raise UserError(f"--on-hang must be one of {', '.join(ON_HANG)}, got '{self.on_hang}'", 2)
         if max_n > 1 and self.standalone:
@@ -137,3 +121,129 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     if len(nums) != 2 or not 0 < nums[0] <= nums[1]:
         raise UserError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got '{value}'", 2)
     return nums[0], nums[1]
+
+
+# ------------------------------------------------------------------ detectors' options
+@dataclass(kw_only=True)
+class LossSpikeConfig:
+    """loss_spike (``--spike-threshold``, ``--spike-window``)."""
+
+    threshold: float = 8.0
+    """Robust z (median and MAD over the window) above which a loss or gradient norm is a spike."""
+    window: int = 50
+    """Steps of history a spike is measured against."""
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 0:
+            raise UserError(f"--spike-threshold must be a positive number, got {self.threshold}", 2)
+        if self.window < 10:
+            raise UserError(f"--spike-window must be 10 steps or more, got {self.window}", 2)
+
+
+@dataclass(kw_only=True)
+class ReplicaDivergenceConfig:
+    """replica_divergence (``--fingerprint-every``)."""
+
+    every: int = 1
+    """Cross-rank fingerprint check every K optimizer steps."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise UserError(f"--fingerprint-every must be 1 or more, got {self.every}", 2)
+
+
+@dataclass(kw_only=True)
+class NanOriginConfig:
+    """nan_origin (``--stop-on-nan``)."""
+
+    stop: bool = False
+    """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
+
+
+@dataclass(kw_only=True)
+class ProfilerConfig:
+    """profiler (``--profile-steps``, ``--profile-on-finding``)."""
+
+    steps: str = ""
+    """``A:B[,C:D]``: trace these optimizer steps with torch.profiler on every rank."""
+    on_finding: int = 5
+    """Steps traced on every rank after a detector fires (once per run); 0: off."""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_windows(self.steps)
+        except ValueError as e:
+            raise UserError(f"--profile-steps {self.steps}: {e}", 2) from None
+        if self.on_finding < 0:
+            raise UserError(f"--profile-on-finding must be 0 or more, got {self.on_finding}", 2)
+
+
+def parse_windows(text: str | None) -> list[tuple[int, int]]:
+    """``"5:8,20:22"`` -> [(5, 8), (20, 22)]; ValueError with the reason on anything else."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        a, sep, b = part.partition(":")
+        if not sep:
+            a = b = part
+        try:
+            start, end = int(a), int(b)
+        except ValueError:
+            raise ValueError(f"'{part}' is not A:B (optimizer steps)") from None
+        if start < 2 or end < start:
+            raise ValueError(f"'{part}': need 2 <= A <= B (step 1 is when the models are found)")
+        out.append((start, end))
+    return sorted(out)
+
+
+
+SHORTHANDS: dict[str, tuple[str, str]] = {
+    "fingerprint_every": ("replica_divergence", "every"),
+    "stop_on_nan": ("nan_origin", "stop"),
+    "spike_threshold": ("loss_spike", "threshold"),
+    "spike_window": ("loss_spike", "window"),
+    "profile_steps": ("profiler", "steps"),
+    "profile_on_finding": ("profiler", "on_finding"),
+}
+"""attach's own options that set one detector option each: CLI name (underscored) -> (detector, option)."""
+
+
+def option_default(detector_config: type, option: str) -> Any:
+    """The default of one option of a detector's config dataclass (what the CLI's help shows)."""
+    import dataclasses
+
+    for f in dataclasses.fields(detector_config):
+        if f.name == option:
+            return f.default
+    raise KeyError(option)
+
+
+def build_options(detector_config: type, given: dict[str, Any], where: str) -> Any:
+    """An instance of ``detector_config`` from options given as strings (or typed values); UserError
+    on an unknown option or a value of the wrong type. ``where`` names the detector in messages."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(detector_config)
+    known = {f.name: hints.get(f.name, str) for f in dataclasses.fields(detector_config) if f.init}
+    typed: dict[str, Any] = {}
+    for key, value in given.items():
+        if key not in known:
+            raise UserError(f"detector {where} has no option '{key}'; it takes {', '.join(known) or 'none'}", 2)
+        typed[key] = _typed(known[key], value, f"{where}.{key}")
+    return detector_config(**typed)
+
+
+def _typed(kind: Any, value: Any, name: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        if kind is bool:
+            low = value.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(value)
+            return low in ("1", "true", "yes", "on")
+        if kind in (int, float):
+            return kind(value)
+    except ValueError:
+        raise UserError(f"{name} must be {getattr(kind, '__name__', kind)}, got '{value}'", 2) from None
+    return value

@@ -10,7 +10,7 @@ training itself never sees it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 # Finding, Severity, StepEvent and RankContext live on the ground floor (distdebug.findings,
 # distdebug.context); they are re-exported here because a plugin detector imports them from here.
@@ -27,6 +27,11 @@ class Detector:
     description: ClassVar[str] = ""
     default: ClassVar[bool] = True
     """Whether the detector runs when ``--detectors`` is not given."""
+    Config: ClassVar[type | None] = None
+    """A configurable detector's options: a kw_only dataclass, one docstring per field (defaults live
+    there and nowhere else). The detector is then built as ``cls(config)``; ``distdebug attach
+    --detector-option NAME.KEY=VALUE`` sets a field, typed by its annotation. None: built as ``cls()``."""
+    config: Any = None
 
     def setup(self, ctx: RankContext) -> None:
         """Called once per rank before the script runs (for hooks needed from the first line on)."""

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from distdebug import envvars
+from distdebug.config import LossSpikeConfig
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -122,9 +122,12 @@ class LossSpike(ExchangeUser, Detector):
     name = "loss_spike"
     description = "loss or gradient norm far above its recent median (robust z over a window), per rank"
 
-    def __init__(self) -> None:
-        self.threshold = float(envvars.get(envvars.SPIKE_THRESHOLD) or 8.0)
-        self.window = int(envvars.get(envvars.SPIKE_WINDOW) or 50)
+    Config = LossSpikeConfig
+
+    def __init__(self, config: LossSpikeConfig | None = None) -> None:
+        self.config = config or LossSpikeConfig()
+        self.threshold = self.config.threshold
+        self.window = self.config.window
         self.history: dict[str, deque[float]] = {"loss": deque(maxlen=self.window),
                                                  "grad_norm": deque(maxlen=self.window)}
         self.found: dict[str, int] = {"loss": 0, "grad_norm": 0}

@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from distdebug import envvars
-from distdebug.config import EXIT_NAN
+from distdebug.config import EXIT_NAN, NanOriginConfig
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -67,8 +66,11 @@ class NanOrigin(Detector):
     description = ("first NaN/Inf: step, origin rank (local gradients before all-reduce), first parameter in "
                    "backward order, first module in forward order")
 
-    def __init__(self) -> None:
-        self.stop = envvars.get(envvars.STOP_ON_NAN) == "1"
+    Config = NanOriginConfig
+
+    def __init__(self, config: NanOriginConfig | None = None) -> None:
+        self.config = config or NanOriginConfig()
+        self.stop = self.config.stop
         self.ctx: RankContext | None = None
         self.names: dict[int, str] = {}  # id(param) -> name as the user wrote it
         self.params: list[tuple[str, torch.nn.Parameter]] = []

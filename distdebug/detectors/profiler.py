@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from distdebug import envvars
 from distdebug.artifacts import layout
+from distdebug.config import ProfilerConfig, parse_windows
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -32,23 +32,6 @@ from distdebug.findings import Finding, Severity
 CHECK_EVERY = 8
 TRIGGERS = ("loss_spike", "nan_origin", "loss_nonfinite", "straggler")
 STORE_KEY = "distdebug/profile_trigger"
-
-
-def parse_windows(text: str | None) -> list[tuple[int, int]]:
-    """``"5:8,20:22"`` -> [(5, 8), (20, 22)]; ValueError with the reason on anything else."""
-    out = []
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        a, sep, b = part.partition(":")
-        if not sep:
-            a = b = part
-        try:
-            start, end = int(a), int(b)
-        except ValueError:
-            raise ValueError(f"'{part}' is not A:B (optimizer steps)") from None
-        if start < 2 or end < start:
-            raise ValueError(f"'{part}': need 2 <= A <= B (step 1 is when the models are found)")
-        out.append((start, end))
-    return sorted(out)
 
 
 def trace_dir(run_dir: Path, start: int, end: int) -> Path:
@@ -59,9 +42,12 @@ class Profiler(Detector):
     name = "profiler"
     description = "torch.profiler traces of --profile-steps windows and of the steps after a detector fires"
 
-    def __init__(self) -> None:
-        self.windows = parse_windows(envvars.get(envvars.PROFILE_STEPS))
-        self.on_finding = int(envvars.get(envvars.PROFILE_ON_FINDING) or 0)
+    Config = ProfilerConfig
+
+    def __init__(self, config: ProfilerConfig | None = None) -> None:
+        self.config = config or ProfilerConfig()
+        self.windows = parse_windows(self.config.steps)
+        self.on_finding = self.config.on_finding
         self.starts = {a - 1: (a, b) for a, b in self.windows}  # boundary before the window -> window
         self.ctx: RankContext | None = None
         self.prof: Any = None

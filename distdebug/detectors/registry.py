@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from pathlib import Path
+from typing import Any
 
+from distdebug.config import build_options
 from distdebug.detectors.base import Detector
 from distdebug.errors import UserError
 
@@ -62,31 +65,79 @@ def _load_plugin(spec: str) -> type[Detector]:
     return cls
 
 
+def _check_spec(spec: str, known: dict[str, type[Detector]]) -> None:
+    if ":" in spec:
+        target = spec.rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).expanduser().is_file():
+            raise UserError(f"detector file not found: {target} (in --detectors {spec})")
+    elif spec not in known:
+        raise UserError(
+            f"unknown detector '{spec}'; known: {', '.join(sorted(known)) or 'none'} "
+            "(or give file.py:Class / module:Class)"
+        )
+
+
+def _matches(spec: str, key: str) -> bool:
+    """An option's detector key names this spec: the spec as given, or a plugin's class name."""
+    return key == spec or (":" in spec and key == spec.rpartition(":")[2])
+
+
+def resolve(specs: list[str], options: dict[str, dict[str, Any]] | None = None,
+            shorthands: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The detectors of a run as specs ``{"target": name or import path, "params": {...}}``, checked here.
+
+    ``options``: per detector (its name, its spec, or a plugin's class name), options from
+    ``--detector-option``; an option for a detector that is not in the run is an error. ``shorthands``:
+    the same from attach's own options (``--spike-threshold``...), which apply only when their detector
+    runs. Each detector's options are typed and checked by building its config dataclass; the params
+    sent to the ranks are that dataclass's fields, so a rank never sees an option it cannot take.
+    Built-in detectors are checked without importing torch; a plugin is imported only when it is
+    given options.
+    """
+    known = _builtin()
+    for spec in specs:
+        _check_spec(spec, known)
+    given: dict[str, dict[str, Any]] = {}
+    for key, opts in (options or {}).items():
+        named = next((s for s in specs if _matches(s, key)), None)
+        if named is None:
+            raise UserError(f"--detector-option {key}.…: no detector '{key}' in this run "
+                            f"(detectors: {', '.join(specs) or 'none'})", 2)
+        given.setdefault(named, {}).update(opts)
+    for key, opts in (shorthands or {}).items():
+        named = next((s for s in specs if _matches(s, key)), None)
+        if named is not None:
+            given[named] = {**opts, **given.get(named, {})}  # --detector-option wins over a shorthand
+    out: list[dict[str, Any]] = []
+    for spec in specs:
+        params: dict[str, Any] = {}
+        if spec in given:
+            cls = _load_plugin(spec) if ":" in spec else known[spec]
+            if cls.Config is None:
+                raise UserError(f"detector {spec} takes no options (given: {', '.join(given[spec])})", 2)
+            params = dataclasses.asdict(build_options(cls.Config, given[spec], spec))
+        out.append({"target": spec, "params": params})
+    return out
+
+
 def validate(specs: list[str]) -> list[str]:
     """Check specs without importing plugins (the launcher must stay torch-free here)."""
     known = _builtin()
     for spec in specs:
-        if ":" in spec:
-            target = spec.rpartition(":")[0]
-            if target.endswith(".py") and not Path(target).expanduser().is_file():
-                raise UserError(f"detector file not found: {target} (in --detectors {spec})")
-        elif spec not in known:
-            raise UserError(
-                f"unknown detector '{spec}'; known: {', '.join(sorted(known)) or 'none'} "
-                "(or give file.py:Class / module:Class)"
-            )
+        _check_spec(spec, known)
     return specs
 
 
-def build(specs: list[str]) -> list[Detector]:
-    """Instantiate detectors for ``specs`` (names or plugin paths), in the order given."""
+def build(specs: list[str] | list[dict[str, Any]]) -> list[Detector]:
+    """Instantiate detectors for ``specs`` (names or plugin paths, or ``resolve``'s dicts), in order."""
     known = _builtin()
     detectors: list[Detector] = []
-    for spec in specs:
+    for item in specs:
+        spec, params = (item, {}) if isinstance(item, str) else (item["target"], item.get("params") or {})
         cls = _load_plugin(spec) if ":" in spec else known.get(spec)
         if cls is None:
             raise UserError(f"unknown detector '{spec}'")
-        det = cls()
+        det = cls(cls.Config(**params)) if cls.Config is not None else cls()  # type: ignore[call-arg]
         if not det.name:
             det.name = spec  # type: ignore[misc]
         detectors.append(det)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import xxhash
 
-from distdebug import envvars
+from distdebug.config import ReplicaDivergenceConfig
 from distdebug.context import ExchangeChannel, RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -55,8 +55,11 @@ class ReplicaDivergence(ExchangeUser, Detector):
     name = "replica_divergence"
     description = "data-parallel replicas differ: first step, tensor names and odd rank(s) (cross-rank fingerprints)"
 
-    def __init__(self) -> None:
-        self.every = max(1, int(envvars.get(envvars.FINGERPRINT_EVERY) or 1))
+    Config = ReplicaDivergenceConfig
+
+    def __init__(self, config: ReplicaDivergenceConfig | None = None) -> None:
+        self.config = config or ReplicaDivergenceConfig()
+        self.every = self.config.every
         self.ctx: RankContext | None = None
         self.snapshots: SnapshotWriter | None = None
         self.replicas: ReplicaSet | None = None

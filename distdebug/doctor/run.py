@@ -24,7 +24,7 @@ def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, r
     out = layout.doctor_path(Path(run_dir).resolve())
     args = ["--out", str(out), "--max-bytes", str(max_bytes)] + (["--bandwidth"] if bandwidth else [])
     cfg = AttachConfig(target=str(Path(__file__).with_name("worker.py")), target_args=args, run_dir=run_dir,
-                       nproc_per_node=nproc_per_node, detectors=["env_check"], profile_on_finding=0,
+                       nproc_per_node=nproc_per_node, detectors=["env_check"],
                        **launcher)  # type: ignore[arg-type]
     result = attach(cfg, argv=["distdebug", "doctor", *sys.argv[2:]])
     if not out.is_file():

@@ -93,23 +93,17 @@ def _launcher_info(cfg: AttachConfig, nproc: str) -> dict[str, Any]:
     }
 
 
-def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[str]) -> None:
+def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]]) -> None:
     """Set the DISTDEBUG_* contract in this process; torch's agent passes it to every worker."""
     os.environ[envvars.RUN_DIR] = str(run_dir)
-    os.environ[envvars.DETECTORS] = envvars.encode_list(detectors)
+    os.environ[envvars.DETECTORS] = json.dumps(detectors)
     os.environ[envvars.TARGET_IS_MODULE] = "1" if cfg.module else "0"
     os.environ[envvars.NODE_RANK] = str(cfg.node_rank)
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
-    os.environ[envvars.FINGERPRINT_EVERY] = str(cfg.fingerprint_every)
-    os.environ[envvars.STOP_ON_NAN] = "1" if cfg.stop_on_nan else "0"
     os.environ[envvars.DETERMINISTIC] = "1" if cfg.deterministic else "0"
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
-    os.environ[envvars.SPIKE_THRESHOLD] = repr(float(cfg.spike_threshold))
-    os.environ[envvars.SPIKE_WINDOW] = str(cfg.spike_window)
     os.environ[envvars.INJECT] = json.dumps(cfg.inject)
-    os.environ[envvars.PROFILE_STEPS] = cfg.profile_steps
-    os.environ[envvars.PROFILE_ON_FINDING] = str(cfg.profile_on_finding)
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))
@@ -138,7 +132,8 @@ def _failure_message(err: Any) -> tuple[int, str]:
 
 def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     """Run cfg.target under torch's elastic launcher with instrumentation; returns its exit code."""
-    detectors = registry.validate(cfg.detectors if cfg.detectors is not None else registry.default_specs())
+    detectors = registry.resolve(cfg.detectors if cfg.detectors is not None else registry.default_specs(),
+                                 cfg.detector_options, cfg.shorthand_options)
     label = Path(cfg.target).stem if not cfg.module else cfg.target.rsplit(".", 1)[-1]
     run_dir = runs.prepare_run_dir(cfg.run_dir if cfg.run_dir is not None else runs.new_run_dir(label))
     if cfg.run_dir is None:

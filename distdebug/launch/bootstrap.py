@@ -31,8 +31,8 @@ def _start_session():  # -> Session | None
     if run_dir is not None:
         rank_dir = layout.rank_dir(run_dir, identity.rank)
         writer = EventWriter(layout.events_path(run_dir, identity.rank))
-    specs = envvars.decode_list(envvars.get(envvars.DETECTORS))
-    detectors = registry.build_injected(envvars.get(envvars.INJECT)) + registry.build(specs)
+    detectors = registry.build_injected(envvars.get(envvars.INJECT)) + \
+        registry.build(envvars.decode_specs(envvars.get(envvars.DETECTORS)))
     session = Session(identity, writer, detectors, run_dir=run_dir, rank_dir=rank_dir)
     if run_dir is not None:
         import faulthandler
@@ -185,9 +185,10 @@ def main() -> None:
     except Exception as e:  # instrumentation must never stop training
         print(f"distdebug: instrumentation off on this rank: {type(e).__name__}: {e}", file=sys.stderr)
     if session is not None:
-        from distdebug.runtime.watchdog import DEFAULT_STALL_TIMEOUT_S, RankWatchdog
+        from distdebug.config import AttachConfig, option_default
+        from distdebug.runtime.watchdog import RankWatchdog
 
-        stall = float(envvars.get(envvars.STALL_TIMEOUT) or DEFAULT_STALL_TIMEOUT_S)
+        stall = float(envvars.get(envvars.STALL_TIMEOUT) or option_default(AttachConfig, "stall_timeout"))
         watchdog = RankWatchdog(session, stall, watch_parent=envvars.get(envvars.PARENT_WATCH, "1") != "0")
         watchdog.start()
 

@@ -49,7 +49,7 @@ def versions() -> dict[str, Any]:
 
 
 def build_manifest(*, argv: list[str], target: str, target_args: list[str], module: bool,
-                   launcher: dict[str, Any], detectors: list[str], run_dir: Path,
+                   launcher: dict[str, Any], detectors: list[dict[str, Any]], run_dir: Path,
                    faults: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "schema": MANIFEST_SCHEMA,
@@ -64,7 +64,8 @@ def build_manifest(*, argv: list[str], target: str, target_args: list[str], modu
         "launcher": launcher,
         "world_size": None,  # filled in from the ranks' start records when the run ends
         "layout": {},
-        "detectors": detectors,
+        "detectors": [d["target"] for d in detectors],
+        "detector_options": {d["target"]: d["params"] for d in detectors if d.get("params")},
         "faults": faults or [],
         "host": socket.gethostname(),
         "python_executable": sys.executable,

@@ -22,8 +22,6 @@ from typing import Any
 from distdebug.artifacts import layout, schema
 from distdebug.findings import Severity
 
-DEFAULT_STALL_TIMEOUT_S = 300.0
-
 
 def frames_of(stack: traceback.StackSummary) -> list[dict[str, Any]]:
     """JSON-ready frames (file, line, func, code), innermost last, as stall and error records store them."""

@@ -180,6 +180,22 @@ def test_raising_detector_is_switched_off_training_untouched(tmp_path):
     assert all(x["steps"] == 4 and x["status"] == "exit 0" for x in rep["ranks"])
 
 
+def test_a_plugin_detector_takes_its_options_on_the_command_line(tmp_path):
+    plugin = f"{DATA / 'scripts' / 'raising_detector.py'}:Boom"
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--detectors", plugin, "--detector-option", "Boom.at_step=3",
+                  SCRIPT, "--steps", "4")
+    assert r.returncode == 0, r.output
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["detector_options"] == {plugin: {"at_step": 3}}
+    rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
+    (f,) = rep["findings"]
+    assert (f["detector"], f["subject"], f["step"], f["ranks"]) == ("harness", "detector:boom", 3, [0, 1])
+    bad = distdebug("attach", "--run-dir", str(tmp_path / "bad"), "--detectors", plugin,
+                    "--detector-option", "Boom.at_step=three", SCRIPT)
+    assert (bad.returncode, bad.stderr.strip()) == (2, "distdebug: error: "
+                                                       f"{plugin}.at_step must be int, got 'three'")
+
+
 def test_module_mode_and_secret_redaction(tmp_path):
     env = make_env(HF_TOKEN="hunter2-secret", MY_PASSWORD="pw-secret-value")
     r = distdebug("attach", "--run-dir", str(tmp_path), "-m", "recipes.ddp_convnet", "--steps", "2", env=env)

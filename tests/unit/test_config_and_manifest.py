@@ -93,3 +93,59 @@ def test_secrets_are_redacted_by_value_too():
         "failed with <redacted> and <redacted> on /usr/bin"
     env = redact_env({"DATABASE_URL": "mysql://root:hunter22@db/x", "HF_TOKEN": "hf_x"})
     assert env == {"DATABASE_URL": "mysql://<redacted>@db/x", "HF_TOKEN": REDACTED}
+
+
+# ------------------------------------------------------------------ detectors' options: one source of defaults
+def test_detector_options_are_typed_by_the_detectors_config_and_defaults_come_from_it():
+    from distdebug.config import LossSpikeConfig
+    from distdebug.detectors import registry
+
+    specs = registry.resolve(["loss_spike", "replica_divergence", "loss_nonfinite"],
+                             {"loss_spike": {"window": "100"}},
+                             {"replica_divergence": {"every": 4}, "loss_spike": {"window": 20, "threshold": 6.0},
+                              "profiler": {"on_finding": 0}})  # profiler is not in this run: ignored
+    assert specs == [
+        {"target": "loss_spike", "params": {"threshold": 6.0, "window": 100}},  # --detector-option wins
+        {"target": "replica_divergence", "params": {"every": 4}},
+        {"target": "loss_nonfinite", "params": {}},
+    ]
+    built = registry.build(specs)
+    assert (built[0].window, built[0].threshold, built[1].every) == (100, 6.0, 4)
+    # Built without options, a detector has its dataclass's defaults: the same ones the CLI shows.
+    (plain,) = registry.build(["loss_spike"])
+    assert plain.config == LossSpikeConfig() and plain.window == LossSpikeConfig.window
+
+
+def test_the_clis_defaults_are_the_dataclasses():
+    from distdebug.cli import attach
+    from distdebug.config import (AttachConfig, LossSpikeConfig, ProfilerConfig, ReplicaDivergenceConfig,
+                                  option_default)
+
+    opts = {p.name: p for p in attach.params}
+    assert opts["stall_timeout"].default == option_default(AttachConfig, "stall_timeout") == 300.0
+    assert opts["spike_threshold"].show_default == str(LossSpikeConfig().threshold)
+    assert opts["spike_window"].show_default == str(LossSpikeConfig().window)
+    assert opts["fingerprint_every"].show_default == str(ReplicaDivergenceConfig().every)
+    assert opts["profile_on_finding"].show_default == str(ProfilerConfig().on_finding) == "5"
+    # Unset on the command line, they send nothing: the rank builds the same defaults.
+    assert all(opts[n].default is None for n in ("spike_threshold", "spike_window", "fingerprint_every",
+                                                  "profile_steps", "profile_on_finding", "stop_on_nan"))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"loss_spike": {"windw": "5"}}, "detector loss_spike has no option 'windw'; it takes threshold, window"),
+        ({"loss_spike": {"window": "many"}}, "loss_spike.window must be int, got 'many'"),
+        ({"loss_spike": {"window": "5"}}, "--spike-window must be 10 steps or more, got 5"),
+        ({"nan_origin": {"stop": "perhaps"}}, "nan_origin.stop must be bool, got 'perhaps'"),
+        ({"straggler": {"x": "1"}}, "no detector 'straggler' in this run"),
+        ({"loss_nonfinite": {"x": "1"}}, "detector loss_nonfinite takes no options"),
+    ],
+)
+def test_bad_detector_options_are_one_line_user_errors(options, message):
+    from distdebug.detectors import registry
+
+    with pytest.raises(UserError, match=message) as e:
+        registry.resolve(["loss_spike", "nan_origin", "loss_nonfinite"], options)
+    assert "\n" not in str(e.value) and e.value.exit_code == 2
