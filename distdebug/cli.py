@@ -244,7 +244,7 @@ def list_detectors() -> int:
     """List the registered detectors (name, default on/off, what it finds)."""
     from distdebug.detectors import registry
 
-    for name, cls in sorted(registry._builtin().items()):
+    for name, cls in sorted(registry.builtin().items()):
         click.echo(f"{name:24s} {'default' if cls.default else 'opt-in ':8s} {cls.description}")
     return 0
 

@@ -13,6 +13,11 @@ from distdebug.detectors.base import Detector
 from distdebug.errors import UserError
 
 
+def builtin() -> dict[str, type[Detector]]:
+    """Every registered detector by name."""
+    return _builtin()
+
+
 def _builtin() -> dict[str, type[Detector]]:
     # Imported when first asked for, not at module load: importing the registry (the CLI, the
     # launcher) does not import every detector module and torch with it.

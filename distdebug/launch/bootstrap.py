@@ -95,7 +95,7 @@ def _record_script_error(session, exc: BaseException) -> None:
         if dump is not None:
             layout.fr_trace_path(session.ctx.run_dir, session.identity.rank).write_bytes(dump)
             fr = True
-    session._emit(
+    session.emit(
         schema.record(
             schema.SCRIPT_ERROR,
             rank=session.identity.rank,
@@ -124,7 +124,7 @@ def _unused_parameters(session, exc: BaseException) -> dict:
     try:
         from torch.nn.parallel import DistributedDataParallel
 
-        for root in getattr(session, "_roots", []):
+        for root in session.roots:
             if isinstance(root, DistributedDataParallel):
                 ignore = set(getattr(root, "parameters_to_ignore", ()) or ())
                 names = [n for n, p in root.module.named_parameters() if p.requires_grad and n not in ignore]

@@ -13,17 +13,16 @@ How a step is seen without touching the script:
 - collectives: ``torch.distributed``'s Python collectives are wrapped to count calls per step and
   to tell hand-written gradient all-reduce from other traffic.
 
-Nothing here touches tensor values, RNG state or the order of collectives: the harness observes.
+The wrappers themselves live in ``runtime.patches``; what the rank is doing (for the watchdog) in
+its progress record, ``runtime.progress``. Nothing here touches tensor values, RNG state or the
+order of collectives: the harness observes.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import math
-import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -38,17 +37,10 @@ from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.runtime import discovery
 from distdebug.runtime.exchange import Exchange
+from distdebug.runtime.patches import TorchPatches
+from distdebug.runtime.progress import Progress
 
 _SESSION: Session | None = None
-
-# Python-level collectives of torch.distributed that are counted. DDP's reducer and NCCL calls
-# made from C++ do not pass through Python and are not counted here.
-COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-    "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter",
-)
-
 
 def current_session() -> Session | None:
     return _SESSION
@@ -70,10 +62,12 @@ class Session:
         self.writer = writer
         self.detectors = list(detectors)
         self.ctx = RankContext(identity, run_dir, rank_dir)
+        self.patches = TorchPatches(self)
         self.ctx.report = self.report
-        self.ctx.patch = self._patch
-        self.ctx.emit = lambda kind, **fields: self._emit(schema.record(kind, rank=identity.rank, time=time.time(),
-                                                                         **fields))
+        self.ctx.patch = self.patches.patch
+        self.ctx.raw_collectives = self.patches.raw_collectives
+        self.ctx.emit = lambda kind, **fields: self.emit(schema.record(kind, rank=identity.rank, time=time.time(),
+                                                                        **fields))
         self.echo = echo
         self.step = 0
         self.findings: list[Finding] = []
@@ -89,16 +83,11 @@ class Session:
         self._roots: list[torch.nn.Module] = []
         self._loss_modules: list[str] = []
         self._reduced_ptrs: set[int] = set()
-        self._in_engine_backward = False
         self._handles: list[Any] = []
         self._discovery_handles: list[Any] = []
-        # Progress, read by the watchdog thread: plain attribute writes, no locks on the hot path.
-        self.last_progress = time.monotonic()
-        self.phase = "startup"  # startup -> init_process_group -> training
-        self.collective_seq = 0  # Python-level collectives entered on this rank
-        self.in_collective: dict[str, Any] | None = None
+        self.progress = Progress()
+        """What the rank is doing, for the watchdog thread (runtime.progress)."""
         self.inflight: Any = None  # runtime.inflight.InflightSlot when there is a run directory
-        self._restore: list[tuple[Any, str, Any]] = []
         self._released_defaults: list[str] = []
         self._exchange: Exchange | None = None
         self._closed = False
@@ -115,19 +104,8 @@ class Session:
             nn_module.register_module_forward_hook(self._fwd_post, always_call=True),
         ]
         self._handles.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
-        self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
-        self._patch(os, "_exit", self._wrap_os_exit(os._exit))
-        import torch.distributed as dist
-
-        if dist.is_available():
-            self._patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
-            self._patch(dist, "destroy_process_group", self._wrap_destroy(dist.destroy_process_group))
-            for name in COLLECTIVES:
-                fn = getattr(dist, name, None)
-                if callable(fn):
-                    self.ctx.raw_collectives[name] = fn
-                    self._patch(dist, name, self._wrap_collective(name, fn))
-        self._emit(
+        self.patches.install()
+        self.emit(
             schema.record(
                 schema.START,
                 rank=self.identity.rank,
@@ -151,9 +129,7 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for obj, name, original in reversed(self._restore):
-            setattr(obj, name, original)
-        self._restore.clear()
+        self.patches.restore()
         if _SESSION is self:
             _SESSION = None
 
@@ -164,7 +140,7 @@ class Session:
         self._closed = True
         # Backward calls after the last boundary belong to an unfinished step: not counted.
         if self.step == 0 and self._backward_total > 0:
-            self._harness_finding(
+            self.harness_finding(
                 Severity.WARNING,
                 "step boundaries",
                 f"{self._backward_total} backward calls but no step boundary: the loop does not call a "
@@ -187,7 +163,7 @@ class Session:
             alive = teardown.alive()
         except Exception:
             alive = {}
-        self._emit(
+        self.emit(
             schema.record(
                 schema.END,
                 rank=self.identity.rank,
@@ -223,9 +199,9 @@ class Session:
         self.step_source = "explicit"
         if loss is not None:
             self._losses = [loss.detach() if isinstance(loss, torch.Tensor) else float(loss)]
-        self._boundary()
+        self.boundary()
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ what the patches and hooks tell
     def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self._depth == 0:
             if self._t_last is None:
@@ -245,20 +221,21 @@ class Session:
             return
         self._roots.append(module)
         if discovery.is_deepspeed_engine(module):
-            self._hook_deepspeed_engine(module)
+            self.patches.hook_deepspeed_engine(module)
+            self.step_source = "deepspeed" if self.step_source in (None, "optimizer") else self.step_source
 
-    def _wrap_backward(self, original: Any) -> Any:
-        session = self
+    @property
+    def roots(self) -> list[torch.nn.Module]:
+        """The models found so far (outermost module of each forward), in the order first seen."""
+        return list(self._roots)
 
-        @functools.wraps(original)
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not session._in_engine_backward:
-                session._note_loss(tensors)
-            return original(tensors, *args, **kwargs)
+    def note_all_reduce(self, tensor: torch.Tensor) -> None:
+        """An all_reduce the script called: during discovery, tells hand-written gradient sync apart."""
+        if self._discovering:
+            self._reduced_ptrs.add(tensor.data_ptr())
 
-        return backward
-
-    def _note_loss(self, tensors: Any) -> None:
+    def note_loss(self, tensors: Any) -> None:
+        """What backward runs on (the loss): called by the backward and DeepSpeed engine patches."""
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         self._backward_calls += 1
         self._backward_total += 1
@@ -268,33 +245,6 @@ class Session:
             self._t_last = time.perf_counter()
         if isinstance(t, torch.Tensor) and t.numel() == 1:
             self._losses.append(t.detach())
-
-    def _hook_deepspeed_engine(self, engine: Any) -> None:
-        """Step and loss from the engine itself (ZeRO calls its inner optimizer once per sub-group)."""
-        session = self
-        orig_backward, orig_step = engine.backward, engine.step
-
-        @functools.wraps(orig_backward)
-        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-            session._note_loss(loss)
-            session._in_engine_backward = True
-            try:
-                return orig_backward(loss, *args, **kwargs)
-            finally:
-                session._in_engine_backward = False
-
-        @functools.wraps(orig_step)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            at_boundary = bool(engine.is_gradient_accumulation_boundary())
-            result = orig_step(*args, **kwargs)
-            if at_boundary and session.step_source in (None, "deepspeed", "optimizer"):
-                session.step_source = "deepspeed"
-                session._boundary()
-            return result
-
-        engine.backward = backward
-        engine.step = step
-        self.step_source = "deepspeed" if self.step_source in (None, "optimizer") else self.step_source
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.step_source in ("explicit", "deepspeed"):
@@ -307,62 +257,7 @@ class Session:
             self.ctx.optimizers.append(opt)
         if opt is self._primary_opt:
             self.step_source = "optimizer"
-            self._boundary()
-
-    def _wrap_init(self, original: Any) -> Any:
-        """Record entering and leaving init_process_group: a rank stuck there names a startup hang."""
-        session = self
-
-        @functools.wraps(original)
-        def init_process_group(*args: Any, **kwargs: Any) -> Any:
-            session.phase = "init_process_group"
-            session.last_progress = time.monotonic()
-            session._emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin", time=time.time()))
-            result = original(*args, **kwargs)
-            session.phase = "training"
-            session.last_progress = time.monotonic()
-            session._emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="done", time=time.time()))
-            return result
-
-        return init_process_group
-
-    def _wrap_os_exit(self, original: Any) -> Any:
-        """A script that leaves with os._exit (a common way around teardown aborts) still gets its end.
-
-        Only this process's main thread closes the session: a forked child (a DataLoader worker)
-        or a thread of ours leaving by os._exit must not write this rank's end record.
-        """
-        session, pid = self, os.getpid()
-
-        @functools.wraps(original)
-        def _exit(code: int) -> Any:
-            if os.getpid() == pid and threading.current_thread() is threading.main_thread():
-                try:
-                    session.close(int(code))
-                except Exception:  # leaving is what the script asked for; nothing of ours may stop it
-                    pass
-            return original(code)
-
-        return _exit
-
-    def _wrap_destroy(self, original: Any) -> Any:
-        """Let detectors release process groups of their own before the script tears all of them down.
-
-        A group that outlives the default one is destroyed during interpreter shutdown, where gloo
-        aborts the process ("terminate called without an active exception").
-        """
-        session = self
-
-        @functools.wraps(original)
-        def destroy_process_group(group: Any = None) -> Any:
-            if group is None:
-                session.release_groups()
-            out = original(group)
-            if group is None:
-                session.release_stale_defaults()
-            return out
-
-        return destroy_process_group
+            self.boundary()
 
     def release_stale_defaults(self) -> None:
         """Free the destroyed groups that imported functions still hold as defaults (runtime.teardown)."""
@@ -393,7 +288,7 @@ class Session:
             self._exchange = Exchange(self.identity.rank, self.report, self.ctx.raw_collectives)
             self.ctx.exchange = self._exchange
         except Exception as e:  # no exchange: the cross-rank checks are off, training goes on
-            self._harness_finding(Severity.WARNING, "cross-rank exchange",
+            self.harness_finding(Severity.WARNING, "cross-rank exchange",
                                   f"could not create the harness's process group ({type(e).__name__}: {e}); "
                                   "cross-rank checks are off on this rank")
 
@@ -401,41 +296,15 @@ class Session:
         if self._exchange is not None:
             self._exchange.close(clean)
 
-    def _wrap_collective(self, name: str, fn: Any) -> Any:
-        session = self
-
-        @functools.wraps(fn)
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            session.collective_seq += 1
-            t = args[0] if args else kwargs.get("tensor")
-            if session._discovering and name == "all_reduce" and isinstance(t, torch.Tensor):
-                session._reduced_ptrs.add(t.data_ptr())
-            info = {"op": name, "seq": session.collective_seq, "step": session.step + 1, "shapes": _shapes(t)}
-            slot = session.inflight
-            if slot is not None:
-                slot.enter(info)
-            session.in_collective = {**info, "since": time.monotonic()}
-            try:
-                out = fn(*args, **kwargs)
-            except BaseException:
-                if slot is not None:
-                    slot.fail()
-                raise
-            finally:
-                session.in_collective = None
-                session.last_progress = time.monotonic()
-            if slot is not None:
-                slot.leave()
-            return out
-
-        return collective
-
     # ------------------------------------------------------------------ step boundary
-    def _boundary(self) -> None:
+    def boundary(self) -> None:
+        """The end of one optimizer step: count it, emit its record, dispatch it to the detectors."""
         now = time.perf_counter()
-        self.last_progress = time.monotonic()
-        self.phase = "training"
+        progress = self.progress
+        progress.touch()
+        progress.phase = "training"
         self.step += 1
+        progress.step = self.step
         if self._discovering:
             self._finish_discovery()
         loss = self._mean_loss()
@@ -445,14 +314,14 @@ class Session:
             loss=loss,
             step_time_s=(now - self._t_last) if self._t_last is not None else 0.0,
             backward_calls=self._backward_calls,
-            collectives=self.collective_seq - self._seq_at_boundary,
+            collectives=progress.collective_seq - self._seq_at_boundary,
             backward_total=self._backward_total,
         )
         self._t_last = now
         self._losses = []
         self._backward_calls = 0
-        self._seq_at_boundary = self.collective_seq
-        self._emit(
+        self._seq_at_boundary = progress.collective_seq
+        self.emit(
             schema.record(
                 schema.STEP,
                 rank=event.rank,
@@ -518,7 +387,7 @@ class Session:
             "step_source": self.step_source,
         }
         self.ctx.discovery = info
-        self._emit(schema.record(schema.DISCOVERY, rank=self.identity.rank, step=self.step, **info))
+        self.emit(schema.record(schema.DISCOVERY, rank=self.identity.rank, step=self.step, **info))
 
     # ------------------------------------------------------------------ findings
     def _run_detector(self, det: Detector, phase: str, call: Any) -> None:
@@ -530,7 +399,7 @@ class Session:
             self.detectors.remove(det)
             frames = traceback.extract_tb(e.__traceback__)
             where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
-            self._harness_finding(
+            self.harness_finding(
                 Severity.ERROR,
                 f"detector:{det.name}",
                 f"detector '{det.name}' raised {type(e).__name__}: {e} in {phase} (at {where}); "
@@ -538,7 +407,7 @@ class Session:
                 evidence={"exception": type(e).__name__, "phase": phase, "where": where},
             )
 
-    def _harness_finding(
+    def harness_finding(
         self, severity: Severity, subject: str, message: str, *, fix: str | None = None,
         evidence: dict | None = None,
     ) -> None:
@@ -551,7 +420,7 @@ class Session:
 
     def report(self, finding: Finding) -> None:
         self.findings.append(finding)
-        self._emit(schema.record(schema.FINDING, rank=self.identity.rank, **finding.to_dict()))
+        self.emit(schema.record(schema.FINDING, rank=self.identity.rank, **finding.to_dict()))
         if self.echo:
             step = f" step {finding.step}" if finding.step is not None else ""
             try:
@@ -570,22 +439,10 @@ class Session:
                 pass
 
     # ------------------------------------------------------------------ plumbing
-    def _emit(self, rec: dict) -> None:
+    def emit(self, rec: dict) -> None:
+        """Append one record to this rank's event stream (any thread)."""
         if self.writer is not None:
             self.writer.write(rec)
-
-    def _patch(self, obj: Any, name: str, replacement: Any) -> None:
-        self._restore.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, replacement)
-
-
-def _shapes(obj: Any) -> list[list[int]] | None:
-    """Shapes of a collective's tensor argument (a tensor or a list of tensors; at most 4 listed)."""
-    if isinstance(obj, torch.Tensor):
-        return [list(obj.shape)]
-    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], torch.Tensor):
-        return [list(x.shape) for x in obj[:4]]
-    return None
 
 
 def _is_deepspeed_optimizer(obj: Any) -> bool:

@@ -6,8 +6,8 @@ the GIL), so it can read ``sys._current_frames()`` and PyTorch's Flight Recorder
 them to the run directory, with no help from the launcher or the other ranks. The launcher's
 supervisor reads those records and decides.
 
-The thread wakes every ``interval`` seconds and only reads two attributes of the session: its cost
-to training is nil.
+The thread wakes every ``interval`` seconds and reads the rank's progress record
+(``runtime.progress``), nothing else of the session: its cost to training is nil.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.artifacts import layout, schema
 from distdebug.findings import Severity
+
+if TYPE_CHECKING:
+    from distdebug.runtime.session import Session
 
 
 def frames_of(stack: traceback.StackSummary) -> list[dict[str, Any]]:
@@ -63,7 +66,7 @@ def flight_recorder_dump() -> bytes | None:
 
 
 class RankWatchdog:
-    def __init__(self, session: Any, stall_timeout: float, watch_parent: bool = True, interval: float = 0.5):
+    def __init__(self, session: Session, stall_timeout: float, watch_parent: bool = True, interval: float = 0.5):
         self.session = session
         self.stall_timeout = stall_timeout
         self.watch_parent = watch_parent
@@ -98,16 +101,17 @@ class RankWatchdog:
         if self.watch_parent and os.getppid() != self.parent:
             # Workers run in sessions of their own: a SIGKILLed launcher would leave them running.
             try:
-                s._harness_finding(Severity.CRITICAL, "launcher",
+                s.harness_finding(Severity.CRITICAL, "launcher",
                                    "the launcher process died; ending this rank so that it is not left behind")
             finally:  # even if saying so fails (stderr may be a pipe nobody reads any more)
                 os._exit(137)
         if self.stall_timeout <= 0:
             return
-        progress = s.last_progress
+        p = s.progress
+        progress = p.last
         idle = time.monotonic() - progress
         if self.stalled_at is not None and progress != self.stalled_at:
-            s._emit(schema.record(schema.STALL_CLEARED, rank=s.identity.rank, step=s.step, time=time.time()))
+            s.emit(schema.record(schema.STALL_CLEARED, rank=s.identity.rank, step=p.step, time=time.time()))
             self.stalled_at = None
         if self.stalled_at is None and idle > self.stall_timeout:
             self.stalled_at = progress
@@ -125,11 +129,13 @@ class RankWatchdog:
             layout.stacks_path(run_dir, s.identity.rank).write_text(Redactor()(text))
             if fr is not None:
                 layout.fr_trace_path(run_dir, s.identity.rank).write_bytes(fr)
-        in_coll = dict(s.in_collective) if s.in_collective else None
+        p = s.progress
+        current = p.in_collective
+        in_coll = dict(current) if current else None
         if in_coll is not None:
             in_coll["waiting_s"] = round(time.monotonic() - in_coll.pop("since"), 3)
-        s._emit(schema.record(
-            schema.STALL, rank=s.identity.rank, step=s.step, phase=s.phase, idle_s=round(idle, 3),
-            collectives_entered=s.collective_seq, in_collective=in_coll, main_stack=main_frames,
+        s.emit(schema.record(
+            schema.STALL, rank=s.identity.rank, step=p.step, phase=p.phase, idle_s=round(idle, 3),
+            collectives_entered=p.collective_seq, in_collective=in_coll, main_stack=main_frames,
             flight_recorder=fr is not None, time=time.time(),
         ))

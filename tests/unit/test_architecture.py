@@ -142,3 +142,55 @@ def test_distdebug_variables_are_read_only_through_envvars():
             continue
         found += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in _env_reads(ast.parse(path.read_text()))]
     assert found == []
+
+
+def _private_names(tree: ast.AST) -> tuple[set[str], list[tuple[int, str]]]:
+    """(private names this module defines: functions, classes, attributes it assigns, module globals;
+    private attributes it reads on objects other than self/cls, with their lines)."""
+    defined: set[str] = set()
+    used: list[tuple[int, str]] = []
+    foreign = set()  # names bound to modules outside distdebug (os._exit, torch._C are their business)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            foreign |= {(a.asname or a.name.split(".")[0]) for a in node.names if not a.name.startswith("distdebug")}
+        elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("distdebug"):
+            foreign |= {a.asname or a.name for a in node.names}
+
+    def root(expr: ast.expr) -> str | None:
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return expr.id if isinstance(expr, ast.Name) else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+            defined.add(node.name)
+        elif isinstance(node, ast.Name) and node.id.startswith("_") and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.add(node.target.id)
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif root(node.value) not in ("self", "cls", *foreign):
+                used.append((node.lineno, node.attr))
+    return defined, used
+
+
+def test_no_module_reads_another_modules_private_members():
+    # A private name read on some object, defined in another distdebug module and not in this one, is a
+    # reach into that module's internals (the watchdog once read the session's _emit): use its public side.
+    trees = {module_name(p): ast.parse(p.read_text()) for p in PKG.rglob("*.py")}
+    defs = {name: _private_names(tree)[0] for name, tree in trees.items()}
+    offenders = []
+    for name, tree in trees.items():
+        _, used = _private_names(tree)
+        for line, attr in used:
+            owners = [m for m, d in defs.items() if attr in d and m != name]
+            if owners and attr not in defs[name]:
+                offenders.append(f"{name}:{line} .{attr} (defined in {', '.join(sorted(owners))})")
+    assert offenders == []
+
+
+def test_the_private_member_check_sees_a_reach():
+    defined, used = _private_names(ast.parse("import os\ndef f(s):\n    s._emit(1)\n    self._ok = 1\n    os._exit(0)\n"))
+    assert used == [(3, "_emit")] and "_ok" in defined

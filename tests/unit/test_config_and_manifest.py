@@ -118,8 +118,7 @@ def test_detector_options_are_typed_by_the_detectors_config_and_defaults_come_fr
 
 def test_the_clis_defaults_are_the_dataclasses():
     from distdebug.cli import attach
-    from distdebug.config import (AttachConfig, LossSpikeConfig, ProfilerConfig, ReplicaDivergenceConfig,
-                                  option_default)
+    from distdebug.config import AttachConfig, LossSpikeConfig, ProfilerConfig, ReplicaDivergenceConfig, option_default
 
     opts = {p.name: p for p in attach.params}
     assert opts["stall_timeout"].default == option_default(AttachConfig, "stall_timeout") == 300.0

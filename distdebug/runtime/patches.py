@@ -1,0 +1,219 @@
+"""Every function distdebug replaces in torch (and on a DeepSpeed engine), in one place.
+
+This is the fragile part of zero-code instrumentation: it follows torch's API as torch calls it
+(``Tensor.backward`` calls ``torch.autograd.backward``; ``torch.distributed``'s Python collectives;
+``init_process_group`` / ``destroy_process_group``; ``os._exit``) and DeepSpeed's engine methods, so
+it is read, guarded and changed together. Each wrapper tells the session what happened through the
+session's public methods and the rank's progress record (``runtime.progress``), then calls the
+original with the caller's arguments unchanged: nothing here touches tensor values, RNG state or
+the order of collectives. Every replacement is undone by ``restore()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from typing import Any, Protocol
+
+import torch
+
+from distdebug.artifacts import schema
+from distdebug.context import RankIdentity
+from distdebug.runtime.progress import Progress
+
+# Python-level collectives of torch.distributed that are counted. DDP's reducer and NCCL calls
+# made from C++ do not pass through Python and are not counted here.
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter",
+)
+
+
+class Observer(Protocol):
+    """What the wrappers tell: the session's public side (runtime.session.Session implements it)."""
+
+    identity: RankIdentity
+    progress: Progress
+    inflight: Any
+    step_source: str | None
+
+    def note_loss(self, tensors: Any) -> None: ...
+    def note_all_reduce(self, tensor: torch.Tensor) -> None: ...
+    def boundary(self) -> None: ...
+    def emit(self, rec: dict) -> None: ...
+    def release_groups(self) -> None: ...
+    def release_stale_defaults(self) -> None: ...
+    def close(self, exit_code: int) -> None: ...
+
+
+class TorchPatches:
+    """The session's replacements of torch functions, installed once per rank and restored at its end."""
+
+    def __init__(self, session: Observer) -> None:
+        self.session = session
+        self.raw_collectives: dict[str, Any] = {}
+        """torch.distributed's collectives as they were before they were wrapped (the harness's own use)."""
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._in_engine_backward = False
+
+    def patch(self, obj: Any, name: str, replacement: Any) -> None:
+        """Replace ``obj.name`` until ``restore()``."""
+        self._restore.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, replacement)
+
+    def restore(self) -> None:
+        for obj, name, original in reversed(self._restore):
+            setattr(obj, name, original)
+        self._restore.clear()
+
+    def install(self) -> None:
+        self.patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+        self.patch(os, "_exit", self._wrap_os_exit(os._exit))
+        import torch.distributed as dist
+
+        if dist.is_available():
+            self.patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
+            self.patch(dist, "destroy_process_group", self._wrap_destroy(dist.destroy_process_group))
+            for name in COLLECTIVES:
+                fn = getattr(dist, name, None)
+                if callable(fn):
+                    self.raw_collectives[name] = fn
+                    self.patch(dist, name, self._wrap_collective(name, fn))
+
+    # ------------------------------------------------------------------ autograd and DeepSpeed
+    def _wrap_backward(self, original: Any) -> Any:
+        patches = self
+
+        @functools.wraps(original)
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not patches._in_engine_backward:
+                patches.session.note_loss(tensors)
+            return original(tensors, *args, **kwargs)
+
+        return backward
+
+    def hook_deepspeed_engine(self, engine: Any) -> None:
+        """Step and loss from the engine itself (ZeRO calls its inner optimizer once per sub-group)."""
+        patches, session = self, self.session
+        orig_backward, orig_step = engine.backward, engine.step
+
+        @functools.wraps(orig_backward)
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            session.note_loss(loss)
+            patches._in_engine_backward = True
+            try:
+                return orig_backward(loss, *args, **kwargs)
+            finally:
+                patches._in_engine_backward = False
+
+        @functools.wraps(orig_step)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            at_boundary = bool(engine.is_gradient_accumulation_boundary())
+            result = orig_step(*args, **kwargs)
+            if at_boundary and session.step_source in (None, "deepspeed", "optimizer"):
+                session.step_source = "deepspeed"
+                session.boundary()
+            return result
+
+        engine.backward = backward
+        engine.step = step
+
+    # ------------------------------------------------------------------ process groups and exit
+    def _wrap_init(self, original: Any) -> Any:
+        """Record entering and leaving init_process_group: a rank stuck there names a startup hang."""
+        session = self.session
+        progress = session.progress
+
+        @functools.wraps(original)
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            progress.phase = "init_process_group"
+            progress.touch()
+            session.emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin", time=time.time()))
+            result = original(*args, **kwargs)
+            progress.phase = "training"
+            progress.touch()
+            session.emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="done", time=time.time()))
+            return result
+
+        return init_process_group
+
+    def _wrap_os_exit(self, original: Any) -> Any:
+        """A script that leaves with os._exit (a common way around teardown aborts) still gets its end.
+
+        Only this process's main thread closes the session: a forked child (a DataLoader worker)
+        or a thread of ours leaving by os._exit must not write this rank's end record.
+        """
+        session, pid = self.session, os.getpid()
+
+        @functools.wraps(original)
+        def _exit(code: int) -> Any:
+            if os.getpid() == pid and threading.current_thread() is threading.main_thread():
+                try:
+                    session.close(int(code))
+                except Exception:  # leaving is what the script asked for; nothing of ours may stop it
+                    pass
+            return original(code)
+
+        return _exit
+
+    def _wrap_destroy(self, original: Any) -> Any:
+        """Let detectors release process groups of their own before the script tears all of them down.
+
+        A group that outlives the default one is destroyed during interpreter shutdown, where gloo
+        aborts the process ("terminate called without an active exception").
+        """
+        session = self.session
+
+        @functools.wraps(original)
+        def destroy_process_group(group: Any = None) -> Any:
+            if group is None:
+                session.release_groups()
+            out = original(group)
+            if group is None:
+                session.release_stale_defaults()
+            return out
+
+        return destroy_process_group
+
+    # ------------------------------------------------------------------ collectives
+    def _wrap_collective(self, name: str, fn: Any) -> Any:
+        session = self.session
+        progress = session.progress
+
+        @functools.wraps(fn)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            progress.collective_seq += 1
+            t = args[0] if args else kwargs.get("tensor")
+            if name == "all_reduce" and isinstance(t, torch.Tensor):
+                session.note_all_reduce(t)
+            info = {"op": name, "seq": progress.collective_seq, "step": progress.step + 1, "shapes": _shapes(t)}
+            slot = session.inflight
+            if slot is not None:
+                slot.enter(info)
+            progress.in_collective = {**info, "since": time.monotonic()}
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException:
+                if slot is not None:
+                    slot.fail()
+                raise
+            finally:
+                progress.in_collective = None
+                progress.touch()
+            if slot is not None:
+                slot.leave()
+            return out
+
+        return collective
+
+
+def _shapes(obj: Any) -> list[list[int]] | None:
+    """Shapes of a collective's tensor argument (a tensor or a list of tensors; at most 4 listed)."""
+    if isinstance(obj, torch.Tensor):
+        return [list(obj.shape)]
+    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], torch.Tensor):
+        return [list(x.shape) for x in obj[:4]]
+    return None
