@@ -9,10 +9,8 @@ gloo group (hang analysis leaves that group out) and hands the gathered payloads
 callback, which reports findings through ``ctx.report`` (thread-safe).
 
 Why one: a group per detector is a socket mesh per detector per rank (six, at scale) and a thread
-each. One group, one thread, one queue: every detector's posts are carried in the order they were
-made, each tagged with the detector's name and its post count, so a rank whose posts no longer pair
-with its peers' (a detector switched off on one rank, a queue that overflowed) is seen at once, and
-the exchange stops on every rank together instead of pairing the wrong payloads.
+each. One group, one thread, one queue: every post is tagged with the detector's name and its post
+count and matched across ranks by them (``Exchange``), so the wrong payloads are never paired.
 
 Every rank queues the same exchanges in the same order (detectors choose them by step number), so
 they pair up. At a clean end (the script destroys its process group, every rank together) the
@@ -73,7 +71,17 @@ class Channel:
 
 
 class Exchange:
-    """One per rank, made by the session when a detector uses it and there are peers (world >= 2)."""
+    """One per rank, made by the session when a detector uses it and there are peers (world >= 2).
+
+    The thread works in rounds: each round is one all_gather of everything this rank posted since
+    its last round. A post is matched across ranks by its (tag, count), not by its place in the
+    queue, and its callback runs once every rank's part has arrived, in the same order on every
+    rank (every rank sees the same rounds). So one detector whose posts differ across ranks (its
+    step numbers parted after a skipped ``optimizer.step``, it was switched off on one rank) leaves
+    only its own posts unmatched; the other detectors' exchanges go on. A rank starts a round when
+    it has something to send (or is closing), so nothing spins: a round waits, on this thread, for
+    the peers' next post.
+    """
 
     def __init__(self, rank: int, report: Callable[[Finding], None], raw_collectives: dict[str, Any],
                  timeout_s: float = 300.0) -> None:
@@ -88,7 +96,10 @@ class Exchange:
         self._posts: dict[str, int] = {}  # posts made per tag, on the posting thread
         self._inner: dict[str, int] = {}  # inner gathers per tag, on the exchange thread
         self._queue: queue.Queue = queue.Queue()  # bounded by CAPACITY in post(), so close() never blocks
+        self._parts: dict[tuple[str, int], dict[int, Any]] = {}  # (tag, count) -> rank -> payload, until complete
+        self._callbacks: dict[tuple[str, int], Callable[[list[Any]], None]] = {}
         self._closed = False
+        self._dropped = False
         self._muted: set[str] = set()  # tags whose callback raised on this rank: gathered, not handed on
         self._thread: threading.Thread | None = threading.Thread(target=self._worker, name=THREAD_NAME,
                                                                  daemon=True)
@@ -106,55 +117,92 @@ class Exchange:
         if not self.running:
             return False
         n = self._posts.get(tag, 0) + 1
-        self._posts[tag] = n  # counted even when refused below: the peers then see the gap and stop
+        self._posts[tag] = n  # counted even when refused: the next post must not pair with the peers' n
         if self._queue.qsize() >= CAPACITY:
-            self._stop(f"{CAPACITY} exchanges waiting (a peer is gone or far behind)", tag)
+            if not self._dropped:
+                self._dropped = True
+                self._say(Severity.INFO, tag, f"cross-rank exchange {CAPACITY} posts behind (a peer is gone or far "
+                          "behind): posts are dropped on this rank until it catches up")
             return False
         self._queue.put((tag, n, payload, callback, prepare))
         return True
 
     def gather(self, tag: str, payload: Any) -> list[Any]:
+        """Inside a callback: every rank runs the same callbacks in the same order, so this pairs."""
         n = self._inner.get(tag, 0) + 1
         self._inner[tag] = n
-        return self._checked_gather(tag, n, payload)
-
-    def _checked_gather(self, tag: str, n: int, payload: Any) -> list[Any]:
         group = self.group
         if group is None:
             raise RuntimeError("the exchange has stopped")
         gathered: list[Any] = [None] * self.world
-        self._all_gather_object(gathered, (tag, n, payload), group=group)
-        keys = [(g[0], g[1]) if isinstance(g, tuple) and len(g) == 3 else None for g in gathered]
-        if len(set(keys)) > 1:
-            raise OutOfStep(tag, {r: k for r, k in enumerate(keys)})
-        return [g[2] for g in gathered]
+        self._all_gather_object(gathered, ("inner", tag, n, payload), group=group)
+        if any(not (isinstance(g, tuple) and g[:3] == ("inner", tag, n)) for g in gathered):
+            raise OutOfStep(tag, {r: g[:3] if isinstance(g, tuple) else g for r, g in enumerate(gathered)})
+        return [g[3] for g in gathered]
 
     def _worker(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
+        closing = False
+        while self.group is not None:
+            items = [] if closing else [self._queue.get()]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            outgoing = []
+            for item in items:
+                if item is None:
+                    closing = True
+                    continue
+                tag, n, payload, callback, prepare = item
+                try:
+                    outgoing.append((tag, n, prepare(payload) if prepare is not None else payload))
+                    self._callbacks[(tag, n)] = callback
+                except Exception as e:  # that post is lost on this rank; the others go on
+                    self._say(Severity.ERROR, tag, f"detector '{tag}' raised {type(e).__name__}: {str(e)[:200]} "
+                              "preparing a cross-rank exchange")
+            try:
+                everyone_closed = self._round(closing, outgoing)
+            except OutOfStep as e:
+                self._stop(f"ranks' exchanges no longer pair up ({e})", "exchange")
                 return
-            tag, n, payload, callback, prepare = item
-            if self.group is None:
-                continue
-            try:
-                gathered = self._checked_gather(tag, n, prepare(payload) if prepare is not None else payload)
-            except OutOfStep as e:
-                self._stop(f"ranks' exchanges no longer pair up ({e})", tag)
-                continue
             except Exception as e:  # a peer that left, a destroyed group: stop, never raise
-                self._stop(f"{type(e).__name__}: {str(e)[:200]}", tag)
-                continue
-            if tag in self._muted:
+                self._stop(f"{type(e).__name__}: {str(e)[:200]}", "exchange")
+                return
+            if everyone_closed:
+                return
+
+    def _round(self, closing: bool, outgoing: list[tuple[str, int, Any]]) -> bool:
+        """One all_gather of this rank's new posts; run the callbacks of the posts now complete."""
+        gathered: list[Any] = [None] * self.world
+        self._all_gather_object(gathered, ("round", closing, outgoing), group=self.group)
+        if any(not (isinstance(g, tuple) and len(g) == 3 and g[0] == "round") for g in gathered):
+            raise OutOfStep("round", {r: g[0] if isinstance(g, tuple) else g for r, g in enumerate(gathered)})
+        complete = []
+        for r, (_, _, posts) in enumerate(gathered):
+            for tag, n, payload in posts:
+                parts = self._parts.setdefault((tag, n), {})
+                parts[r] = payload
+                if len(parts) == self.world:
+                    complete.append((tag, n))
+        for key in sorted(complete):  # the same order on every rank: every rank saw the same round
+            parts = self._parts.pop(key)
+            callback = self._callbacks.pop(key, None)
+            if callback is None or key[0] in self._muted:
                 continue
             try:
-                callback(gathered)
-            except OutOfStep as e:
-                self._stop(f"ranks' exchanges no longer pair up ({e})", tag)
+                callback([parts[r] for r in range(self.world)])
+            except OutOfStep:
+                raise
             except Exception as e:  # one detector's verdict code: that detector's verdicts stop here
-                self._muted.add(tag)
-                self._say(Severity.ERROR, tag, f"detector '{tag}' raised {type(e).__name__}: {str(e)[:200]} "
+                self._muted.add(key[0])
+                self._say(Severity.ERROR, key[0], f"detector '{key[0]}' raised {type(e).__name__}: {str(e)[:200]} "
                           "judging a cross-rank exchange; its cross-rank verdicts are off on this rank")
+        while len(self._parts) > 4 * CAPACITY:  # posts some peer never makes: the oldest go
+            stale = next(iter(self._parts))
+            self._parts.pop(stale)
+            self._callbacks.pop(stale, None)
+        return all(g[1] for g in gathered)
 
     def _stop(self, why: str, tag: str) -> None:
         if self.group is None:
@@ -170,7 +218,8 @@ class Exchange:
             pass
 
     def close(self, clean: bool) -> None:
-        """clean: every rank is ending together: drain, then release the group. Otherwise do not wait."""
+        """clean: every rank is ending together: drain (closing rounds until every rank has closed),
+        then release the group. Otherwise wait UNCLEAN_WAIT_S at most."""
         import torch.distributed as dist
 
         thread, self._thread = self._thread, None
