@@ -84,6 +84,10 @@ def main() -> None:
 @click.option("--on-hang", type=click.Choice(["abort", "report"]), default=option_default(AttachConfig, "on_hang"),
               show_default=True,
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")
+@click.option("--on-stall", type=click.Choice(["warn", "abort"]), default=option_default(AttachConfig, "on_stall"),
+              show_default=True,
+              help="A stall with no culprit (every rank busy in its own work: a long evaluation, a save): warn with "
+                   "every rank's stack and go on, or end the job as a hang.")
 @click.option("--fingerprint-every", type=int, default=None,
               show_default=str(option_default(ReplicaDivergenceConfig, "every")),
               help="Cross-rank fingerprint check of replicated tensors every K optimizer steps "

@@ -22,6 +22,7 @@ EXIT_NAN = 123
 """attach's exit code when it ended a hung job (as timeout(1) does); other failures pass through."""
 
 ON_HANG = ("abort", "report")
+ON_STALL = ("warn", "abort")
 
 
 @dataclass(kw_only=True)
@@ -58,6 +59,9 @@ class AttachConfig:
     stalled and dumps its stacks and Flight Recorder buffer; 0 turns hang detection off."""
     on_hang: str = "abort"
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
+    on_stall: str = "warn"
+    """A stall with no culprit (every rank busy in its own work, no rank waiting for another): ``warn``
+    (with every rank's stack, at most once per stall timeout; the job goes on) or ``abort`` (a hang)."""
     deterministic: bool = False
     """Seed every generator (0) and turn on torch.use_deterministic_algorithms before the script."""
     detector_options: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -96,6 +100,8 @@ class AttachConfig:
             raise UserError(f"--rdzv-endpoint must be HOST:PORT, got '{self.rdzv_endpoint}'", 2)
         if self.stall_timeout < 0:
             raise UserError(f"--stall-timeout must be 0 (off) or a number of seconds, got {self.stall_timeout}", 2)
+        if self.on_stall not in ON_STALL:
+            raise UserError(f"--on-stall must be one of {', '.join(ON_STALL)}, got '{self.on_stall}'", 2)
         if self.on_hang not in ON_HANG:
             raise UserError(f"--on-hang must be one of {', '.join(ON_HANG)}, got '{self.on_hang}'", 2)
         if max_n > 1 and self.standalone:

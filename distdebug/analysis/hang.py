@@ -10,6 +10,14 @@ gloo's default group as ``''`` in ``pg_config`` but ``'0'`` in the entries).
 Verdict order: a startup hang (init_process_group), then a mismatched collective (same sequence
 number, different op or shapes), then missing ranks (ranks waiting in a collective that one rank
 never reached), each naming culprit ranks, the collective, and the culprit's own stack.
+
+No kill without a culprit: when the records name none (no rank waits in a collective that another
+has not entered, the Flight Recorder shows no missing rank, the collective counts agree and no rank
+ended), every rank is busy in its own work (a long evaluation, a checkpoint save, compilation,
+data preparation). That is a ``stall`` warning with every rank's stack (``is_busy_stall``), which
+the launcher reports and lets the job go on. With NCCL a collective returns once enqueued and a
+rank then waits at its next host synchronisation, not inside the collective call: there the
+Flight Recorder's entries (enqueued on some ranks, missing on others) carry the evidence.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from distdebug.findings import Finding, Severity
 from distdebug.runtime.inflight import read_inflight
 
 DETECTOR = "hang"
+BUSY_STALL = "stall"
+"""Subject of the warning for a stall with no culprit (every rank busy in its own work)."""
 _LIBRARY_MARKERS = (
     f"{os.sep}site-packages{os.sep}", f"{os.sep}distdebug{os.sep}", "<frozen ", f"{os.sep}lib{os.sep}python3",
 )
@@ -75,6 +85,8 @@ class RankState:
     """Python-level collectives entered since the start (from the stall record)."""
     killed_by: str | None = None
     """The signal that ended it, when the launcher saw it die by one without an end record."""
+    idle_s: float | None = None
+    """Seconds without progress, from its last stall record."""
 
     @property
     def in_progress_collectives(self) -> int | None:
@@ -154,6 +166,7 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
                 st.pg_init = r.get("phase")
             elif kind == schema.STALL:
                 st.status, st.phase, st.stack = Status.STALLED, r.get("phase"), r.get("main_stack") or []
+                st.idle_s = r.get("idle_s")
                 if r.get("collectives_entered") is not None:
                     st.entered_total = int(r["collectives_entered"])
             elif kind == schema.STALL_CLEARED:
@@ -365,6 +378,31 @@ def _killed_rank_finding(states: dict[int, RankState], killed: RankState | None)
     )]
 
 
+def _busy_stall(states: dict[int, RankState]) -> Finding:
+    """No rank waits for another: every stalled rank is inside its own work. A warning, not a verdict."""
+    stalled = sorted(r for r, s in states.items() if s.status == Status.STALLED)
+    idle = min((s.idle_s for s in states.values() if s.idle_s is not None), default=None)
+    took = f" for {idle:.0f}s" if idle is not None else ""
+    return Finding(
+        severity=Severity.WARNING, detector=DETECTOR, ranks=stalled,
+        step=min((states[r].current_step for r in stalled), default=None), subject=BUSY_STALL,
+        message=f"no progress{took} on rank(s) {stalled}, and no rank waits in a collective that another has not "
+                "entered: every rank is busy in its own work (a long evaluation, a checkpoint save, compilation, "
+                "data preparation?); the job goes on. "
+                + "; ".join(f"rank {r} is in {where(states[r].stack)}" for r in stalled),
+        evidence={"ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase} for r, s in states.items()},
+                  "stacks": {r: states[r].stack[-8:] for r in stalled}},
+        fix="nothing, if this work is expected to take that long (a --stall-timeout above the longest evaluation or "
+            "save stops the warning); if it never ends, each rank's stacks.txt shows where it is; "
+            "--on-stall abort ends a job on such a stall",
+    )
+
+
+def is_busy_stall(findings: list[Finding]) -> bool:
+    """The diagnosis found no culprit: a stall of ranks that are all busy in their own work."""
+    return len(findings) == 1 and findings[0].detector == DETECTOR and findings[0].subject == BUSY_STALL
+
+
 def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Finding]:
     """Findings that explain a hang or a failed collective; empty when nothing is wrong.
 
@@ -467,6 +505,12 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
 
     # C) missing ranks: some ranks wait in a collective that others never reached.
     waiting = {r: i for r, i in inflight.items() if states[r].status in (Status.STALLED, Status.RAISED)}
+    odd = odd_ranks_out(count_diff, states)
+    ended = [s for s in states.values()
+             if s.status in (Status.RAISED, Status.CRASHED, Status.EXITED, Status.ABSENT) or s.killed_by]
+    inside = any(st.inflight_state == "inside" for st in states.values())  # even one not yet stalled
+    if not waiting and not inside and not (fr and fr.get("missing_ranks")) and not odd and not ended:
+        return [_busy_stall(states)]
     op: str
     seq: Any
     sizes: Any
@@ -479,8 +523,8 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
     else:
         culprits = sorted(r for r, s in states.items() if r not in waiting)
         if not waiting or not culprits:
-            ended = (Status.STALLED, Status.CRASHED, Status.EXITED, Status.ABSENT)
-            culprits = sorted(r for r, s in states.items() if s.status in ended and s.rank not in waiting) \
+            gone = (Status.STALLED, Status.CRASHED, Status.EXITED, Status.ABSENT)
+            culprits = sorted(r for r, s in states.items() if s.status in gone and s.rank not in waiting) \
                 or sorted(states)
         waited = next(iter(waiting.values()), None)
         op = waited["op"] if waited else "a collective"
@@ -488,7 +532,6 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         sizes = waited.get("shapes") if waited else None
         at = where(states[next(iter(waiting))].stack) if waiting else "?"
         waiters = sorted(waiting)
-    odd = odd_ranks_out(count_diff, states)
     if odd and len(odd) < len(states):
         # The count difference is proof; which rank happened to be waiting when the records were
         # written is timing (a rank that skipped one all_reduce later waits in its own last one).

@@ -167,7 +167,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     args = torchrun.parse_args(torchrun_argv(cfg, nproc))
     supervisor = supervisor_mod.Supervisor(
         run_dir, stall_timeout=cfg.stall_timeout, on_hang=cfg.on_hang, node_rank=cfg.node_rank,
-        expected_nodes=parse_nnodes(cfg.nnodes)[0],
+        expected_nodes=parse_nnodes(cfg.nnodes)[0], on_stall=cfg.on_stall,
     )
     supervisor.start()
     code, message = 0, None

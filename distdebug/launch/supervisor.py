@@ -6,6 +6,12 @@ Each rank's own watchdog records a stall with its stacks and Flight Recorder dum
 live rank on this node has stalled (or a grace period passed), the supervisor diagnoses
 (``analysis.hang``), writes the verdict to ``findings.jsonl``, prints it, and, unless told only
 to report, kills this node's ranks by pid so that torch's agent tears the job down.
+
+No kill without a culprit: a diagnosis that names none (every rank busy in its own work, e.g. a
+long evaluation) is a warning with every rank's stack, and the job goes on; the ranks' watchdogs
+record the stall again after each further stall timeout, so the warning repeats at most once per
+stall timeout, and a stall that turns into a real hang (a rank now waits for another) is then
+diagnosed and ended. ``--on-stall abort`` ends the job on such a stall too.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from distdebug.report.fmt import format_finding
 
 GRACE_S = 5.0
 """After the first stall record, how long to wait for the other ranks' dumps before diagnosing."""
+RETRY_S = 2.0
+"""After a diagnosis that named no culprit while some rank had not stalled yet: when to look again."""
 
 
 class _Tail:
@@ -57,10 +65,12 @@ class _Tail:
 
 class Supervisor:
     def __init__(self, run_dir: Path, *, stall_timeout: float, on_hang: str, node_rank: int, expected_nodes: int,
-                 interval: float = 0.5) -> None:
+                 interval: float = 0.5, on_stall: str = "warn") -> None:
         self.run_dir = run_dir
         self.stall_timeout = stall_timeout
         self.on_hang = on_hang
+        self.on_stall = on_stall
+        self.stall_warnings = 0
         self.node_rank = node_rank
         self.expected_nodes = expected_nodes
         self.interval = interval
@@ -74,6 +84,7 @@ class Supervisor:
         self._heard: dict[int, float] = {}
         """rank -> when its last record arrived (a step, a finding, anything: the rank is alive)."""
         self._reported = False
+        self._retry_at = 0.0  # after a diagnosis that had to wait for more stall records
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="distdebug-supervisor", daemon=True)
 
@@ -138,24 +149,46 @@ class Supervisor:
         # process) is no longer waited for once the grace period is over.
         silent = all(now - self._heard.get(r, self.started) > self.stall_timeout
                      for r in live - set(self._stalled))
-        if live <= set(self._stalled) or (waited > GRACE_S and silent):
-            self._hang()
+        every = live <= set(self._stalled)
+        if (every or (waited > GRACE_S and silent)) and now >= self._retry_at:
+            self._hang(every)
 
     # ------------------------------------------------------------------ verdicts
-    def _hang(self) -> None:
-        from distdebug.analysis.hang import diagnose
+    def _hang(self, every: bool = True) -> None:
+        """Diagnose; end the job only on a verdict with a culprit (see the module's docstring).
+
+        every: every live rank has a stall record. A stall without a culprit is only said once they
+        all do (a rank still silent may yet show a culprit); until then it is diagnosed again shortly.
+        """
+        from distdebug.analysis.hang import BUSY_STALL, DETECTOR, diagnose, is_busy_stall
         from distdebug.artifacts.reader import load_run
 
         findings = diagnose(load_run(self.run_dir))
-        if not findings:  # stalled, but nothing to name (e.g. one rank alone idle): say so plainly
+        if not findings:  # stalled, but nothing to name (e.g. one rank alone idle): a warning, no culprit
             findings = [Finding(
-                severity=Severity.CRITICAL, detector="hang", ranks=sorted(self._stalled), step=None,
-                subject="progress", message=f"no progress for {self.stall_timeout:g}s on ranks {sorted(self._stalled)}",
+                severity=Severity.WARNING, detector=DETECTOR, ranks=sorted(self._stalled), step=None,
+                subject=BUSY_STALL, message=f"no progress for {self.stall_timeout:g}s on ranks "
+                                            f"{sorted(self._stalled)}; no culprit found: the job goes on",
                 evidence={}, fix="see the ranks' stacks.txt in the run directory",
             )]
+        if is_busy_stall(findings):
+            if not every:
+                self._retry_at = time.monotonic() + RETRY_S
+                return
+            if self.on_stall != "abort":
+                self._warn(findings)
+                return
         self._conclude(findings)
         if self.on_hang == "abort":
             self._terminate_local_ranks()
+
+    def _warn(self, findings: list[Finding]) -> None:
+        """Say it, keep the job: the next stall records (after another stall timeout) are diagnosed anew."""
+        self.stall_warnings += 1
+        append_run_findings(self.run_dir, findings)
+        for f in findings:
+            print(format_finding(f), file=sys.stderr, flush=True)
+        self._stalled.clear()
 
     def _rendezvous_hang(self) -> None:
         present = sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "nodes").glob("node-*.json"))

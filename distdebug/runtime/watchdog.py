@@ -72,7 +72,8 @@ class RankWatchdog:
         self.watch_parent = watch_parent
         self.interval = interval
         self.parent = os.getppid()
-        self.stalled_at: float | None = None  # last_progress value of the stall already recorded
+        self.stalled_at: float | None = None  # the progress time of the stall already recorded
+        self.recorded_at = 0.0  # when it was last recorded
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,6 +116,13 @@ class RankWatchdog:
             self.stalled_at = None
         if self.stalled_at is None and idle > self.stall_timeout:
             self.stalled_at = progress
+            self.recorded_at = time.monotonic()
+            self.record_stall(idle)
+        elif self.stalled_at is not None and time.monotonic() - self.recorded_at > self.stall_timeout:
+            # Still no progress one more stall timeout later: fresh stacks, so that the launcher sees
+            # what changed (a busy rank that now waits for another is a hang; one still busy, a
+            # warning again, at most once per stall timeout).
+            self.recorded_at = time.monotonic()
             self.record_stall(idle)
 
     def record_stall(self, idle: float) -> None:

@@ -168,3 +168,30 @@ def test_rendezvous_that_never_completes_names_the_missing_node(tmp_path):
     (f,) = run_findings(tmp_path)
     assert f["subject"] == "rendezvous" and f["evidence"]["nodes_missing"] == [1]
     assert json.loads((tmp_path / "nodes" / "node-000.json").read_text())["node_rank"] == 0
+
+
+def test_every_rank_busy_beyond_the_stall_timeout_is_a_warning_not_a_kill(tmp_path):
+    # Both ranks evaluate for 3x the stall timeout between steps 2 and 3 (no collective pending): a
+    # healthy job. It runs to the end with exit 0; the stall is a warning with both ranks' stacks,
+    # repeated at most once per stall timeout.
+    busy = 3 * float(STALL)
+    r = attach(tmp_path, "--busy", "2", str(busy), timeout=busy + 60)
+    assert r.returncode == 0, r.output
+    assert "rank 0 done" in r.stdout and "rank 1 done" in r.stdout
+    stalls = [f for f in run_findings(tmp_path) if f["detector"] == "hang"]
+    assert 1 <= len(stalls) <= busy / float(STALL), stalls
+    for f in stalls:
+        assert (f["severity"], f["subject"], f["ranks"], f["step"]) == ("warning", "stall", [0, 1], 3)
+        assert "the job goes on" in f["message"]
+        assert "rank 0 is in hang.py:" in f["message"] and "rank 1 is in hang.py:" in f["message"]
+        assert set(f["evidence"]["stacks"]) == {"0", "1"}
+    assert "training failed" not in r.stderr
+    rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
+    assert rep["exit_code"] == 0 and all(x["steps"] == 5 for x in rep["ranks"])
+
+
+def test_on_stall_abort_ends_a_busy_job_as_asked(tmp_path):
+    r = attach(tmp_path, "--busy", "2", "60", extra=("--on-stall", "abort"), timeout=60)
+    assert r.returncode == EXIT_HANG, r.output
+    (f,) = [f for f in run_findings(tmp_path) if f["detector"] == "hang"]
+    assert (f["subject"], f["ranks"]) == ("stall", [0, 1])

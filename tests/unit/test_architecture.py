@@ -192,5 +192,6 @@ def test_no_module_reads_another_modules_private_members():
 
 
 def test_the_private_member_check_sees_a_reach():
-    defined, used = _private_names(ast.parse("import os\ndef f(s):\n    s._emit(1)\n    self._ok = 1\n    os._exit(0)\n"))
+    src = "import os\ndef f(s):\n    s._emit(1)\n    self._ok = 1\n    os._exit(0)\n"
+    defined, used = _private_names(ast.parse(src))
     assert used == [(3, "_emit")] and "_ok" in defined

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from distdebug.analysis.hang import _crash_frames, diagnose, first_collective_count_difference, rank_states, where
+from distdebug.analysis.hang import (
+    _crash_frames,
+    diagnose,
+    first_collective_count_difference,
+    is_busy_stall,
+    rank_states,
+    where,
+)
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import load_run
 from distdebug.artifacts.writer import EventWriter
+from distdebug.findings import Severity
 from distdebug.runtime.inflight import InflightSlot, read_inflight
 
 USER = {"file": "/home/me/train.py", "line": 40, "func": "<module>", "code": "time.sleep(600)"}
@@ -13,9 +21,9 @@ TORCH = {"file": "/x/site-packages/torch/distributed/distributed_c10d.py", "line
          "code": "work.wait()"}
 
 
-def write(run_dir, rank, records):
+def write(run_dir, rank, records, world=3):
     w = EventWriter(layout.events_path(run_dir, rank))
-    w.write(schema.record(schema.START, rank=rank, world_size=3, pid=1, host="h"))
+    w.write(schema.record(schema.START, rank=rank, world_size=world, pid=1, host="h"))
     for r in records:
         w.write(r)
     w.close()
@@ -72,6 +80,30 @@ def test_rank_behind_is_named_by_majority_of_waiting_ranks(tmp_path):
     (f,) = diagnose(load_run(tmp_path))
     assert f.ranks == [1] and f.step == 3 and f.subject == "all_reduce #3"
     assert "ranks [0, 2] wait in all_reduce #3" in f.message and "train.py:40" in f.message
+
+
+def test_every_rank_busy_in_its_own_work_is_a_warning_with_no_culprit(tmp_path):
+    # Both ranks stalled outside any collective (an evaluation), counts equal, nobody ended: no culprit.
+    for rank in (0, 1):
+        write(tmp_path, rank, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training", idle_s=31.0,
+                                                             main_stack=[USER])], world=2)
+    findings = diagnose(load_run(tmp_path))
+    assert is_busy_stall(findings)
+    (f,) = findings
+    assert (f.severity, f.subject, f.ranks, f.step) == (Severity.WARNING, "stall", [0, 1], 3)
+    assert "no progress for 31s" in f.message and "rank 1 is in train.py:40" in f.message
+
+
+def test_one_rank_waiting_for_a_busy_one_names_the_busy_one(tmp_path):
+    # The twin with a culprit: rank 0 waits inside all_reduce #3, rank 1 never entered it.
+    stall = schema.record(schema.STALL, step=2, phase="training", main_stack=[USER])
+    write(tmp_path, 0, steps([1, 1]) + [stall], world=2)
+    InflightSlot(layout.inflight_path(tmp_path, 0)).enter({"op": "all_reduce", "seq": 3, "step": 3, "shapes": [[8]]})
+    write(tmp_path, 1, steps([1, 1]) + [stall], world=2)
+    findings = diagnose(load_run(tmp_path))
+    assert not is_busy_stall(findings)
+    (f,) = findings
+    assert (f.severity, f.ranks, f.subject) == (Severity.CRITICAL, [1], "all_reduce #3")
 
 
 def test_clean_run_has_no_hang_finding(tmp_path):

@@ -4,8 +4,7 @@ All faults act on --fault-rank only: --skip-at K (skips its all_reduce in step K
 loop stays alive without calling collectives), --sleep-at K (sleeps forever inside step K),
 --size-at K (a different tensor size in step K), --exit-at K (exits with code 0 in step K),
 --slow S (S seconds more per step: slow but progressing), --init-late (sleeps forever before
-init_process_group), --pg-timeout S (the process group's collective timeout).
-"""
+init_process_group), --pg-timeout S (the process group's collective timeout); --busy K S below."""
 
 import argparse
 import datetime
@@ -26,6 +25,7 @@ p.add_argument("--exit-at", type=int)
 p.add_argument("--slow", type=float, default=0.0)
 p.add_argument("--init-late", action="store_true")
 p.add_argument("--pg-timeout", type=float)
+p.add_argument("--busy", nargs=2, type=float, metavar=("K", "S"), help="no fault: all ranks evaluate S s after step K")
 args = p.parse_args()
 
 import os  # noqa: E402
@@ -58,6 +58,12 @@ for step in range(1, args.steps + 1):
     opt.zero_grad()
     if faulty:
         time.sleep(args.slow)
+    if args.busy and step == int(args.busy[0]):
+        deadline = time.monotonic() + args.busy[1]
+        with torch.no_grad():
+            while time.monotonic() < deadline:  # an evaluation: forwards, no collective
+                model(torch.ones(2, 4))
+                time.sleep(0.01)
 if faulty and args.skip_at:
     time.sleep(600)  # goes on with work of its own (evaluation...) and never joins the last collective
 print(f"rank {rank} done", flush=True)
