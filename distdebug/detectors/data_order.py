@@ -24,7 +24,7 @@ from typing import Any
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fingerprints
+from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fingerprints, shape_seed
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
@@ -122,8 +122,9 @@ class DataOrder(ExchangeUser, Detector):
             return
         if t.is_cpu:
             self.pending = fingerprints([("batch", t)])["batch"]
-        else:  # fingerprinted on the device; read (16 bytes) only at the next exchange, no sync per step
-            self.pending = (device_fingerprint(t), t.detach())
+        else:  # fingerprinted on the device; read (16 bytes) only at the next exchange, no sync per step.
+            # Its dtype and shape are kept, not the batch: nothing of the user's data outlives the forward.
+            self.pending = (device_fingerprint(t), shape_seed(t))
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         digest, self.pending = self.pending, None

@@ -6,11 +6,15 @@ practitioners' rule) is a reading, not a guess.
   local shard), each storage counted once, read at the step boundary (after the optimizer step,
   before the next zero_grad). Their sizes only change in the first steps (Adam creates its state at
   its first step), so they are read at steps 1, 2, 4, 8 and every 16, not every step.
-- Activations: the bytes autograd saves for backward, counted by a saved-tensors hook as they are
-  saved (each storage once, parameters left out): the step's activation peak. The hook is a Python
-  call per saved tensor, so it is on only in the checked steps (it is pushed at the boundary
-  before one and popped at its end); it hands every tensor back unchanged, and is never installed
-  for torch.compile'd models.
+- Activations: the bytes autograd saved for backward, read from the graph itself when the checked
+  step's first backward starts (each storage once, parameters left out): the step's activation
+  peak. Read-only: the autograd graph is walked from the loss and each node's saved tensors are
+  looked at, nothing is installed. (A saved-tensors hook would see them as they are saved, but a
+  pack hook that hands a saved *output* back makes a reference cycle through C++ that Python
+  cannot collect: every training-mode forward without a backward, e.g. an evaluation without
+  no_grad, then leaked its whole graph; and a hook that detaches instead changes what double
+  backward and autograd's in-place checks see.) Forwards that never reach a backward are not
+  training and are not counted.
 - Other: on GPU, what the CUDA caching allocator holds beyond the four (temporaries, workspace,
   fragmentation), from ``torch.cuda.memory_allocated``; the peak from ``max_memory_allocated``.
   On CPU there is no allocator to ask: "other" is not measured.
@@ -67,6 +71,43 @@ def _bytes(tensors: Iterable[Any], seen: set[int]) -> int:
     return total
 
 
+def saved_bytes(tensors: Any, skip: set[int]) -> int:
+    """Bytes of the tensors autograd saved in the graph behind ``tensors`` (what backward will run on),
+    each storage once, storages in ``skip`` (the parameters) left out. Read-only: each node's
+    ``_saved_*`` attributes, as autograd exposes them; nodes whose saved values were freed are skipped."""
+    import torch
+
+    roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
+    stack: list[Any] = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    nodes: set[int] = set()
+    storages: set[int] = set()
+    total = 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in nodes:
+            continue
+        nodes.add(id(fn))
+        for name in dir(fn):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(fn, name)
+            except Exception:  # freed already (retain_graph=False earlier), or not a tensor attribute
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    try:
+                        storage = t.untyped_storage()
+                        key = storage.data_ptr()
+                    except Exception:  # no storage (a fake or nested tensor): not counted
+                        continue
+                    if key not in skip and key not in storages:
+                        storages.add(key)
+                        total += storage.nbytes()
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return total
+
+
 def breakdown(params: list[Any], optimizers: list[Any]) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds (pure over live tensors)."""
     import torch
@@ -86,12 +127,10 @@ class Memory(Detector):
         self.ctx: RankContext | None = None
         self.params: list[Any] = []
         self.param_keys: set[int] = set()
-        self.saved: set[int] = set()
         self.activations = 0
-        self.step_activations = 0  # at the step's first backward: the peak of saved tensors
         self.static: dict[str, int] = {}
         self.peak: dict[str, Any] = {"total": -1}
-        self._hooks: Any = None
+        self.armed = False  # the coming step is checked: its first backward reads the graph
         self.hookable = False
         self.cuda = False
         self.reported: set[str] = set()
@@ -115,51 +154,36 @@ class Memory(Detector):
         self.cuda = any(p.is_cuda for p in self.params)
         # torch.compile'd models are left alone: a saved-tensors hook would change how they compile.
         self.hookable = not any("torch.compile" in unwrap(root)[1] for root in ctx.models)
+        if self.hookable:
+            import torch
+
+            ctx.patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
         self._read(0)
-        self._arm(2)
+        self.armed = checked_step(2)
 
-    def _arm(self, step: int) -> None:
-        """Count saved tensors during ``step`` only if it is a checked one."""
-        import torch
+    def _wrap_backward(self, original: Any) -> Any:
+        det = self
 
-        if self.hookable and self._hooks is None and checked_step(step):
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._hooks.__enter__()
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if det.armed:
+                det.armed = False  # the step's first backward: its graph holds the step's activations
+                try:
+                    det.activations = saved_bytes(tensors, det.param_keys)
+                except Exception:  # a graph that cannot be read is not counted; backward goes on
+                    det.activations = 0
+            return original(tensors, *args, **kwargs)
 
-    def _disarm(self) -> None:
-        if self._hooks is not None:
-            try:
-                self._hooks.__exit__(None, None, None)
-            except Exception:  # exited from another thread than it was entered: nothing to undo there
-                pass
-            self._hooks = None
-
-    def _pack(self, t: Any) -> Any:
-        try:
-            if t.numel():
-                key = t.untyped_storage().data_ptr()
-                if key not in self.param_keys and key not in self.saved:
-                    self.saved.add(key)
-                    self.activations += t.untyped_storage().nbytes()
-        except Exception:  # a tensor without storage (a fake or nested one): not counted
-            pass
-        return t
-
-    @staticmethod
-    def _unpack(t: Any) -> Any:
-        return t
+        return backward
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
-        # The step's saved tensors are all counted by its first backward; backward frees them.
+        # The step's saved tensors were counted at its first backward, before backward freed them.
         act = self.activations
         self.activations = 0
-        self.saved = set()
         if self.ctx is None:
             return ()
-        self._disarm()
         if checked_step(event.step) or event.step == 1:
             self._read(event.step, act)
-        self._arm(event.step + 1)
+        self.armed = checked_step(event.step + 1)
         return self._verdicts(event.step)
 
     def _read(self, step: int, activations: int = 0) -> None:
@@ -206,7 +230,7 @@ class Memory(Detector):
         return out
 
     def on_end(self) -> Iterable[Finding]:
-        self._disarm()
+        self.armed = False
         if self.ctx is not None and self.peak.get("total", -1) >= 0:
             self.ctx.emit("memory_peak", **self.peak)
         return ()

@@ -61,6 +61,26 @@ def _finite_preserving(mod: torch.nn.Module) -> bool:
     return cls.__module__.startswith("torch.nn.modules.") and cls.__name__ in FINITE_PRESERVING_NAMES
 
 
+MAX_KEYS = 4096
+"""Distinct keys a per-step record keeps (modules, gradient buckets); more fold into one."""
+
+
+def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None:
+    """acc[key] = max(acc[key], |total|) on the device: a NaN or Inf survives, a finite value cannot
+    overflow, and the record stays one small tensor per key however often the key comes (an
+    evaluation loop's all_reduce of metrics, gradient accumulation)."""
+    total = total.abs()
+    seen = acc.get(key)
+    if seen is None:
+        if len(acc) >= MAX_KEYS:
+            key = ("…",)
+            seen = acc.get(key)
+        if seen is None:
+            acc[key] = total
+            return
+    torch.maximum(seen, total, out=seen)
+
+
 class NanOrigin(Detector):
     name = "nan_origin"
     description = ("first NaN/Inf: step, origin rank (local gradients before all-reduce), first parameter in "
@@ -75,9 +95,11 @@ class NanOrigin(Detector):
         self.names: dict[int, str] = {}  # id(param) -> name as the user wrote it
         self.params: list[tuple[str, torch.nn.Parameter]] = []
         self.grad_ptrs: dict[int, str] = {}
-        self.fwd: list[tuple[str, torch.Tensor]] = []  # (module, output finite?) in forward order
-        self.local: list[tuple[list[str], torch.Tensor]] = []  # (param names, sum of their local gradients)
-        self.reduced: list[torch.Tensor] = []  # sums of DDP's buckets after the all-reduce
+        # Bounded whatever the loop does (any number of forwards, buckets or all_reduces per step): one
+        # value per module / parameter group, later ones folded in by max(|sum|) (fold_in).
+        self.fwd: dict[str, torch.Tensor] = {}  # module -> |sum| of its outputs this step, in forward order
+        self.local: dict[tuple[str, ...], torch.Tensor] = {}  # param names -> |sum| of their local gradients
+        self.reduced: dict[int, torch.Tensor] = {}  # DDP bucket -> |sum| after the all-reduce
         self.local_source: str | None = None  # "ddp" | "all_reduce"
         self.sharded = False
         self.first_step: int | None = None
@@ -120,11 +142,15 @@ class NanOrigin(Detector):
         fwd = self.fwd
 
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if not torch.is_grad_enabled():
+                return  # evaluation and inference forwards: not training, and never kept (memory stays flat)
             t = out if type(out) is torch.Tensor else first_tensor(out)
             if t is not None and t.is_floating_point():
                 # One pass, no temporary: NaN and Inf survive a sum (accumulated in fp32, so that
-                # finite fp16/bf16 activations cannot overflow it).
-                fwd.append((label, t.detach().sum(dtype=torch.float32)))
+                # finite fp16/bf16 activations cannot overflow it). One value per module per step,
+                # whatever the number of forwards: later ones fold in by max(|sum|), which keeps a
+                # NaN or Inf and never overflows a finite one. Forward order is first-call order.
+                fold_in(fwd, label, t.detach().sum(dtype=torch.float32))
         return hook
 
     def _ddp_hook(self, ddp: Any) -> Any:
@@ -133,22 +159,22 @@ class NanOrigin(Detector):
         names: dict[int, list[str]] = {}
         det = self
 
-        def reduced(fut):  # type: ignore[no-untyped-def]
+        def reduced(fut, index):  # type: ignore[no-untyped-def]
             out = fut.value()[0]
-            det.reduced.append(out.sum(dtype=torch.float32))
+            fold_in(det.reduced, index, out.sum(dtype=torch.float32))
             return out
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
             buf = bucket.buffer()
             index = bucket.index()
             if index not in names:
-                names[index] = [det.names.get(id(p), "?") for p in bucket.parameters()]
+                names[index] = tuple(det.names.get(id(p), "?") for p in bucket.parameters())
             # One pass over the whole bucket, no temporary: NaN and Inf survive the sum.
-            det.local.append((names[index], buf.sum(dtype=torch.float32).reshape(1)))
+            fold_in(det.local, names[index], buf.sum(dtype=torch.float32))
             buf.mul_(scale)  # what DDP does without a hook: scale by 1/world, then sum
             # The process group directly, as DDP's own reduction does: not a training collective
             # for the harness's counters, and none of torch.distributed's Python-level overhead.
-            return group.allreduce([buf]).get_future().then(reduced)
+            return group.allreduce([buf]).get_future().then(lambda fut: reduced(fut, index))
 
         return hook
 
@@ -158,7 +184,7 @@ class NanOrigin(Detector):
         def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
                 name = det._grad_name(tensor)
-                det.local.append(([name], tensor.detach().sum(dtype=torch.float32).reshape(1)))
+                fold_in(det.local, (name,), tensor.detach().sum(dtype=torch.float32))
             return current(tensor, *args, **kwargs)
 
         return all_reduce
@@ -174,16 +200,16 @@ class NanOrigin(Detector):
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         if self.ctx is None:
             return ()
-        fwd = list(self.fwd)
-        self.fwd.clear()  # the hooks hold this list
-        local, reduced = self.local, self.reduced
-        self.local, self.reduced = [], []
+        fwd = list(self.fwd.items())
+        self.fwd.clear()  # the hooks hold this dict
+        local, reduced = list(self.local.items()), list(self.reduced.values())
+        self.local, self.reduced = {}, {}
         tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
         if self.local_source != "ddp":  # DDP's reduced gradients are checked per bucket, in its hook
             tensors += [local_view(p.grad) if self.sharded else p.grad for _, p in self.params if p.grad is not None]
         tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
         with torch.no_grad():
-            parts = [f for _, f in fwd] + [v.reshape(()) for _, v in local] + reduced
+            parts = [f for _, f in fwd] + [v for _, v in local] + reduced
             if tensors:
                 parts += torch._foreach_norm(tensors, INF)
             # NaN and Inf survive a sum; float64 so that no sum of finite fp32 values can overflow.
@@ -202,7 +228,7 @@ class NanOrigin(Detector):
         return (finding,)
 
     def _explain(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]],
-                 local: list[tuple[list[str], torch.Tensor]]) -> Finding:
+                 local: list[tuple[tuple[str, ...], torch.Tensor]]) -> Finding:
         rank, step = event.rank, event.step
         bad_module = next((name for name, total in fwd if not math.isfinite(float(total))), None)
         # Backward order runs from the last parameters to the first.

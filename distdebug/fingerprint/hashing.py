@@ -127,10 +127,17 @@ def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([plain, weighted])
 
 
-def combine_device(fp: Any, t: torch.Tensor) -> int:
-    """Fold a device fingerprint (two int64 on the host) with dtype and shape into one 64-bit int."""
+def combine_device(fp: Any, t: torch.Tensor | int) -> int:
+    """Fold a device fingerprint (two int64 on the host) with dtype and shape (the tensor, or its
+    ``shape_seed``, which needs no reference to the tensor) into one 64-bit int."""
     a, b = (int(x) & _MASK64 for x in fp)
-    return xxhash.xxh3_64_intdigest(a.to_bytes(8, "little") + b.to_bytes(8, "little"), _seed(t))
+    return xxhash.xxh3_64_intdigest(a.to_bytes(8, "little") + b.to_bytes(8, "little"),
+                                    t if isinstance(t, int) else _seed(t))
+
+
+def shape_seed(t: torch.Tensor) -> int:
+    """What a fingerprint folds in besides the bytes (dtype and shape): host metadata, no device read."""
+    return _seed(t)
 
 
 def fingerprints(named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:

@@ -21,7 +21,6 @@ order of collectives: the harness observes.
 from __future__ import annotations
 
 import gc
-import math
 import sys
 import time
 import traceback
@@ -73,7 +72,10 @@ class Session:
         self.findings: list[Finding] = []
         self.step_source: str | None = None  # "optimizer", "deepspeed" or "explicit"
         self._primary_opt: Any = None
-        self._losses: list[torch.Tensor | float] = []
+        # The step's losses, summed where they live (float64, one small tensor whatever the number of
+        # backward calls: memory stays flat in loops that never step); read once at the boundary.
+        self._loss_sum: torch.Tensor | float | None = None
+        self._loss_n = 0
         self._backward_calls = 0
         self._backward_total = 0
         self._seq_at_boundary = 0  # collective_seq at the last step boundary
@@ -198,7 +200,8 @@ class Session:
     def explicit_step(self, loss: Any = None) -> None:
         self.step_source = "explicit"
         if loss is not None:
-            self._losses = [loss.detach() if isinstance(loss, torch.Tensor) else float(loss)]
+            self._loss_sum = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else float(loss)
+            self._loss_n = 1
         self.boundary()
 
     # ------------------------------------------------------------------ what the patches and hooks tell
@@ -244,7 +247,9 @@ class Session:
         if self._t_last is None:
             self._t_last = time.perf_counter()
         if isinstance(t, torch.Tensor) and t.numel() == 1:
-            self._losses.append(t.detach())
+            v = t.detach().to(torch.float64)
+            self._loss_sum = v if self._loss_sum is None else self._loss_sum + v
+            self._loss_n += 1
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.step_source in ("explicit", "deepspeed"):
@@ -318,7 +323,7 @@ class Session:
             backward_total=self._backward_total,
         )
         self._t_last = now
-        self._losses = []
+        self._loss_sum, self._loss_n = None, 0
         self._backward_calls = 0
         self._seq_at_boundary = progress.collective_seq
         self.emit(
@@ -338,12 +343,10 @@ class Session:
             self._run_detector(det, "on_step", lambda d: d.on_step(event))
 
     def _mean_loss(self) -> float | None:
-        if not self._losses:
+        if self._loss_sum is None or not self._loss_n:
             return None
         # float() of a device tensor waits for that tensor only; on CPU it is free.
-        values = [float(x) for x in self._losses]
-        total = math.fsum(values) if all(math.isfinite(v) for v in values) else sum(values)
-        return total / len(values)
+        return float(self._loss_sum) / self._loss_n
 
     def _finish_discovery(self) -> None:
         self._end_discovery_hooks()
