@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,13 +76,19 @@ class RankIdentity:
 
 @dataclass
 class RankContext:
-    """What detectors may read: identity, live models and optimizers, and what discovery said."""
+    """What detectors may read: identity, live models and optimizers, and what discovery said.
+
+    Models and optimizers are held weakly: the harness never keeps the user's objects alive. A
+    script that builds a fresh DDP wrapper or optimizer every step, or deletes and rebuilds its
+    model, behaves as under torchrun (a DDP wrapper kept alive keeps its reducer's hooks on the
+    parameters). ``models`` and ``optimizers`` are the ones still alive.
+    """
 
     identity: RankIdentity
     run_dir: Path | None
     rank_dir: Path | None
-    models: list[nn.Module] = field(default_factory=list)
-    optimizers: list[Optimizer] = field(default_factory=list)
+    model_refs: list[weakref.ref[nn.Module]] = field(default_factory=list)
+    optimizer_refs: list[weakref.ref[Optimizer]] = field(default_factory=list)
     discovery: dict[str, Any] = field(default_factory=dict)
     report: Callable[[Finding], None] = _ignore
     """Report a finding from any thread (detectors' background work)."""
@@ -103,6 +110,27 @@ class RankContext:
     @property
     def rank(self) -> int:
         return self.identity.rank
+
+    @property
+    def models(self) -> list[nn.Module]:
+        return [m for m in (r() for r in self.model_refs) if m is not None]
+
+    @models.setter
+    def models(self, value: list[nn.Module]) -> None:
+        self.model_refs = [weakref.ref(m) for m in value]
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return [o for o in (r() for r in self.optimizer_refs) if o is not None]
+
+    @optimizers.setter
+    def optimizers(self, value: list[Optimizer]) -> None:
+        self.optimizer_refs = [weakref.ref(o) for o in value]
+
+    def add_optimizer(self, opt: Any) -> None:
+        """Note an optimizer (weakly), once."""
+        if not any(r() is opt for r in self.optimizer_refs):
+            self.optimizer_refs.append(weakref.ref(opt))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ tensors it recorded (and ``.grad``, which the training may replace every step).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -72,7 +73,7 @@ class ReplicaSet:
         self.forward_modules: list[tuple[str, torch.nn.Module, list[str]]] = []  # (prefix, module, param names)
         self.ddp_sync = False
         self._opt_names: dict[int, str] = {}  # id(param) -> name used for its optimizer state
-        self._optimizers: list[Any] = []
+        self._optimizers: list[weakref.ref[Any]] = []  # weak: the user's optimizer is never kept alive
         many = len(roots) > 1
         deepspeed = False
         for i, root in enumerate(roots):
@@ -96,7 +97,7 @@ class ReplicaSet:
                 if direct:
                     self.forward_modules.append((prefix + (f"{mod_name}." if mod_name else ""), mod, direct))
         if not deepspeed:  # ZeRO partitions optimizer state across ranks
-            self._optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+            self._optimizers = [weakref.ref(o) for o in optimizers if isinstance(o, torch.optim.Optimizer)]
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters, reduced gradients and optimizer state (buffers apart: see ``ddp_sync``)."""
@@ -107,7 +108,10 @@ class ReplicaSet:
             if g is not None:
                 base, group = split_group(name)
                 out.append((with_group(base + ".grad", group), g))
-        for opt in self._optimizers:
+        for ref in self._optimizers:
+            opt = ref()
+            if opt is None:
+                continue
             for param, state in opt.state.items():
                 pname = self._opt_names.get(id(param))
                 if pname is None:

@@ -24,6 +24,7 @@ import gc
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ class Session:
         self.step = 0
         self.findings: list[Finding] = []
         self.step_source: str | None = None  # "optimizer", "deepspeed" or "explicit"
-        self._primary_opt: Any = None
+        self._primary_ref: Any = None  # weakref to the optimizer whose step marks the boundary
         # The step's losses, summed where they live (float64, one small tensor whatever the number of
         # backward calls: memory stays flat in loops that never step); read once at the boundary.
         self._loss_sum: torch.Tensor | float | None = None
@@ -82,7 +83,7 @@ class Session:
         self._t_last: float | None = None
         self._depth = 0
         self._discovering = True
-        self._roots: list[torch.nn.Module] = []
+        self._root_refs: list[weakref.ref[torch.nn.Module]] = []  # weak: see RankContext
         self._loss_modules: list[str] = []
         self._reduced_ptrs: set[int] = set()
         self._handles: list[Any] = []
@@ -186,10 +187,9 @@ class Session:
     def watch(self, *objects: Any) -> None:
         for obj in objects:
             if isinstance(obj, torch.optim.Optimizer) or _is_deepspeed_optimizer(obj):
-                if obj not in self.ctx.optimizers:
-                    self.ctx.optimizers.append(obj)
-                if self._primary_opt is None:
-                    self._primary_opt = obj
+                self.ctx.add_optimizer(obj)
+                if self._primary() is None:
+                    self._primary_ref = weakref.ref(obj)
             elif isinstance(obj, torch.nn.Module):
                 self._note_root(obj)
             elif obj is not None:
@@ -216,13 +216,13 @@ class Session:
         self._depth = max(0, self._depth - 1)
 
     def _note_root(self, module: torch.nn.Module) -> None:
-        if any(module is r for r in self._roots):
+        if any(module is r for r in self.roots):
             return
         if not discovery.is_model(module):
             if isinstance(module, torch.nn.modules.loss._Loss) and type(module).__name__ not in self._loss_modules:
                 self._loss_modules.append(type(module).__name__)
             return
-        self._roots.append(module)
+        self._root_refs.append(weakref.ref(module))
         if discovery.is_deepspeed_engine(module):
             self.patches.hook_deepspeed_engine(module)
             self.step_source = "deepspeed" if self.step_source in (None, "optimizer") else self.step_source
@@ -230,7 +230,10 @@ class Session:
     @property
     def roots(self) -> list[torch.nn.Module]:
         """The models found so far (outermost module of each forward), in the order first seen."""
-        return list(self._roots)
+        return [m for m in (r() for r in self._root_refs) if m is not None]
+
+    def _primary(self) -> Any:
+        return self._primary_ref() if self._primary_ref is not None else None
 
     def note_all_reduce(self, tensor: torch.Tensor) -> None:
         """An all_reduce the script called: during discovery, tells hand-written gradient sync apart."""
@@ -253,14 +256,15 @@ class Session:
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.step_source in ("explicit", "deepspeed"):
-            if self._discovering and opt not in self.ctx.optimizers:
-                self.ctx.optimizers.append(opt)
+            if self._discovering:
+                self.ctx.add_optimizer(opt)
             return
-        if self._primary_opt is None:
-            self._primary_opt = opt
-        if opt not in self.ctx.optimizers:
-            self.ctx.optimizers.append(opt)
-        if opt is self._primary_opt:
+        if self._primary() is None:
+            # The first optimizer to step marks the boundaries; if the script drops it and builds
+            # another (a fresh optimizer per step, a rebuild after a restart), the next one does.
+            self._primary_ref = weakref.ref(opt)
+        self.ctx.add_optimizer(opt)
+        if opt is self._primary():
             self.step_source = "optimizer"
             self.boundary()
 
@@ -364,14 +368,15 @@ class Session:
 
     def _emit_discovery(self) -> None:
         grad_ptrs = set()
-        for root in self._roots:
+        roots = self.roots
+        for root in roots:
             for p in root.parameters():
                 if p.grad is not None:
                     grad_ptrs.add(p.grad.data_ptr())
         manual = bool(self._reduced_ptrs & grad_ptrs)
         models = []
-        self.ctx.models = list(self._roots)
-        for root in self._roots:
+        self.ctx.models = roots
+        for root in roots:
             try:
                 models.append(discovery.describe_model(root, manual_grad_collectives=manual))
             except Exception as e:  # a strange module must not break discovery of the others

@@ -72,3 +72,42 @@ def test_memory_stays_flat_between_steps_whatever_the_loop_does(tmp_path):
     for rank in range(2):
         for phase, grown in under[rank].items():
             assert grown - bare[rank][phase] < LIMIT_MB, (rank, phase, under[rank], bare[rank])
+
+
+def _fresh_wrappers(rank, world, tmp, harness):
+    """A fresh DDP wrapper and a fresh optimizer every step (as some Trainer subclasses do)."""
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    s = start_session(tmp, rank, detectors=registry.build(registry.default_specs())) if harness else None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    wrappers = []
+    for step in range(1, 6):
+        ddp = DDP(model)
+        wrappers.append(weakref.ref(ddp))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    del ddp, opt
+    gc.collect()
+    alive = [w() is not None for w in wrappers]
+    digest = [float(p.detach().double().sum()) for p in model.parameters()]
+    steps = None
+    if s is not None:
+        steps = s.step
+        s.close(0)
+    return alive, digest, steps
+
+
+def test_no_strong_reference_to_the_users_wrappers_or_optimizers(tmp_path):
+    bare = spawn_ranks(_fresh_wrappers, 2, timeout=120, tmp=tmp_path / "bare", harness=False)
+    under = spawn_ranks(_fresh_wrappers, 2, timeout=120, tmp=tmp_path / "attached", harness=True)
+    for rank in range(2):
+        alive, digest, steps = under[rank]
+        assert alive == [False] * 5, alive  # every dropped DDP wrapper (and its reducer's hooks) freed
+        assert digest == bare[rank][1]  # training untouched
+        assert steps == 5  # each step's new optimizer marks its boundary once the previous one is gone
