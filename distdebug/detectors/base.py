@@ -5,11 +5,19 @@ first step boundary (when models, optimizers and the process group are known), t
 ``on_step(event)`` at every step boundary and ``on_end()`` when the script finishes. Any
 exception it raises switches that detector off on that rank and becomes a harness finding:
 training itself never sees it.
+
+The same holds inside the training's own calls: a detector registers its module hooks with
+``self.hook(...)`` and replaces functions with ``self.patch(...)``. An exception of the detector's
+own in either switches the detector off on that rank, removes its hooks, turns its patches into
+plain calls of what they replaced, and is reported as a harness finding; the training's call goes
+on as if the detector were not there (the user's own exceptions pass through untouched).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 # Finding, Severity, StepEvent and RankContext live on the ground floor (distdebug.findings,
@@ -47,3 +55,95 @@ class Detector:
 
     def before_destroy(self) -> None:
         """Called before the script destroys its process groups: release any group of your own."""
+
+    # ------------------------------------------------------------------ guarded hooks and patches
+    off: bool = False
+    """Switched off on this rank (one of its hooks or patches raised): every hook and patch passes."""
+    on_failure: Callable[[Detector, BaseException, str], None] | None = None
+    """Set by the session: told when a hook or patch of this detector raised."""
+
+    def fail(self, exc: BaseException, where: str) -> None:
+        """Switch off on this rank: hooks removed, patches passed through, the session told."""
+        if self.off:
+            return
+        self.off = True
+        self.remove_hooks()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(self, exc, where)
+            except Exception:  # reporting a failure must not be one
+                pass
+
+    def remove_hooks(self) -> None:
+        for h in self.__dict__.get("_guarded_handles", ()):
+            try:
+                h.remove()
+            except Exception:  # already removed with its module
+                pass
+        self.__dict__["_guarded_handles"] = []
+
+    def guarded(self, fn: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """``fn`` that never raises into the caller: on an exception the detector is switched off, and
+        the call returns ``fallback(*args)`` (None without one: a module hook that changes nothing)."""
+        det = self
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not det.off:
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:
+                    det.fail(e, getattr(fn, "__qualname__", "a hook"))
+            return fallback(*args, **kwargs) if fallback is not None else None
+
+        return call
+
+    def hook(self, module: Any, kind: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """``module.register_<kind>_hook(fn)`` (kind: forward, forward_pre, full_backward...), guarded,
+        and removed when the detector is switched off (or by ``remove_hooks()`` at its end)."""
+        handle = getattr(module, f"register_{kind}_hook")(self.guarded(fn), **kwargs)
+        self.__dict__.setdefault("_guarded_handles", []).append(handle)
+        return handle
+
+    def patch(self, ctx: RankContext, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+              ) -> None:
+        """Replace ``obj.name`` with ``make(original)``, guarded (until the session ends).
+
+        ``make`` gets the original and returns the replacement, which calls it. If the replacement
+        raises an exception of its own (not one the original raised), the detector is switched off
+        and the call still happens: the original's result if it already ran, else the original now.
+        Once off, the replacement is skipped altogether.
+        """
+        original = getattr(obj, name)
+        det = self
+        local = threading.local()
+
+        def call_original(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = original(*args, **kwargs)
+            except BaseException as e:
+                try:
+                    e._distdebug_passthrough = True  # type: ignore[attr-defined]
+                except Exception:  # an exception type without a __dict__: still the user's
+                    pass
+                raise
+            local.done = (out,)
+            return out
+
+        replacement = make(call_original)
+
+        @functools.wraps(original)
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            if det.off:
+                return original(*args, **kwargs)
+            local.done = None
+            try:
+                return replacement(*args, **kwargs)
+            except Exception as e:
+                if getattr(e, "_distdebug_passthrough", False):
+                    raise
+                det.fail(e, f"{getattr(obj, '__name__', type(obj).__name__)}.{name}")
+                done = local.done
+                return done[0] if done is not None else original(*args, **kwargs)
+
+        ctx.patch(obj, name, patched)

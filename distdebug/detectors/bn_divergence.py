@@ -79,7 +79,7 @@ class BatchNormDivergence(ExchangeUser, Detector):
                 if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
                     label = prefix + (name or type(mod).__name__)
                     self.modules.append((label, mod, isinstance(mod, torch.nn.SyncBatchNorm)))
-                    self._hooks.append(mod.register_forward_pre_hook(self._pre_hook(label)))
+                    self.hook(mod, "forward_pre", self._pre_hook(label))
         if self.modules:
             self.open_exchange(ctx)
         self.armed = self.exchange is not None and checked(2)  # attach comes at the end of step 1

@@ -143,7 +143,7 @@ class CheckpointRoundTrip(Detector):
     def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
         ctx = self.ctx
         assert ctx is not None  # set in setup()/attach(), which the session calls first
-        ctx.patch(obj, name, wrapper(getattr(obj, name)))
+        self.patch(ctx, obj, name, wrapper)
 
     def _patch_dcp(self, dcp: Any) -> None:
         self._patch(dcp, "save", self._wrap_dcp_save)

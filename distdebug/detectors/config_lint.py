@@ -51,14 +51,12 @@ class ConfigLint(Detector):
         import torch.utils.checkpoint as checkpoint_module
         from torch.nn.parallel import DistributedDataParallel
 
-        ctx.patch(DistributedDataParallel, "__init__", self._note_ddp_args(DistributedDataParallel.__init__))
-
-        ctx.patch(checkpoint_module, "checkpoint", self._count_checkpoint(checkpoint_module.checkpoint))
+        self.patch(ctx, DistributedDataParallel, "__init__", self._note_ddp_args)
+        self.patch(ctx, checkpoint_module, "checkpoint", self._count_checkpoint)
         original = torch.nn.utils.clip_grad_norm_
-        wrapped = self._wrap_clip(original)
-        ctx.patch(torch.nn.utils, "clip_grad_norm_", wrapped)
+        self.patch(ctx, torch.nn.utils, "clip_grad_norm_", self._wrap_clip)
         if getattr(clip_module, "clip_grad_norm_", None) is original:
-            ctx.patch(clip_module, "clip_grad_norm_", wrapped)
+            self.patch(ctx, clip_module, "clip_grad_norm_", self._wrap_clip)
 
     def _note_ddp_args(self, original: Any) -> Any:
         """DDP's device_ids/output_device as the script passed them: DDP keeps no trace of an output_device
@@ -236,18 +234,27 @@ class ConfigLint(Detector):
         assert ctx is not None  # set in setup()/attach(), which the session calls first
         det = self
         state = {"after_backward": False}
-        backward, step, zero_grad = engine.backward, engine.step, engine.zero_grad
 
-        def wrapped_backward(*args: Any, **kwargs: Any) -> Any:
-            out = backward(*args, **kwargs)
-            state["after_backward"] = True
-            return out
+        def make_backward(backward: Any) -> Any:
+            def wrapped_backward(*args: Any, **kwargs: Any) -> Any:
+                out = backward(*args, **kwargs)
+                state["after_backward"] = True
+                return out
+            return wrapped_backward
 
-        def wrapped_step(*args: Any, **kwargs: Any) -> Any:
-            state["after_backward"] = False  # the engine zeroes gradients inside step() itself
-            return step(*args, **kwargs)
+        def make_step(step: Any) -> Any:
+            def wrapped_step(*args: Any, **kwargs: Any) -> Any:
+                state["after_backward"] = False  # the engine zeroes gradients inside step() itself
+                return step(*args, **kwargs)
+            return wrapped_step
 
-        def wrapped_zero_grad(*args: Any, **kwargs: Any) -> Any:
+        def make_zero_grad(zero_grad: Any) -> Any:
+            def wrapped_zero_grad(*args: Any, **kwargs: Any) -> Any:
+                check_zero_grad()
+                return zero_grad(*args, **kwargs)
+            return wrapped_zero_grad
+
+        def check_zero_grad() -> None:
             if state["after_backward"] and "ds_zero_grad" not in det.reported:
                 det.reported.add("ds_zero_grad")
                 ctx.report(Finding(
@@ -256,12 +263,11 @@ class ConfigLint(Detector):
                     message=f"zero_grad() between engine.backward() and engine.step() in step {det.step}: the "
                             "step that follows applies no gradient",
                     fix="remove it: engine.step() zeroes the gradients itself"))
-            return zero_grad(*args, **kwargs)
 
         self._watch_saves(engine)
-        ctx.patch(engine, "backward", wrapped_backward)
-        ctx.patch(engine, "step", wrapped_step)
-        ctx.patch(engine, "zero_grad", wrapped_zero_grad)
+        self.patch(ctx, engine, "backward", make_backward)
+        self.patch(ctx, engine, "step", make_step)
+        self.patch(ctx, engine, "zero_grad", make_zero_grad)
 
     def _watch_saves(self, engine: Any) -> None:
         """torch.save of the engine's model state instead of engine.save_checkpoint, seen as it happens.
@@ -277,16 +283,23 @@ class ConfigLint(Detector):
         det = self
         names = [n for n, _ in engine.module.named_parameters()]
         inside = {"depth": 0}
-        save_checkpoint, torch_save = engine.save_checkpoint, torch.save
 
-        def wrapped_save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            inside["depth"] += 1
-            try:
-                return save_checkpoint(*args, **kwargs)
-            finally:
-                inside["depth"] -= 1
+        def make_save_checkpoint(save_checkpoint: Any) -> Any:
+            def wrapped_save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+                inside["depth"] += 1
+                try:
+                    return save_checkpoint(*args, **kwargs)
+                finally:
+                    inside["depth"] -= 1
+            return wrapped_save_checkpoint
 
-        def wrapped_torch_save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        def make_torch_save(torch_save: Any) -> Any:
+            def wrapped_torch_save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+                check_save(obj)
+                return torch_save(obj, *args, **kwargs)
+            return wrapped_torch_save
+
+        def check_save(obj: Any) -> None:
             if not inside["depth"] and "ds_torch_save" not in det.reported and names and isinstance(obj, dict):
                 # Every dotted tail of every key ("module.0.weight" -> "0.weight", "weight"): one pass,
                 # not names x keys, which a model of thousands of parameters would pay at each save.
@@ -310,10 +323,9 @@ class ConfigLint(Detector):
                         fix="engine.save_checkpoint(dir, tag) and engine.load_checkpoint(dir, tag); for a plain "
                             "model file, zero_to_fp32 after saving the checkpoint",
                         evidence={"parameters_named": held, "zero_stage": stage}))
-            return torch_save(obj, *args, **kwargs)
 
-        ctx.patch(engine, "save_checkpoint", wrapped_save_checkpoint)
-        ctx.patch(torch, "save", wrapped_torch_save)
+        self.patch(ctx, engine, "save_checkpoint", make_save_checkpoint)
+        self.patch(ctx, torch, "save", make_torch_save)
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.step = event.step + 1

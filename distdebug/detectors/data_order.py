@@ -64,14 +64,15 @@ class DataOrder(ExchangeUser, Detector):
         self.ctx = ctx
         from torch.utils.data.distributed import DistributedSampler
 
-        original = DistributedSampler.__iter__
         det = self
 
-        def __iter__(sampler: Any) -> Any:
-            det._guard(det._sampler_iter, sampler)
-            return original(sampler)
+        def make(original: Any) -> Any:
+            def __iter__(sampler: Any) -> Any:
+                det._guard(det._sampler_iter, sampler)
+                return original(sampler)
+            return __iter__
 
-        ctx.patch(DistributedSampler, "__iter__", __iter__)
+        self.patch(ctx, DistributedSampler, "__iter__", make)
 
     def _guard(self, fn: Any, *args: Any) -> None:
         try:
@@ -107,10 +108,10 @@ class DataOrder(ExchangeUser, Detector):
 
         self.ctx = ctx
         for root in ctx.models:
-            self._hooks.append(root.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self.hook(root, "forward_pre", self._pre_hook, with_kwargs=True)
             inner = unwrap(root)[0]
             if inner is not root:
-                self._hooks.append(inner.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+                self.hook(inner, "forward_pre", self._pre_hook, with_kwargs=True)
         if ctx.models:
             self.open_exchange(ctx)
 

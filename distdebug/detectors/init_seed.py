@@ -50,20 +50,22 @@ class InitSeed(ExchangeUser, Detector):
         from torch.nn.parallel import DistributedDataParallel
 
         det = self
-        init = DistributedDataParallel.__init__
-        manual_seed = torch.manual_seed
 
-        def ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-            det._guard(det._record, module, True)
-            init(ddp, module, *args, **kwargs)
+        def make_init(init: Any) -> Any:
+            def ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+                det._guard(det._record, module, True)
+                init(ddp, module, *args, **kwargs)
+            return ddp_init
 
-        def seed(s: Any) -> Any:
-            det.seeded = True
-            return manual_seed(s)
+        def make_seed(manual_seed: Any) -> Any:
+            def seed(s: Any) -> Any:
+                det.seeded = True
+                return manual_seed(s)
+            return seed
 
-        ctx.patch(DistributedDataParallel, "__init__", ddp_init)
-        ctx.patch(torch, "manual_seed", seed)
-        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)
+        self.patch(ctx, DistributedDataParallel, "__init__", make_init)
+        self.patch(ctx, torch, "manual_seed", make_seed)
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self.guarded(self._first_forward))
 
     def _guard(self, fn: Any, *args: Any) -> None:
         try:

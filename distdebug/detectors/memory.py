@@ -157,7 +157,7 @@ class Memory(Detector):
         if self.hookable:
             import torch
 
-            ctx.patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+            self.patch(ctx, torch.autograd, "backward", self._wrap_backward)
         self._read(0)
         self.armed = checked_step(2)
 

@@ -122,7 +122,7 @@ class NanOrigin(Detector):
                 own = next(mod.parameters(recurse=False), None) is not None
                 if own or (leaf and not _finite_preserving(mod)):
                     label = prefix + (mod_name or type(inner).__name__)
-                    self._hooks.append(mod.register_forward_hook(self._forward_hook(label)))
+                    self.hook(mod, "forward", self._forward_hook(label))
             if chain and chain[0] == "ddp" and not getattr(root, "_comm_hooks", None):
                 root.register_comm_hook(None, self._ddp_hook(root))
                 self.local_source = "ddp"
@@ -135,7 +135,7 @@ class NanOrigin(Detector):
             raw = ctx.raw_collectives.get("all_reduce")
             current = getattr(dist, "all_reduce", None)
             if raw is not None and current is not None:
-                ctx.patch(dist, "all_reduce", self._all_reduce_wrapper(current))
+                self.patch(ctx, dist, "all_reduce", self._all_reduce_wrapper)
                 self.local_source = "all_reduce"
 
     def _forward_hook(self, label: str) -> Any:
@@ -161,16 +161,24 @@ class NanOrigin(Detector):
 
         def reduced(fut, index):  # type: ignore[no-untyped-def]
             out = fut.value()[0]
-            fold_in(det.reduced, index, out.sum(dtype=torch.float32))
+            if not det.off:
+                try:
+                    fold_in(det.reduced, index, out.sum(dtype=torch.float32))
+                except Exception as e:  # ours: off on this rank; DDP gets its reduced bucket
+                    det.fail(e, "the DDP communication hook")
             return out
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
             buf = bucket.buffer()
             index = bucket.index()
-            if index not in names:
-                names[index] = tuple(det.names.get(id(p), "?") for p in bucket.parameters())
-            # One pass over the whole bucket, no temporary: NaN and Inf survive the sum.
-            fold_in(det.local, names[index], buf.sum(dtype=torch.float32))
+            if not det.off:
+                try:
+                    if index not in names:
+                        names[index] = tuple(det.names.get(id(p), "?") for p in bucket.parameters())
+                    # One pass over the whole bucket, no temporary: NaN and Inf survive the sum.
+                    fold_in(det.local, names[index], buf.sum(dtype=torch.float32))
+                except Exception as e:  # ours: off on this rank; the bucket is still reduced as DDP would
+                    det.fail(e, "the DDP communication hook")
             buf.mul_(scale)  # what DDP does without a hook: scale by 1/world, then sum
             # The process group directly, as DDP's own reduction does: not a training collective
             # for the harness's counters, and none of torch.distributed's Python-level overhead.

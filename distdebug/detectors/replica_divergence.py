@@ -85,10 +85,10 @@ class ReplicaDivergence(ExchangeUser, Detector):
         for root in ctx.models:
             inner, _, ddp_sync = model_layout(root)
             if ddp_sync:
-                self._hooks.append(inner.register_forward_pre_hook(self._capture_synced_buffers))
+                self.hook(inner, "forward_pre", self._capture_synced_buffers)
         for prefix, module, names in self.replicas.forward_modules:
             # Registered after the framework's unshard/gather hook, so it sees gathered parameters.
-            self._hooks.append(module.register_forward_pre_hook(self._forward_hook(prefix, names)))
+            self.hook(module, "forward_pre", self._forward_hook(prefix, names))
         self.armed = False  # on_step arms the checked steps
 
     def _forward_hook(self, prefix: str, names: list[str]) -> Any:

@@ -121,23 +121,24 @@ class Straggler(ExchangeUser, Detector):
         self.ctx = ctx
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-        original = _BaseDataLoaderIter.__next__
         det = self
 
-        def __next__(it: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return original(it)
-            finally:
-                det.data_s += time.perf_counter() - t0
+        def make(original: Any) -> Any:
+            def __next__(it: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return original(it)
+                finally:
+                    det.data_s += time.perf_counter() - t0
+            return __next__
 
-        ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
+        self.patch(ctx, _BaseDataLoaderIter, "__next__", make)
 
     def attach(self, ctx: RankContext) -> None:
 
         self.ctx = ctx
         if ctx.models and self.open_exchange(ctx):
-            self._hooks.append(ctx.models[0].register_forward_pre_hook(self._pre))
+            self.hook(ctx.models[0], "forward_pre", self._pre)
 
     def _pre(self, module: Any, args: Any) -> None:
         if self.forward_t != self.forward_t:  # NaN: the step's first forward

@@ -105,7 +105,11 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     b = t.reshape(-1).view(torch.uint8)
     pad = (-b.numel()) % 4
     if pad:
-        b = torch.cat([b, b.new_zeros(pad)])
+        b = torch.cat([b, b.new_zeros(pad)])  # a new, aligned tensor
+    elif b.storage_offset() % 4:
+        # A 2-byte tensor at an odd element offset (a slice of a bf16/fp16 flat buffer: ZeRO's, DDP's
+        # bucket views) cannot be viewed as 32-bit words in place: copy its bytes to aligned memory.
+        b = b.clone()
     return b.view(torch.int32).to(torch.int64)
 
 

@@ -6,7 +6,8 @@ This is the fragile part of zero-code instrumentation: it follows torch's API as
 it is read, guarded and changed together. Each wrapper tells the session what happened through the
 session's public methods and the rank's progress record (``runtime.progress``), then calls the
 original with the caller's arguments unchanged: nothing here touches tensor values, RNG state or
-the order of collectives. Every replacement is undone by ``restore()``.
+the order of collectives. Every replacement is undone by ``restore()``. The harness's own part of
+each wrapper is guarded (``_quietly``): an exception of ours never stops the call the script made.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ class Observer(Protocol):
     def release_groups(self) -> None: ...
     def release_stale_defaults(self) -> None: ...
     def close(self, exit_code: int) -> None: ...
+
+
+def _quietly(fn: Any, *args: Any) -> Any:
+    """Run the harness's bookkeeping; an exception of ours is swallowed, never the script's business."""
+    try:
+        return fn(*args)
+    except Exception:
+        return None
 
 
 class TorchPatches:
@@ -90,7 +99,7 @@ class TorchPatches:
         @functools.wraps(original)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if not patches._in_engine_backward:
-                patches.session.note_loss(tensors)
+                _quietly(patches.session.note_loss, tensors)
             return original(tensors, *args, **kwargs)
 
         return backward
@@ -102,7 +111,7 @@ class TorchPatches:
 
         @functools.wraps(orig_backward)
         def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-            session.note_loss(loss)
+            _quietly(session.note_loss, loss)
             patches._in_engine_backward = True
             try:
                 return orig_backward(loss, *args, **kwargs)
@@ -115,7 +124,7 @@ class TorchPatches:
             result = orig_step(*args, **kwargs)
             if at_boundary and session.step_source in (None, "deepspeed", "optimizer"):
                 session.step_source = "deepspeed"
-                session.boundary()
+                _quietly(session.boundary)
             return result
 
         engine.backward = backward
@@ -131,11 +140,13 @@ class TorchPatches:
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             progress.phase = "init_process_group"
             progress.touch()
-            session.emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin", time=time.time()))
+            _quietly(session.emit, schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin",
+                                                 time=time.time()))
             result = original(*args, **kwargs)
             progress.phase = "training"
             progress.touch()
-            session.emit(schema.record(schema.PG_INIT, rank=session.identity.rank, phase="done", time=time.time()))
+            _quietly(session.emit, schema.record(schema.PG_INIT, rank=session.identity.rank, phase="done",
+                                                 time=time.time()))
             return result
 
         return init_process_group
@@ -170,10 +181,10 @@ class TorchPatches:
         @functools.wraps(original)
         def destroy_process_group(group: Any = None) -> Any:
             if group is None:
-                session.release_groups()
+                _quietly(session.release_groups)
             out = original(group)
             if group is None:
-                session.release_stale_defaults()
+                _quietly(session.release_stale_defaults)
             return out
 
         return destroy_process_group
@@ -183,8 +194,7 @@ class TorchPatches:
         session = self.session
         progress = session.progress
 
-        @functools.wraps(fn)
-        def collective(*args: Any, **kwargs: Any) -> Any:
+        def enter(args: Any, kwargs: Any) -> Any:
             progress.collective_seq += 1
             t = args[0] if args else kwargs.get("tensor")
             if name == "all_reduce" and isinstance(t, torch.Tensor):
@@ -194,17 +204,22 @@ class TorchPatches:
             if slot is not None:
                 slot.enter(info)
             progress.in_collective = {**info, "since": time.monotonic()}
+            return slot
+
+        @functools.wraps(fn)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            slot = _quietly(enter, args, kwargs)
             try:
                 out = fn(*args, **kwargs)
             except BaseException:
                 if slot is not None:
-                    slot.fail()
+                    _quietly(slot.fail)
                 raise
             finally:
                 progress.in_collective = None
                 progress.touch()
             if slot is not None:
-                slot.leave()
+                _quietly(slot.leave)
             return out
 
         return collective

@@ -124,6 +124,7 @@ class Session:
             )
         )
         for det in list(self.detectors):
+            det.on_failure = self._detector_failed
             self._run_detector(det, "setup", lambda d: d.setup(self.ctx))
 
     def uninstall(self) -> None:
@@ -152,6 +153,7 @@ class Session:
             )
         for det in list(self.detectors):
             self._run_detector(det, "on_end", lambda d: d.on_end())
+            det.remove_hooks()
         self._close_exchange(clean=False)
         self.release_groups()
         self.release_stale_defaults()
@@ -399,21 +401,27 @@ class Session:
 
     # ------------------------------------------------------------------ findings
     def _run_detector(self, det: Detector, phase: str, call: Any) -> None:
+        if det.off:
+            return
         try:
             for finding in call(det) or ():
                 self.report(finding)
         except Exception as e:
-            # Switched off on this rank; training goes on untouched.
+            det.fail(e, phase)  # switched off on this rank (hooks removed); training goes on untouched
+
+    def _detector_failed(self, det: Detector, e: BaseException, phase: str) -> None:
+        """A detector raised (in a step call, a hook or a patch): it is off on this rank, said once."""
+        if det in self.detectors:
             self.detectors.remove(det)
-            frames = traceback.extract_tb(e.__traceback__)
-            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
-            self.harness_finding(
-                Severity.ERROR,
-                f"detector:{det.name}",
-                f"detector '{det.name}' raised {type(e).__name__}: {e} in {phase} (at {where}); "
-                "switched off on this rank",
-                evidence={"exception": type(e).__name__, "phase": phase, "where": where},
-            )
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+        self.harness_finding(
+            Severity.ERROR,
+            f"detector:{det.name}",
+            f"detector '{det.name}' raised {type(e).__name__}: {e} in {phase} (at {where}); "
+            "switched off on this rank (its hooks removed, its patches passed through)",
+            evidence={"exception": type(e).__name__, "phase": phase, "where": where},
+        )
 
     def harness_finding(
         self, severity: Severity, subject: str, message: str, *, fix: str | None = None,

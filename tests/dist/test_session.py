@@ -6,6 +6,7 @@ the bootstrap installs it, then reads back the rank's event stream.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -199,3 +200,82 @@ def test_raising_detector_is_switched_off_and_reported_others_go_on(tmp_path):
     nan = [f for f in findings if f["detector"] == "loss_nonfinite"]
     assert nan[0]["step"] == 4  # the remaining detector still saw step 4
     assert len(records(tmp_path, 1, "step")) == 4
+
+
+class HookBoom(Detector):
+    """A detector whose forward hook (mode "hook") or whose patch of torch.save (mode "patch") raises
+    in step 3."""
+
+    name = "hookboom"
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.step = 1
+        self.calls = 0
+
+    def setup(self, ctx):
+        det = self
+
+        def make(original):
+            def save(obj, f, *args, **kwargs):
+                if det.mode == "patch" and det.step == 3:
+                    raise RuntimeError("patch bug")
+                return original(obj, f, *args, **kwargs)
+            return save
+
+        self.patch(ctx, torch, "save", make)
+
+    def attach(self, ctx):
+        self.hook(ctx.models[0], "forward", self._fwd)
+
+    def _fwd(self, module, args, out):
+        self.calls += 1
+        if self.mode == "hook" and self.step == 3:
+            raise ValueError("hook bug")
+
+    def on_step(self, event):
+        self.step = event.step + 1
+        return ()
+
+
+def _hook_boom(rank, world, tmp, mode):
+    import io
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    det = HookBoom(mode)
+    s = start_session(tmp, rank, detectors=[det, LossNonFinite()]) if mode else None
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    saved = []
+    for step in range(1, 6):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        buf = io.BytesIO()
+        torch.save({"step": step}, buf)  # the user's own save still happens, also when the patch raises
+        saved.append(len(buf.getvalue()) > 0)
+    digest = [float(p.detach().double().sum()) for p in ddp.parameters()]
+    if s is not None:
+        s.close(0)
+    return digest, saved, det.calls, [d.name for d in s.detectors] if s else None
+
+
+@pytest.mark.parametrize("mode, error, calls", [("hook", "ValueError: hook bug", 2),
+                                                ("patch", "RuntimeError: patch bug", 1)])
+def test_a_raising_hook_or_patch_switches_its_detector_off_and_training_goes_on(tmp_path, mode, error, calls):
+    bare = spawn_ranks(_hook_boom, 2, tmp=tmp_path / "bare", mode=None)
+    under = spawn_ranks(_hook_boom, 2, tmp=tmp_path / "attached", mode=mode)
+    for rank in range(2):
+        digest, saved, ran, active = under[rank]
+        assert digest == bare[rank][0]  # bitwise the same training
+        assert saved == [True] * 5  # the user's torch.save ran every time
+        # The hook ran until the detector was switched off (the patch raises after step 2's forward), then
+        # it was removed: no call after that.
+        assert ran == calls
+        assert active == ["loss_nonfinite"]
+        (f,) = [f for f in records(tmp_path / "attached", rank, "finding") if f["detector"] == "harness"]
+        assert f["subject"] == "detector:hookboom" and f["step"] == 2  # raised after step 2's boundary
+        assert error in f["message"] and "hooks removed" in f["message"]

@@ -140,3 +140,17 @@ def test_hashing_leaves_storages_resizable():
     before = fingerprints([("t", t)])
     t.untyped_storage().resize_(0)
     assert before["t"] != 0
+
+
+def test_device_path_takes_two_byte_tensors_at_odd_offsets():
+    # A bf16/fp16 slice at an odd element offset (ZeRO's flat buffers, DDP's bucket views): its bytes
+    # cannot be viewed as 32-bit words in place. The device path (run here on CPU tensors) must still
+    # fingerprint it, the same as the same values at an aligned offset.
+    from distdebug.fingerprint.hashing import device_fingerprint
+
+    for dtype in (torch.bfloat16, torch.float16):
+        buf = torch.arange(6, dtype=dtype)
+        odd = buf[1:5]
+        assert odd.storage_offset() == 1
+        assert device_fingerprint(odd).tolist() == device_fingerprint(odd.clone()).tolist()
+        assert device_fingerprint(buf[1:3]).tolist() != device_fingerprint(buf[2:4]).tolist()
