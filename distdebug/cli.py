@@ -13,7 +13,15 @@ from pathlib import Path
 import click
 
 from distdebug import envvars
-from distdebug.config import AttachConfig, LossSpikeConfig, ProfilerConfig, ReplicaDivergenceConfig, option_default
+from distdebug.config import (
+    ON_HANG,
+    ON_STALL,
+    AttachConfig,
+    LossSpikeConfig,
+    ProfilerConfig,
+    ReplicaDivergenceConfig,
+    option_default,
+)
 from distdebug.errors import UserError
 
 
@@ -81,10 +89,10 @@ def main() -> None:
               help="Seconds without progress (no step, no collective finished) before a rank counts as stalled; "
                    "then every rank's stacks and Flight Recorder trace are collected and the hang is diagnosed. "
                    "0: off.")
-@click.option("--on-hang", type=click.Choice(["abort", "report"]), default=option_default(AttachConfig, "on_hang"),
+@click.option("--on-hang", type=click.Choice(ON_HANG), default=option_default(AttachConfig, "on_hang"),
               show_default=True,
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")
-@click.option("--on-stall", type=click.Choice(["warn", "abort"]), default=option_default(AttachConfig, "on_stall"),
+@click.option("--on-stall", type=click.Choice(ON_STALL), default=option_default(AttachConfig, "on_stall"),
               show_default=True,
               help="A stall with no culprit (every rank busy in its own work: a long evaluation, a save): warn with "
                    "every rank's stack and go on, or end the job as a hang.")
