@@ -58,6 +58,11 @@ def _quietly(fn: Any, *args: Any) -> Any:
         return None
 
 
+IDENTITY_CHECKED = ("isend", "irecv")
+"""Collectives torch checks by identity (``dist.P2POp``, ``batch_isend_irecv``): every pipeline schedule
+(``torch.distributed.pipelining``) and Megatron's P2P communication build P2POps from them."""
+
+
 class TorchPatches:
     """The session's replacements of torch functions, installed once per rank and restored at its end."""
 
@@ -86,11 +91,17 @@ class TorchPatches:
         if dist.is_available():
             self.patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
             self.patch(dist, "destroy_process_group", self._wrap_destroy(dist.destroy_process_group))
+            c10d = dist.distributed_c10d
             for name in COLLECTIVES:
                 fn = getattr(dist, name, None)
                 if callable(fn):
                     self.raw_collectives[name] = fn
-                    self.patch(dist, name, self._wrap_collective(name, fn))
+                    wrapper = self._wrap_collective(name, fn)
+                    self.patch(dist, name, wrapper)
+                    if name in IDENTITY_CHECKED and getattr(c10d, name, None) is fn:
+                        # The same wrapper in c10d's own namespace: P2POp and batch_isend_irecv check the
+                        # op by identity against these globals (``op in [isend, irecv]``, ``op is isend``).
+                        self.patch(c10d, name, wrapper)
 
     # ------------------------------------------------------------------ autograd and DeepSpeed
     def _wrap_backward(self, original: Any) -> Any:
