@@ -21,6 +21,17 @@ half of its lateness, else "computes slower". Rank 0 also writes the scores (``s
 
 Not seen: slowness inside backward (the reduction hides who was last there); a GPU that is slower
 is usually slower in forward too.
+
+Host timestamps cannot see a slow GPU: the CPU enqueues kernels and runs ahead, and with NCCL it
+waits for the device only at a host synchronisation. So where the model lives on CUDA, the forward
+is also timed on the device: a CUDA event (``torch.cuda.Event(enable_timing=True)``) is recorded at
+the start and at the end of the step's first forward of the model inside the wrapper (DDP's own
+buffer broadcast left out), on the current stream, and the events are resolved only at the checked
+steps (one ``synchronize`` of the newest event, then ``elapsed_time``). When every rank has device
+times for the compared steps, a rank's work is its device forward time and its lateness is how much
+longer that took than the fastest rank's; the scores record ``"clock": "device"``. On CPU the host
+clock is the device clock and the arrival times are used (``"clock": "host"``). The event source is
+``DeviceClock``: tests inject one.
 """
 
 from __future__ import annotations
@@ -37,17 +48,20 @@ from distdebug.findings import Finding, Severity
 from distdebug.runtime.exchange import ExchangeUser, checked_step
 
 SCORE = 0.7
+DEVICE = 6
+"""Index of the device forward time (s, NaN when not measured) in a row."""
 LATE_FRACTION = 0.2
 MIN_LATE_S = 0.001
 MIN_STEPS = 8
 WINDOW = 64
 
 
-def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, float]]:
+def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, Any]]:
     """Per rank: score, median work, lateness and data wait (s) over the steps every rank recorded.
 
     ``per_rank[rank]`` holds ``[step, step_time_s, boundary_t, forward_t, backward_t, data_s]`` rows
-    (times from time.monotonic, NaN when not seen). Pure; tested on synthetic rows.
+    (times from time.monotonic, NaN when not seen), optionally with a 7th column: the step's forward
+    time on the device (s). Pure; tested on synthetic rows.
     """
     by_step: dict[int, dict[int, list[float]]] = {}
     for rank, rows in per_rank.items():
@@ -83,14 +97,46 @@ def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, float]
             work[r].append(max(step - waits[r], 1e-9))
             late[r].append(lateness[r])
             data[r].append(at_step[r][5])
+    device = all(len(by_step[s][r]) > DEVICE and by_step[s][r][DEVICE] == by_step[s][r][DEVICE]
+                 for s in steps for r in ranks)
+    if device:
+        # The CPU ran ahead of a slow device: its host arrival times say nothing. The device's own
+        # forward times do: work is that time, lateness its excess over the fastest rank's.
+        for i, s in enumerate(steps):
+            fwd = {r: by_step[s][r][DEVICE] for r in ranks}
+            quickest = min(fwd.values())
+            for r in ranks:
+                work[r][i] = max(fwd[r], 1e-9)
+                late[r][i] = fwd[r] - quickest
     med_work = {r: statistics.median(v) for r, v in work.items()}
     fastest = min(med_work.values())
     return {r: {"score": fastest / med_work[r], "work_s": med_work[r], "lateness_s": statistics.median(late[r]),
                 "data_wait_s": statistics.median(data[r]), "step_s": statistics.median(step_time),
-                "steps": len(steps)} for r in ranks}
+                "steps": len(steps), "clock": "device" if device else "host"} for r in ranks}
 
 
-def verdicts(table: dict[int, dict[str, float]]) -> list[tuple[int, str, dict[str, float]]]:
+class DeviceClock:
+    """Device-side timestamps: CUDA events on the current stream, resolved only when asked (at checked
+    steps: one synchronize of the newest event). Tests inject another source with the same three calls."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._event = torch.cuda.Event
+
+    def mark(self) -> Any:
+        event = self._event(enable_timing=True)
+        event.record()
+        return event
+
+    def settle(self, token: Any) -> None:
+        token.synchronize()
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end)) / 1000.0
+
+
+def verdicts(table: dict[int, dict[str, Any]]) -> list[tuple[int, str, dict[str, Any]]]:
     """(rank, cause, its row) for each straggler in a score table; cause 'data' or 'compute'."""
     out = []
     for r, row in table.items():
@@ -107,9 +153,12 @@ class Straggler(ExchangeUser, Detector):
     description = ("a rank the others keep waiting for (relative speed score from arrival times), and whether it "
                    "computes slower or waits for its data loader")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = None) -> None:
         self.ctx: RankContext | None = None
         self.exchange: Any = None
+        self.clock = clock  # DeviceClock where the model is on CUDA (attach); injected by tests
+        self.marks: list[Any] = []  # this step's device events: forward start, forward end
+        self.pending_device: list[tuple[list[float], Any, Any]] = []  # rows whose device times are unresolved
         self.rows: list[list[float]] = []
         self.history: dict[int, deque[list[float]]] = {}
         self.forward_t = float("nan")
@@ -138,21 +187,51 @@ class Straggler(ExchangeUser, Detector):
 
         self.ctx = ctx
         if ctx.models and self.open_exchange(ctx):
-            self.hook(ctx.models[0], "forward_pre", self._pre)
+            root = ctx.models[0]
+            self.hook(root, "forward_pre", self._pre)
+            from distdebug.runtime.discovery import unwrap
+
+            inner = unwrap(root)[0]
+            if self.clock is None and any(p.is_cuda for p in inner.parameters()):
+                self.clock = DeviceClock()
+            if self.clock is not None:
+                # Inside the wrapper: DDP's buffer broadcast (a collective wait) is not the device's work.
+                self.hook(inner, "forward_pre", self._device_start)
+                self.hook(inner, "forward", self._device_end)
 
     def _pre(self, module: Any, args: Any) -> None:
         if self.forward_t != self.forward_t:  # NaN: the step's first forward
             self.forward_t = time.monotonic()
+
+    def _device_start(self, module: Any, args: Any) -> None:
+        if not self.marks and self.clock is not None:  # the step's first forward only
+            self.marks.append(self.clock.mark())
+
+    def _device_end(self, module: Any, args: Any, out: Any) -> None:
+        if len(self.marks) == 1 and self.clock is not None:
+            self.marks.append(self.clock.mark())
+
+    def _resolve_device(self) -> None:
+        """At a checked step: wait for the newest event once, then read every pending row's time."""
+        if not self.pending_device or self.clock is None:
+            return
+        self.clock.settle(self.pending_device[-1][2])
+        for row, start, end in self.pending_device:
+            row[DEVICE] = self.clock.elapsed(start, end)
+        self.pending_device = []
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         now = time.monotonic()
         backward_t = self.ctx.backward_t if self.ctx is not None and self.ctx.backward_t is not None else float("nan")
         if backward_t == backward_t and now - backward_t > event.step_time_s + 1.0:
             backward_t = float("nan")  # left from an earlier step
-        row = [event.step, event.step_time_s, now, self.forward_t, backward_t, self.data_s]
+        row = [event.step, event.step_time_s, now, self.forward_t, backward_t, self.data_s, float("nan")]
+        marks, self.marks = self.marks, []
         self.forward_t, self.data_s = float("nan"), 0.0
         if self.exchange is None or event.step < 2:  # step 1 holds start-up and discovery
             return ()
+        if len(marks) == 2:
+            self.pending_device.append((row, marks[0], marks[1]))
         self.rows.append(row)
         self.last_step = event.step
         if checked_step(event.step):
@@ -170,7 +249,8 @@ class Straggler(ExchangeUser, Detector):
         if not table:
             return
         step = max(int(r[0]) for h in self.history.values() for r in h)
-        ctx.emit("straggler_scores", step=step, ranks={str(r): {k: round(v, 6) for k, v in row.items()}
+        ctx.emit("straggler_scores", step=step, ranks={str(r): {k: round(v, 6) if isinstance(v, float) else v
+                                                                for k, v in row.items()}
                                                             for r, row in table.items()})
         for rank, cause, row in verdicts(table):
             if rank in self.reported:
@@ -190,7 +270,7 @@ class Straggler(ExchangeUser, Detector):
                         f"medians over {int(row['steps'])} steps); it {what}",
                 evidence={"cause": "data loader" if cause == "data" else "compute",
                           "scores": {str(r): round(t["score"], 3) for r, t in table.items()},
-                          **{k: round(v, 6) for k, v in row.items()}},
+                          **{k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}},
                 fix=("more DataLoader workers, pin_memory, faster storage or a prefetching loader on that rank's host"
                      if cause == "data" else
                      "look at that rank's host and device: thermal throttling, a noisy neighbour, another process "
@@ -198,6 +278,7 @@ class Straggler(ExchangeUser, Detector):
             ))
 
     def flush_pending(self) -> None:
+        self._resolve_device()
         mine, self.rows = self.rows, []
         self.exchange.post(mine, self._judge)
 

@@ -46,3 +46,70 @@ def test_clocks_of_other_nodes_are_aligned_by_the_step_boundaries():
     ((rank, cause, _),) = verdicts(scores(rows(4, slow=3, late=0.02, offset={2: 5.0, 3: -7.5})))
     assert (rank, cause) == (3, "compute")
     assert verdicts(scores(rows(4, offset={1: 12.0}))) == []
+
+
+def with_device(per_rank, forward_s):
+    """The same rows with a device forward time per rank (s): what CUDA events measure."""
+    return {r: [row + [forward_s[r]] for row in rs] for r, rs in per_rank.items()}
+
+
+def test_a_slow_device_is_seen_where_host_times_cannot_see_it():
+    # The CPU ran ahead of the devices: host arrival times are the same on every rank (no slow rank in
+    # them), but rank 1's forward took 12 ms on its device against 4 ms elsewhere.
+    host = rows(3, seed=1)
+    assert verdicts(scores(host)) == []
+    table = scores(with_device(host, {0: 0.004, 1: 0.012, 2: 0.004}))
+    assert {row["clock"] for row in table.values()} == {"device"}
+    ((rank, cause, row),) = verdicts(table)
+    assert (rank, cause) == (1, "compute") and abs(row["lateness_s"] - 0.008) < 1e-9 and row["score"] < 0.4
+    # Equal device times: nobody; host rows without device times keep the host clock.
+    assert verdicts(scores(with_device(host, {0: 0.004, 1: 0.004, 2: 0.004}))) == []
+    assert {row["clock"] for row in scores(rows(3, slow=2, late=0.02)).values()} == {"host"}
+
+
+class FakeClock:
+    """An injected event source: marks are fake device times; settle counts the host waits."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.settled = 0
+
+    def mark(self):
+        return self.now
+
+    def settle(self, token):
+        self.settled += 1
+
+    def elapsed(self, start, end):
+        return end - start
+
+
+class FakeChannel:
+    def __init__(self):
+        self.posts = []
+
+    def post(self, payload, callback, prepare=None):
+        self.posts.append(payload)
+        return True
+
+
+def test_device_times_are_marked_in_the_forward_and_resolved_only_at_checked_steps():
+    from distdebug.context import RankContext, RankIdentity, StepEvent
+    from distdebug.detectors.straggler import DEVICE, Straggler
+
+    clock = FakeClock()
+    det = Straggler(clock=clock)
+    det.ctx = RankContext(RankIdentity(rank=0, local_rank=0, world_size=2, local_world_size=2, node=0, attempt=0,
+                                       host="h", pid=1), None, None)
+    det.exchange = FakeChannel()
+    for step in range(1, 17):
+        det._device_start(None, ())
+        clock.now += 0.005 * step  # this step's forward on the device
+        det._device_end(None, (), None)
+        det._device_start(None, ())  # a second forward in the same step (accumulation): not the first
+        det.on_step(StepEvent(rank=0, step=step, loss=1.0, step_time_s=0.01, backward_calls=1, collectives=0))
+    # Checked steps 2, 4, 8 and 16 posted; each resolved its rows with one wait, never inside a hook.
+    assert clock.settled == 4 == len(det.exchange.posts)
+    posted = [row for post in det.exchange.posts for row in post]
+    assert [int(r[0]) for r in posted] == list(range(2, 17))
+    assert all(abs(r[DEVICE] - 0.005 * r[0]) < 1e-12 for r in posted)
