@@ -44,6 +44,11 @@ def checked_step(step: int) -> bool:
     return step in (2, 4, 8) or step % CHECK_EVERY == 0
 
 
+FLUSH, CLEAN, UNCLEAN = object(), object(), object()
+"""Markers in the exchange's queue: a step boundary's posts are all made; a clean end (every rank is
+ending together: closing rounds until all have closed); any other end (no round at all)."""
+
+
 class Channel:
     """One detector's view of the exchange: its posts carry its tag."""
 
@@ -73,14 +78,16 @@ class Channel:
 class Exchange:
     """One per rank, made by the session when a detector uses it and there are peers (world >= 2).
 
-    The thread works in rounds: each round is one all_gather of everything this rank posted since
-    its last round. A post is matched across ranks by its (tag, count), not by its place in the
-    queue, and its callback runs once every rank's part has arrived, in the same order on every
-    rank (every rank sees the same rounds). So one detector whose posts differ across ranks (its
-    step numbers parted after a skipped ``optimizer.step``, it was switched off on one rank) leaves
-    only its own posts unmatched; the other detectors' exchanges go on. A rank starts a round when
-    it has something to send (or is closing), so nothing spins: a round waits, on this thread, for
-    the peers' next post.
+    The thread works in rounds: the session calls ``flush()`` once its detectors have posted what a
+    step boundary (or attach) makes them post, and each flush with posts is one all_gather of them.
+    Detectors post by step number, so every rank's rounds normally hold the same posts. A post is
+    matched across ranks by its (tag, count), not by its place in a round, and its callback runs
+    once every rank's part has arrived, in the same order on every rank (every rank sees the same
+    rounds). So one detector whose posts differ across ranks (its step numbers parted after a
+    skipped ``optimizer.step``, it was switched off on one rank) leaves only its own posts
+    unmatched; the other detectors' exchanges go on. Nothing spins: a round waits, on this thread,
+    for the peers' round. At an unclean end the thread starts no round (peers may never come, and
+    a collective in flight at interpreter exit is what makes gloo abort the process).
     """
 
     def __init__(self, rank: int, report: Callable[[Finding], None], raw_collectives: dict[str, Any],
@@ -127,6 +134,11 @@ class Exchange:
         self._queue.put((tag, n, payload, callback, prepare))
         return True
 
+    def flush(self) -> None:
+        """The posts of this step boundary are all made: send them (one round, if there are any)."""
+        if self.running:
+            self._queue.put(FLUSH)
+
     def gather(self, tag: str, payload: Any) -> list[Any]:
         """Inside a callback: every rank runs the same callbacks in the same order, so this pairs."""
         n = self._inner.get(tag, 0) + 1
@@ -142,18 +154,28 @@ class Exchange:
 
     def _worker(self) -> None:
         closing = False
+        held: list[Any] = []  # posts waiting for the session's flush
         while self.group is not None:
-            items = [] if closing else [self._queue.get()]
-            while True:
+            if not closing:
+                item = self._queue.get()
+                if item is UNCLEAN:
+                    return  # no round: peers that are not ending may never join it
+                if item is not FLUSH and item is not CLEAN:
+                    held.append(item)
+                    continue
+                closing = item is CLEAN
+                if not held and not closing:
+                    continue  # a boundary that posted nothing: no round
+            while True:  # at a clean end, whatever came after the last flush goes too
                 try:
-                    items.append(self._queue.get_nowait())
+                    extra = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                if extra not in (FLUSH, CLEAN, UNCLEAN):
+                    held.append(extra)
+            items, held = held, []
             outgoing = []
             for item in items:
-                if item is None:
-                    closing = True
-                    continue
                 tag, n, payload, callback, prepare = item
                 try:
                     outgoing.append((tag, n, prepare(payload) if prepare is not None else payload))
@@ -173,7 +195,8 @@ class Exchange:
                 return
 
     def _round(self, closing: bool, outgoing: list[tuple[str, int, Any]]) -> bool:
-        """One all_gather of this rank's new posts; run the callbacks of the posts now complete."""
+        """One all_gather of this rank's new posts; run the callbacks of the posts now complete.
+        Returns whether every rank has closed."""
         gathered: list[Any] = [None] * self.world
         self._all_gather_object(gathered, ("round", closing, outgoing), group=self.group)
         if any(not (isinstance(g, tuple) and len(g) == 3 and g[0] == "round") for g in gathered):
@@ -226,7 +249,7 @@ class Exchange:
         if thread is None:
             return
         self._closed = True
-        self._queue.put(None)
+        self._queue.put(CLEAN if clean else UNCLEAN)
         thread.join(timeout=DRAIN_TIMEOUT_S if clean else UNCLEAN_WAIT_S)
         group, self.group = self.group, None
         if group is not None and not thread.is_alive() and dist.is_initialized():

@@ -347,6 +347,8 @@ class Session:
         )
         for det in list(self.detectors):
             self._run_detector(det, "on_step", lambda d: d.on_step(event))
+        if self._exchange is not None:
+            self._exchange.flush()  # this boundary's posts, one round (the same posts on every rank)
 
     def _mean_loss(self) -> float | None:
         if self._loss_sum is None or not self._loss_n:
@@ -361,6 +363,8 @@ class Session:
         self._open_exchange()
         for det in list(self.detectors):
             self._run_detector(det, "attach", lambda d: d.attach(self.ctx))
+        if self._exchange is not None:
+            self._exchange.flush()
 
     def _end_discovery_hooks(self) -> None:
         # Forward hooks are only for discovery; removing them restores nn.Module's fast path.

@@ -100,3 +100,54 @@ def test_posts_are_matched_by_tag_and_count_so_one_detector_out_of_step_spoils_n
         assert released  # the clean close drained and released the group
     for rank in range(2):
         assert findings(tmp_path, rank) == []
+
+
+def _posts_at_different_moments(rank, world, tmp):
+    """Within one boundary rank 1 posts 'b' a second after 'a' (a slow detector); rank 0 posts both at
+    once. The flush makes each rank's round hold the boundary's posts: both complete during the run."""
+    import time
+
+    from distdebug.findings import Finding
+
+    got: list[str] = []
+
+    def report(f: Finding) -> None:
+        got.append(f"finding: {f.message}")
+
+    ex = Exchange(rank, report, {})
+    a, b = ex.channel("a"), ex.channel("b")
+    a.post(rank, lambda g: got.append("a"))
+    if rank == 1:
+        time.sleep(1.0)
+    b.post(rank, lambda g: got.append("b"))
+    ex.flush()
+    time.sleep(3.0 - (1.0 if rank == 1 else 0.0))
+    seen_before_close = list(got)
+    ex.close(clean=True)
+    return seen_before_close
+
+
+def test_one_round_per_flush_holds_the_boundarys_posts_made_at_different_moments(tmp_path):
+    for seen in spawn_ranks(_posts_at_different_moments, 2, timeout=60, tmp=tmp_path):
+        assert sorted(seen) == ["a", "b"], seen
+
+
+def _unclean_end_starts_no_round(rank, world, tmp):
+    """Rank 1 posts without a flush and ends uncleanly (the script raised): its thread must leave at
+    once, in no collective (one in flight at interpreter exit makes gloo abort the process)."""
+    import time
+
+    ex = Exchange(rank, lambda f: None, {})
+    if rank == 1:
+        ex.channel("a").post(1, lambda g: None)
+        t0 = time.monotonic()
+        ex.close(clean=False)
+        return time.monotonic() - t0, ex.group is None
+    time.sleep(3.0)  # rank 0 never joins
+    ex.close(clean=False)
+    return 0.0, ex.group is None
+
+
+def test_an_unclean_end_leaves_at_once_and_releases_the_group(tmp_path):
+    (_, _), (took, released) = spawn_ranks(_unclean_end_starts_no_round, 2, timeout=60, tmp=tmp_path)
+    assert took < 1.0 and released  # the thread left without a round, so the group was destroyed
