@@ -160,19 +160,24 @@ class Exchange:
                 item = self._queue.get()
                 if item is UNCLEAN:
                     return  # no round: peers that are not ending may never join it
-                if item is not FLUSH and item is not CLEAN:
+                if item is CLEAN:
+                    closing = True
+                elif item is FLUSH:
+                    if not held:
+                        continue  # a boundary that posted nothing: no round
+                else:
                     held.append(item)
                     continue
-                closing = item is CLEAN
-                if not held and not closing:
-                    continue  # a boundary that posted nothing: no round
-            while True:  # at a clean end, whatever came after the last flush goes too
-                try:
-                    extra = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if extra not in (FLUSH, CLEAN, UNCLEAN):
-                    held.append(extra)
+            if closing:  # everything still queued goes in the closing rounds (markers are done with)
+                while True:
+                    try:
+                        extra = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if extra is not FLUSH and extra is not CLEAN and extra is not UNCLEAN:
+                        held.append(extra)
+            # A flush sends what was posted before it, no more: posts after it wait for the next
+            # flush, so that every rank's round holds the same boundary's posts.
             items, held = held, []
             outgoing = []
             for item in items:
