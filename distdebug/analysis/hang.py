@@ -186,6 +186,11 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
             if st.status in (Status.RUNNING, Status.STALLED):
                 st.status = Status.CRASHED
                 st.stack = _crash_frames(crash)
+        site = (st.inflight or {}).get("site")
+        if not st.stack and site and st.inflight_state in ("inside", "failed"):
+            # No stack of its own (a fatal-signal dump cut short when the launcher stopped the rank): the
+            # script's line that called the collective it died in, from the in-flight record.
+            st.stack = [{**site, "code": ""}]
         states[rank] = st
     for rank in range(world_size or 0):
         states.setdefault(rank, RankState(rank=rank, status=Status.ABSENT))

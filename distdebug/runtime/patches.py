@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
 from typing import Any, Protocol
@@ -56,6 +57,28 @@ def _quietly(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except Exception:
         return None
+
+
+_NOT_THE_CALLER = (f"{os.sep}site-packages{os.sep}", f"{os.sep}distdebug{os.sep}", "<frozen ",
+                   f"{os.sep}lib{os.sep}python3")
+
+
+def _call_site(depth: int) -> dict[str, Any] | None:
+    """The script's frame that called the collective (torch's, ours and the standard library's skipped):
+    kept with the in-flight record, so that a rank that dies inside the collective before any Python
+    runs again (and before its fatal-signal dump is complete) is still placed."""
+    try:
+        f: Any = sys._getframe(depth)
+    except ValueError:
+        return None
+    for _ in range(32):
+        if f is None:
+            return None
+        name = f.f_code.co_filename
+        if not any(m in name for m in _NOT_THE_CALLER):
+            return {"file": name, "line": f.f_lineno, "func": f.f_code.co_name}
+        f = f.f_back
+    return None
 
 
 IDENTITY_CHECKED = ("isend", "irecv")
@@ -210,7 +233,8 @@ class TorchPatches:
             t = args[0] if args else kwargs.get("tensor")
             if name == "all_reduce" and isinstance(t, torch.Tensor):
                 session.note_all_reduce(t)
-            info = {"op": name, "seq": progress.collective_seq, "step": progress.step + 1, "shapes": _shapes(t)}
+            info = {"op": name, "seq": progress.collective_seq, "step": progress.step + 1, "shapes": _shapes(t),
+                    "site": _call_site(3)}  # enter <- _quietly <- collective <- its caller
             slot = session.inflight
             if slot is not None:
                 slot.enter(info)

@@ -106,6 +106,23 @@ def test_one_rank_waiting_for_a_busy_one_names_the_busy_one(tmp_path):
     assert (f.severity, f.ranks, f.subject) == (Severity.CRITICAL, [1], "all_reduce #3")
 
 
+def test_a_crash_dump_cut_short_is_placed_by_the_in_flight_record(tmp_path):
+    # Rank 0 died by a fatal signal inside all_reduce #3, and the launcher stopped it before its
+    # faulthandler dump reached the main thread: the call site comes from the in-flight record.
+    site = {"file": "/home/me/train.py", "line": 53, "func": "<module>"}
+    for rank in (0, 1):
+        write(tmp_path, rank, steps([1, 1]), world=2)
+        InflightSlot(layout.inflight_path(tmp_path, rank)).enter(
+            {"op": "all_reduce", "seq": 3, "step": 3, "shapes": [[20 * (rank + 1)]], "site": site})
+    cut_short = "Fatal Python error: Aborted\n\nThread 0x00007f (most recent call first):\n"
+    layout.crash_path(tmp_path, 0).write_text(cut_short)
+    write(tmp_path, 1, steps([1, 1]) + [schema.record(schema.SCRIPT_ERROR, step=2, exception="RuntimeError",
+                                                      message="size mismatch", collective="all_reduce", stack=[])],
+          world=2)
+    (f,) = diagnose(load_run(tmp_path))
+    assert "rank 0 died by a fatal signal at step 3 in train.py:53 in <module>" in f.message, f.message
+
+
 def test_clean_run_has_no_hang_finding(tmp_path):
     for rank in range(3):
         write(tmp_path, rank, steps([1, 1, 1]) + [schema.record(schema.END, exit_code=0)])
