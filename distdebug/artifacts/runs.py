@@ -32,7 +32,9 @@ def prepare_run_dir(path: Path) -> Path:
     path = path.expanduser().resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
+        # One probe per process: launchers of several nodes on one host may share the run directory
+        # and prepare it at the same moment (one's unlink must not take away the other's probe).
+        probe = path / f".write-test.{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:

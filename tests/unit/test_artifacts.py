@@ -86,3 +86,29 @@ def test_unwritable_run_dir_is_a_user_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(UserError, match="cannot write the run directory"):
         runs.prepare_run_dir(blocker / "run")
+
+
+def test_launchers_preparing_one_run_directory_at_once_do_not_trip_each_other(tmp_path):
+    # Two nodes' launchers on one host share --run-dir (the two-node test does): each probes the
+    # directory with a file of its own; a shared probe name let one unlink the other's (a one-line
+    # "cannot write the run directory" error, and the other node waited for it forever).
+    import multiprocessing as mp
+
+    from distdebug.artifacts.runs import prepare_run_dir
+
+    def hammer(path, errors):
+        try:
+            for _ in range(300):
+                prepare_run_dir(path)
+        except Exception as e:  # noqa: BLE001  (any failure is the finding)
+            errors.put(repr(e))
+
+    ctx = mp.get_context("fork")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=hammer, args=(tmp_path / "run", errors)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert errors.empty()
