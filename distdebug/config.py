@@ -147,6 +147,22 @@ class LossSpikeConfig:
 
 
 @dataclass(kw_only=True)
+class LossScaleConfig:
+    """loss_scale (AMP loss scalers: torch.amp.GradScaler, DeepSpeed fp16)."""
+
+    skipped_in_a_row: int = 5
+    """Consecutive steps skipped for overflow after which the scale is said to keep collapsing."""
+    min_scale: float = 1.0
+    """A loss scale below this is a warning: gradients are scaled down, small ones vanish."""
+
+    def __post_init__(self) -> None:
+        if self.skipped_in_a_row < 2:
+            raise UserError(f"loss_scale.skipped_in_a_row must be 2 or more, got {self.skipped_in_a_row}", 2)
+        if not self.min_scale > 0:
+            raise UserError(f"loss_scale.min_scale must be a positive number, got {self.min_scale}", 2)
+
+
+@dataclass(kw_only=True)
 class ReplicaDivergenceConfig:
     """replica_divergence (``--fingerprint-every``)."""
 

@@ -146,3 +146,12 @@ class StepEvent:
     backward_total: int = 0
     """Backward calls since the start: equal across ranks in lockstep training, even when a rank
     skips optimizer.step (which the step number alone cannot show)."""
+    skipped: bool = False
+    """A loss scaler (torch.amp.GradScaler, DeepSpeed fp16) skipped this step's update: its gradients
+    were not finite, which the scaler handles by design (the parameters did not change, the scale
+    goes down). Not a NaN of the training's."""
+    loss_scale: float | None = None
+    """The loss scale this step's backward ran with (AMP), when a scaler is in use."""
+    readout: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """detector name -> {key: value}: what each detector's ``probe`` asked for, read to the host in
+    the step's one device-to-host transfer (runtime.readout)."""

@@ -38,7 +38,15 @@ INJECT = "DISTDEBUG_INJECT"
 DEBUG = "DISTDEBUG_DEBUG"
 """Set (to anything): the CLI lets distdebug's own traceback through for an internal error."""
 
+DEVICE_PATH = "DISTDEBUG_DEVICE_PATH"
+"""``1``: CPU tensors take the fingerprint's device path too (the same values, computed with torch
+kernels and read in the step's one read): the tests count on CPU what a GPU run reads."""
+
 ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, DETERMINISTIC, INJECT)
+
+
+def device_path_forced() -> bool:
+    return os.environ.get(DEVICE_PATH) == "1"
 
 
 def encode_list(items: list[str]) -> str:

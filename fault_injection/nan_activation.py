@@ -20,7 +20,7 @@ class NanActivation(Fault):
     module: str
     params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
     catcher = "nan_origin"
-    engines = ("ddp", "manual")
+    engines = ("ddp", "manual", "fsdp2", "zero2")  # FSDP2/ZeRO reduce inside: the forward names the origin
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
@@ -32,11 +32,13 @@ class NanActivation(Fault):
         def hook(m: Any, args: Any, out: Any) -> Any:
             import torch
 
-            if self.here() and isinstance(out, torch.Tensor) and out.is_floating_point():
+            # A tensor, or a tuple led by one (nn.MultiheadAttention returns (output, weights)).
+            first = out[0] if isinstance(out, tuple) and out else out
+            if self.here() and isinstance(first, torch.Tensor) and first.is_floating_point():
                 self.injected(module=name)
-                out = out.clone()
-                out.view(-1)[0] = float("nan")
-                return out
+                poisoned = first.clone()
+                poisoned[(0,) * poisoned.dim()] = float("nan")  # the first element, whatever the strides
+                return (poisoned, *out[1:]) if isinstance(out, tuple) else poisoned
             return None
 
         mod.register_forward_hook(hook)

@@ -35,6 +35,8 @@ class Detector:
     description: ClassVar[str] = ""
     default: ClassVar[bool] = True
     """Whether the detector runs when ``--detectors`` is not given."""
+    needs_model: ClassVar[bool] = False
+    """Watches the model found by discovery (its modules, parameters or gradients): blind when none is."""
     Config: ClassVar[type | None] = None
     """A configurable detector's options: a kw_only dataclass, one docstring per field (defaults live
     there and nowhere else). The detector is then built as ``cls(config)``; ``distdebug attach
@@ -44,8 +46,25 @@ class Detector:
     def setup(self, ctx: RankContext) -> None:
         """Called once per rank before the script runs (for hooks needed from the first line on)."""
 
+    def before_backward(self, ctx: RankContext) -> None:
+        """Called before each backward of step 1 (discovery; ``ctx.models``: the models found so far).
+        The moment for what must precede a model's first backward (a DDP communication hook): the
+        script has made its own registrations by then."""
+
     def attach(self, ctx: RankContext) -> None:
         """Called once per rank after discovery (first step boundary)."""
+
+    def probe(self, step: int) -> dict[str, Any] | None:
+        """Device values this detector needs on the host at this step boundary (flags, norms,
+        fingerprint rows), as tensors, not read: the session reads them all, and the loss, in one
+        device-to-host transfer and hands them back in ``on_step``'s event (``self.values(event)``).
+        Called at every boundary just before ``on_step``. A detector never reads a device tensor itself:
+        on a GPU each read stalls the host until the device catches up (runtime.readout)."""
+        return None
+
+    def values(self, event: StepEvent) -> dict[str, Any]:
+        """What ``probe`` asked for at this boundary, read: {key: number or nested list}."""
+        return event.readout.get(self.name, {})
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         return ()
@@ -87,8 +106,14 @@ class Detector:
         the call returns ``fallback(*args)`` (None without one: a module hook that changes nothing)."""
         det = self
 
+        import torch
+
+        compiling = torch.compiler.is_compiling
+
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
+            if compiling():  # traced into a compiled graph: nothing of ours goes in (state read = a guard)
+                return fallback(*args, **kwargs) if fallback is not None else None
             if not det.off:
                 try:
                     return fn(*args, **kwargs)
@@ -100,7 +125,15 @@ class Detector:
 
     def hook(self, module: Any, kind: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
         """``module.register_<kind>_hook(fn)`` (kind: forward, forward_pre, full_backward...), guarded,
-        and removed when the detector is switched off (or by ``remove_hooks()`` at its end)."""
+        and removed when the detector is switched off (or by ``remove_hooks()`` at its end).
+
+        A module that runs inside a torch.compile'd region gets no module hook (returns None): the hook
+        would be traced into the graph, and adding one, or a flag it reads changing, recompiles it
+        (``discovery.runs_compiled``). Hook the compiled wrapper instead, which runs eagerly."""
+        from distdebug.runtime.discovery import runs_compiled
+
+        if kind.startswith(("forward", "full_backward")) and runs_compiled(module):
+            return None
         handle = getattr(module, f"register_{kind}_hook")(self.guarded(fn), **kwargs)
         self.__dict__.setdefault("_guarded_handles", []).append(handle)
         return handle

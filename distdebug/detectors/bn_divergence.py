@@ -56,6 +56,7 @@ def batch_mean_spread(per_rank: dict[int, dict[str, list[float]]]) -> tuple[floa
 
 class BatchNormDivergence(ExchangeUser, Detector):
     name = "bn_divergence"
+    needs_model = True
     description = ("BatchNorm running statistics differ across ranks (names module, max difference); plain "
                    "BatchNorm whose per-rank batch statistics disagree (recommends SyncBatchNorm)")
 
@@ -66,6 +67,8 @@ class BatchNormDivergence(ExchangeUser, Detector):
         self.armed = False
         self.seen: dict[str, dict[str, Any]] = {}  # module -> this step's statistics
         self.reported: set[tuple[str, str]] = set()
+        self._was_armed = False  # the step being read was a checked one
+        self._keys: dict[str, list[str]] = {}  # module -> the statistics its hook took this step
         self._hooks: list[Any] = []
 
     def attach(self, ctx: RankContext) -> None:
@@ -89,24 +92,41 @@ class BatchNormDivergence(ExchangeUser, Detector):
             if not self.armed or label in self.seen or not args or not isinstance(args[0], torch.Tensor):
                 return
             x = args[0].detach()
+            # Device tensors only (a few values per channel, copies: the forward updates the running
+            # statistics in place); read at the boundary with the step's other values.
             stats: dict[str, Any] = {}
             if module.training and x.dim() >= 2 and x.numel() > x.shape[1]:
                 dims = [d for d in range(x.dim()) if d != 1]
-                var, mean = torch.var_mean(x.float(), dim=dims, unbiased=False)
-                stats["mean"], stats["var"] = mean.tolist(), var.tolist()
+                stats["var"], stats["mean"] = torch.var_mean(x.float(), dim=dims, unbiased=False)
             if module.running_mean is not None:
-                stats["running_mean"] = module.running_mean.detach().float().tolist()
-                stats["running_var"] = module.running_var.detach().float().tolist()
+                stats["running_mean"] = module.running_mean.detach().to(torch.float32, copy=True)
+                stats["running_var"] = module.running_var.detach().to(torch.float32, copy=True)
                 nbt = module.num_batches_tracked
-                stats["num_batches_tracked"] = int(nbt) if nbt is not None else None
+                if nbt is not None:
+                    stats["num_batches_tracked"] = nbt.detach().clone()
             self.seen[label] = stats
         return hook
 
-    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+    def probe(self, step: int) -> dict[str, Any] | None:
         seen, self.seen = self.seen, {}
-        was_armed, self.armed = self.armed, self.exchange is not None and checked(event.step + 1)
+        self._was_armed, self.armed = self.armed, self.exchange is not None and checked(step + 1)
+        if not self._was_armed:
+            return None
+        self._keys = {label: list(stats) for label, stats in seen.items()}
+        return {f"{label}\0{key}": t for label, stats in seen.items() for key, t in stats.items()}
+
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        was_armed, self._was_armed = self._was_armed, False
         if not was_armed or self.exchange is None:
             return ()
+        values = self.values(event)
+        seen: dict[str, dict[str, Any]] = {}
+        for label, keys in self._keys.items():
+            stats = {key: values.get(f"{label}\0{key}") for key in keys}
+            if any(v is None for v in stats.values()):
+                continue  # the step's read failed
+            stats.setdefault("num_batches_tracked", None)
+            seen[label] = stats
         step = event.step
 
         def verdict(gathered: list[Any]) -> None:

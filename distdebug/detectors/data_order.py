@@ -21,10 +21,12 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.hashing import combine_device, device_fingerprint, fingerprints, shape_seed
+from distdebug.fingerprint.hashing import PendingFingerprints
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
@@ -47,6 +49,7 @@ def identical_batches(per_rank: dict[int, list[list[Any]]]) -> tuple[list[int], 
 
 class DataOrder(ExchangeUser, Detector):
     name = "data_order"
+    needs_model = True
     description = ("ranks training on identical batches (DistributedSampler missing), DistributedSampler "
                    "without set_epoch, the same batch giving different losses")
 
@@ -118,28 +121,33 @@ class DataOrder(ExchangeUser, Detector):
     def _pre_hook(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.pending is not None or self.exchange is None:
             return  # the step's first forward only
+        if not torch.is_grad_enabled() or not getattr(module, "training", True):
+            return  # an evaluation forward between steps (often the same batch on every rank): not training
         t = first_tensor((args, kwargs))
         if t is None:
             return
-        if t.is_cpu:
-            self.pending = fingerprints([("batch", t)])["batch"]
-        else:  # fingerprinted on the device; read (16 bytes) only at the next exchange, no sync per step.
-            # Its dtype and shape are kept, not the batch: nothing of the user's data outlives the forward.
-            self.pending = (device_fingerprint(t), shape_seed(t))
+        # A CPU batch is hashed at once; a device batch is fingerprinted on the device and its 16 bytes
+        # read with the step's other values at the boundary (probe). Only dtype and shape are kept of
+        # the batch: nothing of the user's data outlives the forward.
+        self.pending = PendingFingerprints([("batch", t)])
+
+    def probe(self, step: int) -> dict[str, Any] | None:
+        if self.pending is None:
+            return None
+        return {str(j): rows for j, rows in enumerate(self.pending.device_rows)}
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
-        digest, self.pending = self.pending, None
+        pending, self.pending = self.pending, None
         if self.exchange is None:
             return ()
-        if digest is not None:
-            self.records.append([event.step, digest, event.loss])
+        if pending is not None:
+            values = self.values(event)
+            rows = [values.get(str(j)) for j in range(len(pending.device_rows))]
+            if all(r is not None for r in rows):
+                self.records.append([event.step, pending.finish(rows)["batch"], event.loss])
         if not checked(event.step):
             return ()
         mine, self.records = self.records, []
-        for rec in mine:
-            if isinstance(rec[1], tuple):
-                fp, t = rec[1]
-                rec[1] = combine_device(fp.tolist(), t)
 
         def verdicts(gathered: list[Any]) -> None:  # on the exchange's thread
             ctx = self.ctx

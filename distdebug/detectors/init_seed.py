@@ -26,7 +26,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.compare import compare
-from distdebug.fingerprint.hashing import fingerprints
+from distdebug.fingerprint.hashing import PendingFingerprints
 from distdebug.runtime.exchange import ExchangeUser
 
 MAX_NAMED = 10
@@ -38,7 +38,9 @@ class InitSeed(ExchangeUser, Detector):
 
     def __init__(self) -> None:
         self.ctx: RankContext | None = None
-        self.initial: dict[str, int] = {}
+        self.initial: list[PendingFingerprints] = []  # launched before anything equalises them, read at step 1
+        self._posted = False
+        self._inert = False  # attached: the global first-forward hook has done its work
         self.broadcast = False  # DDP made the parameters equal after they were fingerprinted
         self.seeded = False
         self._hook: Any = None
@@ -82,23 +84,46 @@ class InitSeed(ExchangeUser, Detector):
         from distdebug.runtime.discovery import unwrap
 
         inner = unwrap(module)[0]
-        self.initial.update(fingerprints([(n, p) for n, p in inner.named_parameters()]))
+        # Computed now (before DDP's broadcast), read with step 1's values at its boundary (probe).
+        self.initial.append(PendingFingerprints([(n, p) for n, p in inner.named_parameters()]))
         self.broadcast |= broadcast
 
     def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
         # The outermost module's first forward (nested modules run inside it and are skipped).
-        if not self.initial:
+        if not self.initial and not self._inert:
             self._guard(self._record, module, False)
 
     def attach(self, ctx: RankContext) -> None:
 
-        if self._hook is not None:
-            self._hook.remove()
+        from distdebug.runtime.discovery import any_compiled
+
+        if self._hook is not None and not any_compiled():
+            self._hook.remove()  # (kept when a model runs compiled: removing a global hook recompiles it)
             self._hook = None
-        if not self.open_exchange(ctx):
-            return
-        mine = {"fps": self.initial, "seed": torch.initial_seed(), "seeded": self.seeded,
-                "broadcast": self.broadcast}
+        self._inert = True
+        self.open_exchange(ctx)
+
+    def probe(self, step: int) -> dict[str, Any] | None:
+        if self._posted or self.exchange is None:
+            return None
+        return {f"{i}.{j}": rows for i, part in enumerate(self.initial) for j, rows in enumerate(part.device_rows)}
+
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        if self._posted or self.exchange is None:
+            return ()
+        self._posted = True
+        values = self.values(event)
+        fps: dict[str, int] = {}
+        for i, part in enumerate(self.initial):
+            keys = [f"{i}.{j}" for j in range(len(part.device_rows))]
+            if any(k not in values for k in keys):
+                fps = {}  # the step's read failed: posted empty (every rank posts), judged without this rank
+                break
+            fps.update(part.finish([values[k] for k in keys]))
+        self.initial = []
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()
+        mine = {"fps": fps, "seed": torch.initial_seed(), "seeded": self.seeded, "broadcast": self.broadcast}
 
         def verdicts(gathered: list[Any]) -> None:
             if ctx.rank == 0:
@@ -106,6 +131,7 @@ class InitSeed(ExchangeUser, Detector):
                     ctx.report(f)
 
         self.exchange.post(mine, verdicts)
+        return ()
 
     def _verdicts(self, per_rank: dict[int, dict[str, Any]]) -> list[Finding]:
         out = []
@@ -154,5 +180,3 @@ class InitSeed(ExchangeUser, Detector):
         self.close_exchange(clean=False)
         return ()
 
-    def on_step(self, event: StepEvent) -> Iterable[Finding]:
-        return ()

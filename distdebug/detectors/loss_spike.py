@@ -120,6 +120,7 @@ class CrossRank:
 
 class LossSpike(ExchangeUser, Detector):
     name = "loss_spike"
+    needs_model = True
     description = "loss or gradient norm far above its recent median (robust z over a window), per rank"
 
     Config = LossSpikeConfig
@@ -193,7 +194,11 @@ class LossSpike(ExchangeUser, Detector):
         if self.exchange is not None:
             self.exchange.post(mine, judge)
 
-    def _grad_norm(self) -> float | None:
+    def probe(self, step: int) -> dict[str, Any] | None:
+        norm = self._grad_norm()
+        return None if norm is None else {"grad_norm": norm}
+
+    def _grad_norm(self) -> Any:
         if self.sharded:
             grads = [local_view(p.grad) for p in self.params if p.grad is not None]
         else:  # plain tensors as they are: no per-step view per parameter
@@ -202,13 +207,16 @@ class LossSpike(ExchangeUser, Detector):
         if not grads:
             return None
         with torch.no_grad():
-            return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0))))
+            # A device scalar: read with the step's other values (runtime.readout), not here.
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.rank = event.rank
         self._cross_rank(event)
-        out = []
-        for signal, value in (("loss", event.loss), ("grad_norm", self._grad_norm())):
+        out: list[Finding] = []
+        if event.skipped:
+            return out  # a loss scaler skipped the update (overflow): its gradients say nothing
+        for signal, value in (("loss", event.loss), ("grad_norm", self.values(event).get("grad_norm"))):
             if value is None or not math.isfinite(value):
                 continue  # NaN/Inf are nan_origin's and loss_nonfinite's
             hist = self.history[signal]

@@ -121,6 +121,7 @@ def breakdown(params: list[Any], optimizers: list[Any]) -> dict[str, int]:
 
 class Memory(Detector):
     name = "memory"
+    needs_model = True
     description = "bytes per rank in parameters, gradients, optimizer state, activations, other; per step, at peak"
 
     def __init__(self) -> None:

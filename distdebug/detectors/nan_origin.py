@@ -5,22 +5,29 @@ Why it needs more than the loss: an all-reduce spreads one rank's NaN gradient t
 same step, so after the step every rank looks guilty. What tells them apart is each rank's *local*
 gradient before the reduction:
 
-- DDP: a communication hook sees every bucket before it is reduced; it records one fused
-  max-abs per parameter of the bucket (``torch._foreach_norm(..., inf)``: no host sync), then
-  reduces exactly as DDP does without a hook (the bucket is scaled by 1/world and summed). It is
-  registered only when the script registered no hook of its own.
+- DDP: a hook on each parameter (``register_post_accumulate_grad_hook``) sees its local gradient
+  once autograd has accumulated it, before DDP's reducer copies it into a bucket and reduces it;
+  it folds in one sum per parameter (no host sync). DDP's reduction is never touched (its own
+  path, or the script's communication hook whenever registered): bitwise the same by construction.
+  The hooks go in before the model's first backward, so a NaN in step 1 has its origin too.
 - Hand-written all_reduce: the input of each ``all_reduce`` is checked before the call (named by
   the parameter whose ``.grad`` it is, or as a flattened buffer).
 - Modules: forward hooks on leaf modules and modules with parameters record whether each output
   was finite (one reduction per module, no host sync).
 
 All flags are device tensors; at the step boundary one fused check over them, over the reduced
-gradients and over the parameters after the step costs a single host synchronisation. Only when
-it fails are the flags read one by one (the rare path). Hooks come in at the end of step 1
-(discovery), so a NaN in step 1 is found with its step but without its origin.
+gradients and over the parameters after the step is one device scalar, read with the harness's
+other values in the step's single host read (runtime.readout). Only when it fails are the flags
+read one by one (the rare path). The module hooks come in at the end of step 1 (discovery), so a
+NaN in step 1 is found by its step and local gradients (DDP), not by its module.
 
 FSDP2 and DeepSpeed reduce gradients inside the framework: there the finding names the step and
 the module, and says that the origin rank could not be told.
+
+AMP: a step that a loss scaler (``torch.amp.GradScaler``, DeepSpeed fp16) skipped because its scaled
+gradients overflowed is not a finding when the forward's outputs and the loss were finite (that
+is the scaler doing its job; ``loss_scale`` records it). A non-finite forward output or loss is
+found as ever, with its origin rank, skipped step or not.
 
 ``--stop-on-nan``: after the finding is written, the rank ends with EXIT_NAN (every rank sees the
 NaN in the same step once it has been reduced).
@@ -39,7 +46,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
-from distdebug.runtime.discovery import first_tensor, unwrap
+from distdebug.runtime.discovery import find_ddp, first_tensor, unwrap
 
 INF = float("inf")
 
@@ -83,6 +90,7 @@ def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None
 
 class NanOrigin(Detector):
     name = "nan_origin"
+    needs_model = True
     description = ("first NaN/Inf: step, origin rank (local gradients before all-reduce), first parameter in "
                    "backward order, first module in forward order")
 
@@ -99,11 +107,13 @@ class NanOrigin(Detector):
         # value per module / parameter group, later ones folded in by max(|sum|) (fold_in).
         self.fwd: dict[str, torch.Tensor] = {}  # module -> |sum| of its outputs this step, in forward order
         self.local: dict[tuple[str, ...], torch.Tensor] = {}  # param names -> |sum| of their local gradients
-        self.reduced: dict[int, torch.Tensor] = {}  # DDP bucket -> |sum| after the all-reduce
         self.local_source: str | None = None  # "ddp" | "all_reduce"
         self.sharded = False
+        self.framework_reduces = False  # FSDP2 / DeepSpeed reduce the gradients inside
+        self._ddp_seen: set[int] = set()  # DDP wrappers whose parameters are hooked (ids: never the object)
         self.first_step: int | None = None
         self.count = 0
+        self._step_records: tuple[list[Any], list[Any]] = ([], [])  # (fwd, local) of the step being read
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ wiring
@@ -117,16 +127,17 @@ class NanOrigin(Detector):
             for name, p in inner.named_parameters():
                 self.names[id(p)] = prefix + name
                 self.params.append((prefix + name, p))
+            compiled = False
             for mod_name, mod in inner.named_modules():
                 leaf = next(mod.children(), None) is None
                 own = next(mod.parameters(recurse=False), None) is not None
                 if own or (leaf and not _finite_preserving(mod)):
                     label = prefix + (mod_name or type(inner).__name__)
-                    self.hook(mod, "forward", self._forward_hook(label))
-            if chain and chain[0] == "ddp" and not getattr(root, "_comm_hooks", None):
-                root.register_comm_hook(None, self._ddp_hook(root))
-                self.local_source = "ddp"
-        framework_reduces = any({"fsdp2", "deepspeed"} & set(unwrap(r)[1]) for r in ctx.models)
+                    compiled |= self.hook(mod, "forward", self._forward_hook(label)) is None
+            if compiled:  # modules inside a compiled region get no hook: the flag is the whole model's
+                # output, from the eager wrapper around it (a root compiled in place gets none)
+                self.hook(root, "forward", self._forward_hook(prefix + type(inner).__name__))
+        framework_reduces = self.framework_reduces = any({"fsdp2", "deepspeed"} & set(unwrap(r)[1]) for r in ctx.models)
         # Plain tensors are read as they are (no_grad); DTensors and others through their local shard.
         self.sharded = any(type(p) is not torch.nn.Parameter for _, p in self.params)
         if self.local_source is None and not framework_reduces:
@@ -153,37 +164,30 @@ class NanOrigin(Detector):
                 fold_in(fwd, label, t.detach().sum(dtype=torch.float32))
         return hook
 
-    def _ddp_hook(self, ddp: Any) -> Any:
-        group = ddp.process_group
-        scale = 1.0 / group.size()
-        names: dict[int, list[str]] = {}
-        det = self
+    # ------------------------------------------------------------------ DDP: local gradients
+    def before_backward(self, ctx: RankContext) -> None:
+        """Before a DDP model's first backward: a hook on each of its parameters that sees the local
+        gradient once autograd has accumulated it, before DDP's reducer copies it into its bucket and
+        reduces it. DDP's reduction itself (its default path, or the script's own communication hook,
+        registered at any time) is never touched: the training is bitwise the same by construction."""
+        for root in ctx.models:
+            ddp = find_ddp(root)
+            if ddp is None or id(ddp) in self._ddp_seen:
+                continue
+            self._ddp_seen.add(id(ddp))
+            for name, p in unwrap(ddp)[0].named_parameters():
+                if p.requires_grad:
+                    self.hook(p, "post_accumulate_grad", self._local_grad_hook((name,)))
+            self.local_source = "ddp"
 
-        def reduced(fut, index):  # type: ignore[no-untyped-def]
-            out = fut.value()[0]
-            if not det.off:
-                try:
-                    fold_in(det.reduced, index, out.sum(dtype=torch.float32))
-                except Exception as e:  # ours: off on this rank; DDP gets its reduced bucket
-                    det.fail(e, "the DDP communication hook")
-            return out
+    def _local_grad_hook(self, key: tuple[str, ...]) -> Any:
+        local = self
 
-        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
-            buf = bucket.buffer()
-            index = bucket.index()
-            if not det.off:
-                try:
-                    if index not in names:
-                        names[index] = tuple(det.names.get(id(p), "?") for p in bucket.parameters())
-                    # One pass over the whole bucket, no temporary: NaN and Inf survive the sum.
-                    fold_in(det.local, names[index], buf.sum(dtype=torch.float32))
-                except Exception as e:  # ours: off on this rank; the bucket is still reduced as DDP would
-                    det.fail(e, "the DDP communication hook")
-            buf.mul_(scale)  # what DDP does without a hook: scale by 1/world, then sum
-            # The process group directly, as DDP's own reduction does: not a training collective
-            # for the harness's counters, and none of torch.distributed's Python-level overhead.
-            return group.allreduce([buf]).get_future().then(lambda fut: reduced(fut, index))
-
+        def hook(param: torch.Tensor) -> None:
+            g = param.grad
+            if g is not None and g.layout == torch.strided:
+                # One pass, no temporary: NaN and Inf survive the sum (fp32 accumulation).
+                fold_in(local.local, key, g.detach().sum(dtype=torch.float32))
         return hook
 
     def _all_reduce_wrapper(self, current: Any) -> Any:
@@ -205,25 +209,47 @@ class NanOrigin(Detector):
         return name or f"a flattened gradient buffer {tuple(t.shape)} (all_reduce)"
 
     # ------------------------------------------------------------------ per step
+    def probe(self, step: int) -> dict[str, Any] | None:
+        """One fused check of the step's flags, reduced gradients and parameters, as one device scalar."""
+        if self.ctx is None:
+            return None
+        fwd = list(self.fwd.items())
+        self.fwd.clear()  # the hooks hold this dict
+        local = list(self.local.items())
+        self.local = {}
+        self._step_records = (fwd, local)
+        tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
+        tensors += [local_view(p.grad) if self.sharded else p.grad for _, p in self.params if p.grad is not None]
+        tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
+        with torch.no_grad():
+            parts = [f for _, f in fwd] + [v for _, v in local]
+            if tensors:
+                parts += torch._foreach_norm(tensors, INF)
+            if not parts:
+                return None
+            # NaN and Inf survive a sum; float64 so that no sum of finite fp32 values can overflow.
+            # One reduction per step, read with everything else (cheaper than isfinite().all()).
+            out = {"total": torch.stack(parts).sum(dtype=torch.float64)}
+            if fwd:  # the forward's own flags: what tells a real NaN from a loss scaler's overflow
+                out["forward"] = torch.stack([f for _, f in fwd]).sum(dtype=torch.float64)
+            return out
+
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         if self.ctx is None:
             return ()
-        fwd = list(self.fwd.items())
-        self.fwd.clear()  # the hooks hold this dict
-        local, reduced = list(self.local.items()), list(self.reduced.values())
-        self.local, self.reduced = {}, {}
-        tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
-        if self.local_source != "ddp":  # DDP's reduced gradients are checked per bucket, in its hook
-            tensors += [local_view(p.grad) if self.sharded else p.grad for _, p in self.params if p.grad is not None]
-        tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
-        with torch.no_grad():
-            parts = [f for _, f in fwd] + [v for _, v in local] + reduced
-            if tensors:
-                parts += torch._foreach_norm(tensors, INF)
-            # NaN and Inf survive a sum; float64 so that no sum of finite fp32 values can overflow.
-            # One reduction and one host read per step (cheaper than isfinite().all() on small inputs).
-            finite = not parts or math.isfinite(float(torch.stack(parts).sum(dtype=torch.float64)))
-        if finite and (event.loss is None or math.isfinite(event.loss)):
+        fwd, local = self._step_records
+        self._step_records = ([], [])
+        values = self.values(event)
+        total = values.get("total")
+        finite = total is None or math.isfinite(total)
+        loss_finite = event.loss is None or math.isfinite(event.loss)
+        if finite and loss_finite:
+            return ()
+        forward = values.get("forward")
+        if event.skipped and loss_finite and (forward is None or math.isfinite(forward)):
+            # A loss scaler found non-finite (scaled) gradients and skipped the update, as it is meant
+            # to: the forward and the loss were finite, the parameters did not change. Not a NaN of the
+            # training's; the flags are cleared, so nothing carries into the next step (loss_scale says it).
             return ()
         self.count += 1
         if self.first_step is not None:
@@ -238,6 +264,7 @@ class NanOrigin(Detector):
     def _explain(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]],
                  local: list[tuple[tuple[str, ...], torch.Tensor]]) -> Finding:
         rank, step = event.rank, event.step
+        loss_finite = event.loss is None or math.isfinite(event.loss)
         bad_module = next((name for name, total in fwd if not math.isfinite(float(total))), None)
         # Backward order runs from the last parameters to the first.
         bad_grads = [n for n, p in reversed(self.params)
@@ -279,6 +306,30 @@ class NanOrigin(Detector):
                         "the rank whose nan_origin finding says 'started on'",
                 evidence={**evidence, "origin": "another rank"},
             )
+        if self.framework_reduces:
+            # FSDP2 and DeepSpeed reduce gradients inside: local gradients cannot be seen, but the forward
+            # and the loss come before any reduction. A rank whose forward made the first non-finite output
+            # (or whose loss was) is where it started; one whose forward and loss were finite received it.
+            if bad_module is not None or not loss_finite:
+                if bad_module is not None:
+                    where[0] += " (before any gradient reduction)"
+                if bad_grads:
+                    where.append(f"first non-finite gradient in backward order: {bad_grads[0]}")
+                return Finding(
+                    severity=Severity.ERROR, detector=self.name, ranks=[rank], step=step,
+                    subject=bad_module or "loss",
+                    message=f"NaN/Inf started on rank {rank} at step {step}: " + "; ".join(where),
+                    evidence={**evidence, "origin": "this rank (forward)"}, fix=fix,
+                )
+            if bad_grads or bad_params:
+                return Finding(
+                    severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject="gradients",
+                    message=f"non-finite gradients reached rank {rank} at step {step} through the framework's gradient "
+                            f"reduction; its own forward outputs and loss were finite (first non-finite gradient: "
+                            f"{bad_grads[0] if bad_grads else '-'}): the origin is the rank whose nan_origin finding "
+                            "says 'started on' (if none does, a backward produced it)",
+                    evidence={**evidence, "origin": "another rank"},
+                )
         subject = bad_module or (bad_grads[0] if bad_grads else bad_params[0] if bad_params else "loss")
         if bad_grads:
             where.append(f"first non-finite gradient in backward order: {bad_grads[0]}")

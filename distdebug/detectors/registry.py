@@ -28,6 +28,7 @@ def _builtin() -> dict[str, type[Detector]]:
     from distdebug.detectors.env_check import EnvCheck
     from distdebug.detectors.init_seed import InitSeed
     from distdebug.detectors.loss_nonfinite import LossNonFinite
+    from distdebug.detectors.loss_scale import LossScale
     from distdebug.detectors.loss_spike import LossSpike
     from distdebug.detectors.memory import Memory
     from distdebug.detectors.nan_origin import NanOrigin
@@ -36,7 +37,7 @@ def _builtin() -> dict[str, type[Detector]]:
     from distdebug.detectors.straggler import Straggler
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
-                                      BatchNormDivergence, LossSpike, DataOrder, InitSeed, Straggler, Memory,
+                                      BatchNormDivergence, LossSpike, LossScale, DataOrder, InitSeed, Straggler, Memory,
                                       Profiler, EnvCheck, ConfigLint)}
 
 

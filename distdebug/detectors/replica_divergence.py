@@ -2,7 +2,9 @@
 
 Every K steps (``--fingerprint-every``, default 1), at the step boundary (after ``optimizer.step``,
 before gradients are cleared), each rank fingerprints its replicated tensors (see
-``fingerprint.collect``) on the training thread, because the next step changes them in place.
+``fingerprint.collect``) on the training thread, because the next step changes them in place. On
+a device the fingerprints are computed there and read with the step's other values in its one
+host read (``probe``; runtime.readout): 16 bytes per tensor.
 Everything else happens on a background thread, so the training never waits for it: the snapshot
 write, and per checked step one 40-byte record (step, backward passes, root digest of the tensors all
 ranks share, replica-group id and root digest of the tensors shared within an HSDP replicate group)
@@ -37,7 +39,7 @@ from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
-from distdebug.fingerprint.hashing import fingerprints, root_digest
+from distdebug.fingerprint.hashing import PendingFingerprints, root_digest
 from distdebug.fingerprint.snapshots import SnapshotWriter
 from distdebug.runtime.exchange import CAPACITY, ExchangeUser
 
@@ -53,6 +55,7 @@ def _signed(v: int) -> int:
 
 class ReplicaDivergence(ExchangeUser, Detector):
     name = "replica_divergence"
+    needs_model = True
     description = "data-parallel replicas differ: first step, tensor names and odd rank(s) (cross-rank fingerprints)"
 
     Config = ReplicaDivergenceConfig
@@ -63,8 +66,10 @@ class ReplicaDivergence(ExchangeUser, Detector):
         self.ctx: RankContext | None = None
         self.snapshots: SnapshotWriter | None = None
         self.replicas: ReplicaSet | None = None
-        self.synced_buffers: dict[str, int] | None = None
-        self.forward_fps: dict[str, int] = {}
+        self.synced_buffers: PendingFingerprints | None = None
+        self.forward_pending: list[PendingFingerprints] = []  # this step's fingerprints taken in forward
+        self.forward_seen: set[str] = set()
+        self._parts: list[PendingFingerprints] = []  # the checked step's fingerprints, read at the boundary
         self.armed = False  # the coming step is checked: forward hooks fingerprint
         self.reported = False
         self._hooks: list[Any] = []
@@ -93,31 +98,46 @@ class ReplicaDivergence(ExchangeUser, Detector):
 
     def _forward_hook(self, prefix: str, names: list[str]) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.armed and (prefix + names[0]) not in self.forward_fps:  # first forward of the step
-                self.forward_fps.update(fingerprints(ReplicaSet.unsharded(prefix, module, names)))
+            if self.armed and prefix not in self.forward_seen:  # first forward of the step
+                self.forward_seen.add(prefix)
+                # Launched now, while the parameters are gathered; read at the boundary with the rest.
+                self.forward_pending.append(PendingFingerprints(ReplicaSet.unsharded(prefix, module, names)))
         return hook
 
     def _capture_synced_buffers(self, module: torch.nn.Module, args: Any) -> None:
         if self.armed and self.synced_buffers is None and self.replicas is not None:
             # the first forward of the step, right after DDP's sync
-            self.synced_buffers = fingerprints(self.replicas.buffers)
+            self.synced_buffers = PendingFingerprints(self.replicas.buffers)
 
-    def _local(self) -> dict[str, int]:
-        assert self.replicas is not None
-        fps = fingerprints(self.replicas.tensors())
-        fps.update(self.forward_fps)
-        if self.replicas.ddp_sync:
-            fps.update(self.synced_buffers or {})
-        else:
-            fps.update(fingerprints(self.replicas.buffers))
+    def probe(self, step: int) -> dict[str, Any] | None:
+        """At a checked step: this rank's fingerprints, as device rows for the step's one read."""
+        self._parts = []
+        if self.ctx is None or self.replicas is None or step % self.every:
+            return None
+        parts = [PendingFingerprints(self.replicas.tensors()), *self.forward_pending]
+        if not self.replicas.ddp_sync:
+            parts.append(PendingFingerprints(self.replicas.buffers))
+        elif self.synced_buffers is not None:
+            parts.append(self.synced_buffers)
+        self._parts = parts
+        return {f"{i}.{j}": rows for i, part in enumerate(parts) for j, rows in enumerate(part.device_rows)}
+
+    def _local(self, values: dict[str, Any]) -> dict[str, int] | None:
+        fps: dict[str, int] = {}
+        for i, part in enumerate(self._parts):
+            keys = [f"{i}.{j}" for j in range(len(part.device_rows))]
+            if any(k not in values for k in keys):
+                return None  # the step's read failed: no check this step
+            fps.update(part.finish([values[k] for k in keys]))
         return fps
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
-        if self.ctx is None or event.step % self.every:
-            self._next(event.step)
-            return ()
-        fps = self._local()
+        checked = self.ctx is not None and not event.step % self.every and bool(self._parts)
+        fps = self._local(self.values(event)) if checked else None
+        self._parts = []
         self._next(event.step)
+        if fps is None or self.ctx is None:
+            return ()
         if self.snapshots is not None:
             # Written here, one append per check: a rank killed a moment later keeps every snapshot.
             self.snapshots.write(event.step, fps)
@@ -146,7 +166,8 @@ class ReplicaDivergence(ExchangeUser, Detector):
 
     def _next(self, step: int) -> None:
         self.synced_buffers = None
-        self.forward_fps = {}
+        self.forward_pending = []
+        self.forward_seen = set()
         self.armed = (step + 1) % self.every == 0
 
     def _row(self, step: int, backward_total: int, fps: dict[str, int]) -> list[int]:

@@ -1,13 +1,27 @@
-"""Fingerprints of tensors that change when any bit changes.
+"""Fingerprints of tensors that change when any bit changes, the same wherever the tensor lives.
 
-- CPU tensors: xxh3-64 over the raw bytes (zero-copy, from the data pointer), seeded with dtype and shape so
-  that equal bytes under another dtype or shape never compare equal. Tensors over CHUNK bytes are
-  hashed in fixed-size chunks on a few threads (xxhash releases the GIL) and the chunk digests are
-  hashed in order: the result does not depend on the number of threads, only on the bytes.
-- Device tensors: a fingerprint computed on the device (``device_fingerprint``) so that only 16
-  bytes per tensor cross to the host: two integer sums over the tensor's 32-bit words, one plain
-  and one position-weighted. Any single-bit change alters the plain sum (it moves one word by
-  +-2^k); the weighted sum also catches words that trade places.
+One definition, two implementations. A tensor's bytes are read as little-endian signed 32-bit words
+``w_0 .. w_{n-1}`` (zero-padded to a multiple of 4 bytes); its fingerprint is xxh3-64 over two sums
+taken modulo 2^64,
+
+    plain = sum(w_i)        weighted = sum((i + 1) * w_i)
+
+seeded with its dtype and shape, so that equal bytes under another dtype or shape never compare
+equal. Any single-bit change moves one word by +-2^k (k < 32) and so always changes ``plain``; two
+words that trade places (i < j) change ``weighted`` by (w_i - w_j)(j - i), which is never 0 modulo
+2^64 (fewer than 33 + 31 factors of two). The sums do not depend on how they are split up, so:
+
+- The device path (``device_sums``) computes them where the tensor lives, with a constant number of
+  kernels per group of small tensors (fused into one buffer, per-tensor sums by prefix sums) and one
+  pass in fixed blocks over a large one; temporaries stay under a few blocks (``BLOCK`` words)
+  whatever the tensor's size. Only 16 bytes per tensor cross to the host, when the caller reads
+  them: ``PendingFingerprints`` hands the device rows to the step's one host read (runtime.readout).
+- The CPU path (``cpu_sums``) computes the same sums with numpy over the tensor's bytes in place
+  (no copy, no torch kernel, no host synchronisation).
+
+A tensor fingerprinted on a GPU and its copy on the CPU (a checkpoint loaded with map_location, a
+CPU-offloaded shard) have the same fingerprint. ``DISTDEBUG_DEVICE_PATH=1`` sends CPU tensors down the
+device path too: the tests prove on CPU what a GPU run does, read for read.
 
 DTensor (FSDP2) shards are fingerprinted as the local shard; non-contiguous tensors are made
 contiguous first (a copy, only for them).
@@ -18,29 +32,17 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
+from distdebug import envvars
+
 _MASK64 = (1 << 64) - 1
-CHUNK = 2 << 20  # bytes per parallel piece of a large tensor
-SMALL = 64 << 10  # tensors up to this size are copied to bytes and hashed at once
-_POOL: Any = None
-
-
-def _pool() -> Any:
-    global _POOL
-    if _POOL is None:
-        import os
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                   thread_name_prefix="distdebug-hash")
-    return _POOL
-
-
-def _xxh(chunk: Any) -> bytes:
-    return xxhash.xxh3_64(chunk).digest()
-_ROW = 4096  # words per row of the weighted sum; bounds the temporary to one row block
+BLOCK = 1 << 20
+"""Words per pass over a large tensor: its temporaries are two int64 blocks (16 MiB), whatever its size."""
+GROUP = 1 << 18
+"""Tensors up to this many words are fused with others into one pass of at most this many words."""
 
 
 def local_view(t: torch.Tensor) -> torch.Tensor:
@@ -65,6 +67,20 @@ def _seed(t: torch.Tensor) -> int:
     return seed
 
 
+def shape_seed(t: torch.Tensor) -> int:
+    """What a fingerprint folds in besides the bytes (dtype and shape): host metadata, no device read."""
+    return _seed(t)
+
+
+def combine_device(fp: Any, t: torch.Tensor | int) -> int:
+    """The fingerprint from the two sums (on the host) and dtype and shape (the tensor, or its
+    ``shape_seed``, which needs no reference to the tensor): one 64-bit int."""
+    a, b = (int(x) & _MASK64 for x in fp)
+    return xxhash.xxh3_64_intdigest(a.to_bytes(8, "little") + b.to_bytes(8, "little"),
+                                    t if isinstance(t, int) else _seed(t))
+
+
+# ---------------------------------------------------------------- the CPU path (numpy, in place)
 def _bytes(t: torch.Tensor) -> Any:
     """A zero-copy byte view of a contiguous CPU tensor, taken from its data pointer.
 
@@ -75,106 +91,259 @@ def _bytes(t: torch.Tensor) -> Any:
     return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
-def _pieces(t: torch.Tensor) -> tuple[int, list[Any], torch.Tensor]:
-    """Seed, byte pieces (one, or CHUNK-sized when larger) and the tensor they view (keep it alive)."""
-    t = local_view(t)
-    if not t.numel():
-        return _seed(t), [], t
-    data = _bytes(t)
-    if data.nbytes <= CHUNK:
-        return _seed(t), [data], t
-    return _seed(t), [data[i:i + CHUNK] for i in range(0, data.nbytes, CHUNK)], t
+_NP_INDEX: dict[int, np.ndarray] = {}
 
 
-def _finish(seed: int, pieces: list[Any], digests: list[bytes] | None) -> int:
-    if digests is None:
-        return xxhash.xxh3_64_intdigest(pieces[0] if pieces else b"", seed)
-    return xxhash.xxh3_64_intdigest(b"".join(digests), seed)
+def _np_index(n: int) -> np.ndarray:
+    """0 .. n-1 as int64 (the largest one asked for, cached; callers slice it)."""
+    have = next(iter(_NP_INDEX.values()), None)
+    if have is None or len(have) < n:
+        _NP_INDEX.clear()
+        have = _NP_INDEX[0] = np.arange(max(n, 1024), dtype=np.int64)
+    return have[:n]
+
+
+def _np_words(raw: np.ndarray) -> np.ndarray:
+    pad = (-len(raw)) % 4
+    if pad:
+        raw = np.concatenate([raw, np.zeros(pad, dtype=np.uint8)])
+    return raw.view("<i4").astype(np.int64)
+
+
+def _cpu_large(t: torch.Tensor) -> tuple[int, int]:
+    raw = np.frombuffer(_bytes(t), dtype=np.uint8)
+    plain = weighted = 0
+    step = 4 * BLOCK
+    for o in range(0, len(raw), step):
+        w = _np_words(raw[o:o + step])
+        s = int(w.sum())
+        plain += s
+        weighted += (o // 4 + 1) * s + int((w * _np_index(len(w))).sum())
+    return plain & _MASK64, weighted & _MASK64
+
+
+def _cpu_group(ts: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """One numpy pass over several small tensors: their padded bytes joined, per-tensor sums by reduceat."""
+    parts, starts, pos = [], [], 0
+    for t in ts:
+        n = t.nbytes
+        pad = (-n) % 4
+        parts.append(ctypes.string_at(t.data_ptr(), n) + b"\0" * pad)
+        starts.append(pos)
+        pos += (n + pad) // 4
+    w = np.frombuffer(b"".join(parts), dtype="<i4").astype(np.int64)
+    at = np.asarray(starts, dtype=np.int64)
+    s = np.add.reduceat(w, at)
+    g = np.add.reduceat(w * _np_index(len(w)), at)
+    weighted = g - (at - 1) * s  # sum((i - start + 1) * w_i) over each tensor's words
+    return [(int(a) & _MASK64, int(b) & _MASK64) for a, b in zip(s.tolist(), weighted.tolist(), strict=True)]
+
+
+def _plan(words: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Which tensors (by their sizes in words) are read alone (over GROUP words: one blocked pass each)
+    and which are fused, in groups of at most GROUP words (one pass per group): the same plan for
+    both paths."""
+    large: list[int] = []
+    groups: list[list[int]] = []
+    group: list[int] = []
+    total = 0
+    for i, n in enumerate(words):
+        if n > GROUP:
+            large.append(i)
+            continue
+        if group and total + n > GROUP:
+            groups.append(group)
+            group, total = [], 0
+        group.append(i)
+        total += n
+    if group:
+        groups.append(group)
+    return large, groups
+
+
+def cpu_sums_many(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(plain, weighted) of each CPU tensor, small ones fused: no torch kernel, nothing copied but small ones."""
+    out: list[tuple[int, int]] = [(0, 0)] * len(tensors)  # an empty tensor's sums
+    views = [local_view(t) for t in tensors]  # held until hashed: the byte views do not keep them alive
+    nonempty = [i for i, v in enumerate(views) if v.nbytes]
+    large, groups = _plan([(views[i].nbytes + 3) // 4 for i in nonempty])
+    for j in large:
+        out[nonempty[j]] = _cpu_large(views[nonempty[j]])
+    for group in groups:
+        members = [nonempty[j] for j in group]
+        for i, v in zip(members, _cpu_group([views[i] for i in members]), strict=True):
+            out[i] = v
+    return out
+
+
+def cpu_sums(t: torch.Tensor) -> tuple[int, int]:
+    return cpu_sums_many([t])[0]
 
 
 def cpu_fingerprint(t: torch.Tensor) -> int:
-    """xxh3-64 (seeded with dtype and shape) of a CPU tensor's raw bytes; any dtype, bf16 and bool too."""
-    seed, pieces, _view = _pieces(t)
-    if len(pieces) > 1:
-        return _finish(seed, pieces, list(_pool().map(_xxh, pieces)))
-    return _finish(seed, pieces, None)
+    """The fingerprint of a CPU tensor, any dtype (bf16 and bool too), computed on the host."""
+    return combine_device(cpu_sums(t), local_view(t))
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as int64 values of 32-bit words (zero-padded to a multiple of 4 bytes)."""
-    b = t.reshape(-1).view(torch.uint8)
+# ---------------------------------------------------------------- the device path (torch kernels)
+_INDEX: dict[Any, torch.Tensor] = {}
+
+
+def _index(n: int, device: torch.device) -> torch.Tensor:
+    """0 .. n-1 as int64 on ``device`` (the largest asked for, cached per device; callers slice)."""
+    have = _INDEX.get(device)
+    if have is None or have.numel() < n:
+        have = _INDEX[device] = torch.arange(max(n, 1024), dtype=torch.int64, device=device)
+    return have[:n]
+
+
+_PADS: dict[Any, torch.Tensor] = {}
+
+
+def _pad(n: int, device: torch.device) -> torch.Tensor:
+    """n (1 to 3) zero bytes on ``device``, made once: a fused group launches no kernel per padded tensor."""
+    zeros = _PADS.get(device)
+    if zeros is None:
+        zeros = _PADS[device] = torch.zeros(4, dtype=torch.uint8, device=device)
+    return zeros[:n]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return local_view(t).reshape(-1).view(torch.uint8)
+
+
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """Bytes as int64 values of 32-bit words, zero-padded; a piece at an address that is not a multiple
+    of 4 (a bf16/fp16 slice at an odd offset of a flat buffer: ZeRO's, DDP's bucket views) is copied."""
     pad = (-b.numel()) % 4
     if pad:
-        b = torch.cat([b, b.new_zeros(pad)])  # a new, aligned tensor
-    elif b.storage_offset() % 4:
-        # A 2-byte tensor at an odd element offset (a slice of a bf16/fp16 flat buffer: ZeRO's, DDP's
-        # bucket views) cannot be viewed as 32-bit words in place: copy its bytes to aligned memory.
+        b = torch.cat([b, b.new_zeros(pad)])
+    elif b.data_ptr() % 4:
         b = b.clone()
     return b.view(torch.int32).to(torch.int64)
 
 
+def _device_large(b: torch.Tensor) -> torch.Tensor:
+    s_parts, t_parts, first = [], [], []
+    step = 4 * BLOCK
+    for o in range(0, b.numel(), step):
+        w = _words(b[o:o + step])
+        s_parts.append(w.sum())
+        t_parts.append((w * _index(w.numel(), b.device)).sum())
+        first.append(o // 4 + 1)
+    s = torch.stack(s_parts)
+    at = torch.tensor(first, dtype=torch.int64).to(b.device, non_blocking=True)
+    return torch.stack([s.sum(), (s * at).sum() + torch.stack(t_parts).sum()])
+
+
+_LAYOUTS: dict[Any, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+
+
+def _layout(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Word starts and ends of fused tensors of these byte sizes (cached: the same every step), and pads."""
+    key = (sizes, device)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        if len(_LAYOUTS) > 256:
+            _LAYOUTS.clear()
+        starts, ends, pads, pos = [], [], [], 0
+        for n in sizes:
+            pad = (-n) % 4
+            pads.append(pad)
+            starts.append(pos)
+            pos += (n + pad) // 4
+            ends.append(pos)
+        got = _LAYOUTS[key] = (torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True),
+                               torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True), pads)
+    return got
+
+
+def _device_group(bs: list[torch.Tensor]) -> torch.Tensor:
+    """One pass over several small tensors of one device: bytes fused, per-tensor sums by prefix sums."""
+    device = bs[0].device
+    starts, ends, pads = _layout(tuple(b.numel() for b in bs), device)
+    pieces = []
+    for b, pad in zip(bs, pads, strict=True):
+        pieces.append(b)
+        if pad:
+            pieces.append(_pad(pad, device))
+    w = torch.cat(pieces).view(torch.int32).to(torch.int64)  # a new, aligned buffer
+    zero = w.new_zeros(1)
+    c = torch.cat([zero, torch.cumsum(w, 0)])
+    g = torch.cat([zero, torch.cumsum(w * _index(w.numel(), device), 0)])
+    s = c[ends] - c[starts]
+    return torch.stack([s, g[ends] - g[starts] - (starts - 1) * s], 1)
+
+
+def device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(plain, weighted) of each tensor, computed where they live (one device): an (N, 2) int64 tensor
+    there. Nothing is read to the host."""
+    if not tensors:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    views = [_byte_view(t) for t in tensors]
+    rows: list[torch.Tensor | None] = [None] * len(views)
+    large, groups = _plan([(b.numel() + 3) // 4 for b in views])
+    for i in large:
+        rows[i] = _device_large(views[i])
+    for group in groups:
+        block = _device_group([views[i] for i in group])
+        for j, i in enumerate(group):
+            rows[i] = block[j]
+    return torch.stack(rows)  # type: ignore[arg-type]
+
+
 def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums computed where the tensor lives; returns a 2-element int64 tensor on its device."""
-    t = local_view(t)
-    if t.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=t.device)
-    w = _words(t)
-    plain = w.sum()
-    n = w.numel()
-    rows = (n + _ROW - 1) // _ROW
-    if rows * _ROW != n:
-        w = torch.cat([w, w.new_zeros(rows * _ROW - n)])
-    w = w.view(rows, _ROW)
-    col = torch.arange(1, _ROW + 1, device=t.device, dtype=torch.int64)
-    row = torch.arange(1, rows + 1, device=t.device, dtype=torch.int64) * 1_000_003
-    weighted = ((w * col).sum(1) * row).sum()
-    return torch.stack([plain, weighted])
+    """The two sums of one tensor, on its device: a 2-element int64 tensor (not read)."""
+    return device_sums([t])[0]
 
 
-def combine_device(fp: Any, t: torch.Tensor | int) -> int:
-    """Fold a device fingerprint (two int64 on the host) with dtype and shape (the tensor, or its
-    ``shape_seed``, which needs no reference to the tensor) into one 64-bit int."""
-    a, b = (int(x) & _MASK64 for x in fp)
-    return xxhash.xxh3_64_intdigest(a.to_bytes(8, "little") + b.to_bytes(8, "little"),
-                                    t if isinstance(t, int) else _seed(t))
+# ---------------------------------------------------------------- many tensors, read now or later
+class PendingFingerprints:
+    """Fingerprints of named tensors whose device part is not read yet.
 
+    CPU tensors are done at once on the host. Device tensors' sums are launched on their device and
+    kept as one (N, 2) int64 tensor per device (``device_rows``); the caller reads them when it reads
+    everything else (the step's one host read) and calls ``finish`` with the values. Only dtype and
+    shape are kept of each tensor, never the tensor.
+    """
 
-def shape_seed(t: torch.Tensor) -> int:
-    """What a fingerprint folds in besides the bytes (dtype and shape): host metadata, no device read."""
-    return _seed(t)
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.names = [n for n, _ in named]
+        self.done: dict[str, int] = {}
+        forced = envvars.device_path_forced()
+        on_host: list[tuple[str, torch.Tensor]] = []
+        by_device: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+        for name, t in named:
+            if t.device.type == "cpu" and not forced:
+                on_host.append((name, t))
+            else:
+                by_device.setdefault(t.device, []).append((name, t))
+        if on_host:
+            for (name, t), sums in zip(on_host, cpu_sums_many([t for _, t in on_host]), strict=True):
+                self.done[name] = combine_device(sums, t)
+        self.parts: list[tuple[list[str], list[int], torch.Tensor]] = [
+            ([n for n, _ in items], [_seed(t) for _, t in items], device_sums([t for _, t in items]))
+            for items in by_device.values()
+        ]
+
+    @property
+    def device_rows(self) -> list[torch.Tensor]:
+        return [rows for _, _, rows in self.parts]
+
+    def finish(self, host_rows: list[list[list[int]]] | None = None) -> dict[str, int]:
+        """The fingerprints, in the caller's order; ``host_rows``: each device part as read (None: read now)."""
+        if host_rows is None:
+            host_rows = [rows.tolist() for rows in self.device_rows]  # one read per device
+        out = dict(self.done)
+        for (names, seeds, _), rows in zip(self.parts, host_rows, strict=True):
+            for name, seed, fp in zip(names, seeds, rows, strict=True):
+                out[name] = combine_device(fp, seed)
+        return {name: out[name] for name in self.names}
 
 
 def fingerprints(named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """Fingerprint many tensors: CPU ones by xxh3, device ones on the device with one host transfer."""
-    out: dict[str, int] = {}
-    device_items: list[tuple[str, torch.Tensor]] = []
-    chunked: list[tuple[str, int, list[Any], torch.Tensor]] = []
-    for name, t in named:
-        kind = type(t)
-        if (kind is torch.Tensor or kind is torch.nn.Parameter) and t.is_cpu and t.is_contiguous():
-            n = t.nbytes
-            if 0 < n <= SMALL:  # the common case, kept short: a copy of a few KiB costs less than a view
-                out[name] = xxhash.xxh3_64_intdigest(ctypes.string_at(t.data_ptr(), n), _seed(t))
-                continue
-        elif not t.is_cpu:
-            device_items.append((name, t))
-            continue
-        seed, pieces, view = _pieces(t)
-        if len(pieces) > 1:
-            chunked.append((name, seed, pieces, view))  # the view stays referenced until hashed
-        else:
-            out[name] = _finish(seed, pieces, None)
-    if chunked:
-        # All large tensors' pieces in one batch, so that every hashing thread stays busy.
-        flat = [p for _, _, pieces, _ in chunked for p in pieces]
-        digests = iter(list(_pool().map(_xxh, flat)))
-        for name, seed, pieces, _ in chunked:
-            out[name] = _finish(seed, pieces, [next(digests) for _ in pieces])
-    if device_items:
-        stacked = torch.stack([device_fingerprint(t) for _, t in device_items]).cpu()  # one copy, 16 B each
-        for (name, t), fp in zip(device_items, stacked.tolist(), strict=True):
-            out[name] = combine_device(fp, t)
-    return {name: out[name] for name, _ in named}  # the caller's order (tensor order names the first)
+    """Fingerprint many tensors now: CPU ones on the host, device ones on the device, one read per device."""
+    return PendingFingerprints(named).finish()
 
 
 _NAME_SEEDS: dict[tuple[str, ...], int] = {}

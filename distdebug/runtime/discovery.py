@@ -74,6 +74,54 @@ def unwrap(module: torch.nn.Module) -> tuple[torch.nn.Module, list[str], dict[st
     return m, chain, options
 
 
+_COMPILED: dict[int, Any] = {}  # id(module) -> weakref, for modules that run inside a compiled region
+
+
+def mark_compiled(roots: list[Any]) -> None:
+    """Note every module that runs inside a torch.compile'd region: the subtree of a compiled
+    wrapper (``torch.compile(m)``'s OptimizedModule) and of a module compiled in place
+    (``m.compile()``, per-block compile). Hooks on them would be traced into the compiled graph,
+    and adding, removing or flipping one (a flag it reads) recompiles it: the harness never hooks
+    them (``runs_compiled``)."""
+    import weakref
+
+    def mark(m: Any) -> None:
+        for sub in m.modules():
+            _COMPILED[id(sub)] = weakref.ref(sub)
+
+    for root in roots:
+        for m in root.modules():
+            if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
+                mark(m._orig_mod)
+            elif getattr(m, "_compiled_call_impl", None) is not None:
+                mark(m)
+
+
+def any_compiled() -> bool:
+    return any(ref() is not None for ref in _COMPILED.values())
+
+
+def runs_compiled(module: Any) -> bool:
+    ref = _COMPILED.get(id(module))
+    return ref is not None and ref() is module
+
+
+def find_ddp(module: Any) -> Any:
+    """The DistributedDataParallel wrapper anywhere in a root's wrapper chain (``torch.compile(DDP(m))``
+    puts it under the compiled module), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    m = module
+    for _ in range(8):
+        if isinstance(m, DistributedDataParallel):
+            return m
+        inner = getattr(m, "_orig_mod", None) if type(m).__name__ == "OptimizedModule" else None
+        if inner is None:
+            return None
+        m = inner
+    return None
+
+
 def is_model(module: torch.nn.Module) -> bool:
     """A root module worth tracking: loss functions and parameter-free modules are not models."""
     if isinstance(module, torch.nn.modules.loss._Loss):

@@ -43,8 +43,11 @@ class Observer(Protocol):
     step_source: str | None
 
     def note_loss(self, tensors: Any) -> None: ...
+    def note_scaled(self, scaler: Any, out: Any) -> None: ...
+    def scaler_skipped(self, scaler: Any, optimizer: Any) -> None: ...
+    optimizer_steps: int
     def note_all_reduce(self, tensor: torch.Tensor) -> None: ...
-    def boundary(self) -> None: ...
+    def boundary(self, skipped: bool = False, loss_scale: float | None = None) -> None: ...
     def emit(self, rec: dict) -> None: ...
     def release_groups(self) -> None: ...
     def release_stale_defaults(self) -> None: ...
@@ -108,6 +111,10 @@ class TorchPatches:
 
     def install(self) -> None:
         self.patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+        scaler_cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+        if scaler_cls is not None:  # torch.cuda.amp's and torch.cpu.amp's GradScaler are subclasses of it
+            self.patch(scaler_cls, "scale", self._wrap_scaler_scale(scaler_cls.scale))
+            self.patch(scaler_cls, "step", self._wrap_scaler_step(scaler_cls.step))
         self.patch(os, "_exit", self._wrap_os_exit(os._exit))
         import torch.distributed as dist
 
@@ -138,6 +145,36 @@ class TorchPatches:
 
         return backward
 
+    def _wrap_scaler_scale(self, original: Any) -> Any:
+        """``GradScaler.scale(loss)``: what backward will run on is the loss times the scale; the session
+        records the loss itself (the scaled one divided by the scale, on the device)."""
+        session = self.session
+
+        @functools.wraps(original)
+        def scale(scaler: Any, outputs: Any) -> Any:
+            out = original(scaler, outputs)
+            _quietly(session.note_scaled, scaler, out)
+            return out
+
+        return scale
+
+    def _wrap_scaler_step(self, original: Any) -> Any:
+        """``GradScaler.step(optimizer)``: it calls ``optimizer.step()`` only when the gradients are finite.
+        When it did not (an overflow the scaler handled, by design), the step still ends here, marked
+        skipped: no NaN finding, no spike, and the next step's checks start clean. Known on the host
+        (whether the optimizer's step ran), without reading the scaler's flags."""
+        session = self.session
+
+        @functools.wraps(original)
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = session.optimizer_steps
+            out = original(scaler, optimizer, *args, **kwargs)
+            if session.optimizer_steps == before and getattr(scaler, "_enabled", False):
+                _quietly(session.scaler_skipped, scaler, optimizer)
+            return out
+
+        return step
+
     def hook_deepspeed_engine(self, engine: Any) -> None:
         """Step and loss from the engine itself (ZeRO calls its inner optimizer once per sub-group)."""
         patches, session = self, self.session
@@ -155,10 +192,12 @@ class TorchPatches:
         @functools.wraps(orig_step)
         def step(*args: Any, **kwargs: Any) -> Any:
             at_boundary = bool(engine.is_gradient_accumulation_boundary())
+            scale = _quietly(_deepspeed_scale, engine) if at_boundary else None  # this step's, before its update
             result = orig_step(*args, **kwargs)
             if at_boundary and session.step_source in (None, "deepspeed", "optimizer"):
                 session.step_source = "deepspeed"
-                _quietly(session.boundary)
+                skipped = bool(scale is not None and _quietly(_deepspeed_overflow, engine))
+                _quietly(session.boundary, skipped, scale)
             return result
 
         engine.backward = backward
@@ -258,6 +297,19 @@ class TorchPatches:
             return out
 
         return collective
+
+
+def _deepspeed_scale(engine: Any) -> float | None:
+    """DeepSpeed's fp16 loss scale (None without fp16): a host value on its optimizer, no device read."""
+    if not engine.fp16_enabled():
+        return None
+    scale = getattr(getattr(engine, "optimizer", None), "cur_scale", None)
+    return float(scale) if isinstance(scale, (int, float)) else None
+
+
+def _deepspeed_overflow(engine: Any) -> bool:
+    """Whether DeepSpeed's fp16 loss scaler skipped the step just taken (its optimizer's host flag)."""
+    return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
 
 
 def _shapes(obj: Any) -> list[list[int]] | None:

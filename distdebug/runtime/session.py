@@ -21,6 +21,7 @@ order of collectives: the harness observes.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import traceback
@@ -39,11 +40,32 @@ from distdebug.runtime import discovery
 from distdebug.runtime.exchange import Exchange
 from distdebug.runtime.patches import TorchPatches
 from distdebug.runtime.progress import Progress
+from distdebug.runtime.readout import Readout
 
 _SESSION: Session | None = None
 
 def current_session() -> Session | None:
     return _SESSION
+
+
+NOT_TRAINING_STEPS = (("_init_optim_state", f"checkpoint{os.sep}state_dict.py"),)
+"""Functions of torch that call ``optimizer.step()`` themselves, not to train: torch.distributed.checkpoint's
+state-dict helpers (``get_optimizer_state_dict``, ``set_state_dict``...) step once with lr 0 and zero
+gradients to create the optimizer's state before loading into it. Such a step is not counted."""
+
+
+def _not_a_training_step() -> bool:
+    """Whether this optimizer step was called by one of NOT_TRAINING_STEPS (looked up only for a step
+    with no backward call since the last boundary: a training step never pays for the walk)."""
+    f: Any = sys._getframe(2)
+    for _ in range(16):
+        if f is None:
+            return False
+        code = f.f_code
+        if any(code.co_name == name and code.co_filename.endswith(tail) for name, tail in NOT_TRAINING_STEPS):
+            return True
+        f = f.f_back
+    return False
 
 
 class Session:
@@ -77,12 +99,18 @@ class Session:
         # backward calls: memory stays flat in loops that never step); read once at the boundary.
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_n = 0
+        self.optimizer_steps = 0  # optimizer.step() calls seen (any optimizer): tells a step a scaler skipped
+        # GradScaler.scale() outputs of this step (weak; a few): backward on one of them records the loss
+        # divided by the scale. The scaler last used: its scale is read with the step's values.
+        self._scaled: list[tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = []
+        self._scaler_ref: weakref.ref[Any] | None = None
         self._backward_calls = 0
         self._backward_total = 0
         self._seq_at_boundary = 0  # collective_seq at the last step boundary
         self._t_last: float | None = None
         self._depth = 0
         self._discovering = True
+        self._discovery_inert = False  # discovery is over but its hooks stay (a compiled model: see below)
         self._root_refs: list[weakref.ref[torch.nn.Module]] = []  # weak: see RankContext
         self._loss_modules: list[str] = []
         self._reduced_ptrs: set[int] = set()
@@ -208,6 +236,8 @@ class Session:
 
     # ------------------------------------------------------------------ what the patches and hooks tell
     def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or self._discovery_inert:  # this order: tracing reads no state
+            return  # traced into a compiled graph: nothing of ours goes in (it would only recompile)
         if self._depth == 0:
             if self._t_last is None:
                 self._t_last = time.perf_counter()
@@ -215,6 +245,8 @@ class Session:
         self._depth += 1
 
     def _fwd_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or self._discovery_inert:  # this order: tracing reads no state
+            return
         self._depth = max(0, self._depth - 1)
 
     def _note_root(self, module: torch.nn.Module) -> None:
@@ -247,16 +279,44 @@ class Session:
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         self._backward_calls += 1
         self._backward_total += 1
+        if self._discovering:
+            self.ctx.models = self.roots
+            for det in list(self.detectors):
+                self._run_detector(det, "before_backward", lambda d: d.before_backward(self.ctx))
         if self._backward_calls == 1:
             self.ctx.backward_t = time.monotonic()
         if self._t_last is None:
             self._t_last = time.perf_counter()
         if isinstance(t, torch.Tensor) and t.numel() == 1:
             v = t.detach().to(torch.float64)
+            scaler = next((sc() for out, sc in self._scaled if out() is t), None)
+            scale = getattr(scaler, "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                v = v / scale.detach().to(torch.float64)  # on the device: the loss the script computed
             self._loss_sum = v if self._loss_sum is None else self._loss_sum + v
             self._loss_n += 1
 
+    def note_scaled(self, scaler: Any, out: Any) -> None:
+        """``GradScaler.scale(loss)`` returned ``out`` (loss times the scale): remembered weakly, a few."""
+        if isinstance(out, torch.Tensor) and getattr(scaler, "_enabled", False):
+            self._scaled = [*self._scaled[-7:], (weakref.ref(out), weakref.ref(scaler))]
+            self._scaler_ref = weakref.ref(scaler)
+
+    def scaler_skipped(self, scaler: Any, optimizer: Any) -> None:
+        """``GradScaler.step(optimizer)`` did not call ``optimizer.step()`` (non-finite gradients, which the
+        scaler handles by skipping the update and lowering the scale): the step ends here, skipped."""
+        if self.step_source in ("explicit", "deepspeed"):
+            return
+        if self._primary() is None:
+            self._primary_ref = weakref.ref(optimizer)
+        if optimizer is self._primary():
+            self.step_source = "optimizer"
+            self.boundary(skipped=True)
+
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._backward_calls == 0 and _not_a_training_step():
+            return
+        self.optimizer_steps += 1
         if self.step_source in ("explicit", "deepspeed"):
             if self._discovering:
                 self.ctx.add_optimizer(opt)
@@ -308,8 +368,11 @@ class Session:
             self._exchange.close(clean)
 
     # ------------------------------------------------------------------ step boundary
-    def boundary(self) -> None:
-        """The end of one optimizer step: count it, emit its record, dispatch it to the detectors."""
+    def boundary(self, skipped: bool = False, loss_scale: float | None = None) -> None:
+        """The end of one optimizer step: count it, emit its record, dispatch it to the detectors.
+
+        ``skipped``: a loss scaler skipped the optimizer's update (an overflow it handled by design);
+        ``loss_scale``: the loss scale of this step when known on the host (DeepSpeed's)."""
         now = time.perf_counter()
         progress = self.progress
         progress.touch()
@@ -318,7 +381,7 @@ class Session:
         progress.step = self.step
         if self._discovering:
             self._finish_discovery()
-        loss = self._mean_loss()
+        loss, readout, scale = self._read_step()
         event = StepEvent(
             rank=self.identity.rank,
             step=self.step,
@@ -327,9 +390,13 @@ class Session:
             backward_calls=self._backward_calls,
             collectives=progress.collective_seq - self._seq_at_boundary,
             backward_total=self._backward_total,
+            readout=readout,
+            skipped=skipped,
+            loss_scale=loss_scale if loss_scale is not None else scale,
         )
         self._t_last = now
         self._loss_sum, self._loss_n = None, 0
+        self._scaled = []
         self._backward_calls = 0
         self._seq_at_boundary = progress.collective_seq
         self.emit(
@@ -343,6 +410,8 @@ class Session:
                 step_time_s=round(event.step_time_s, 6),
                 backward_calls=event.backward_calls,
                 collectives=event.collectives,
+                **({"skipped": True} if skipped else {}),
+                **({"loss_scale": event.loss_scale} if event.loss_scale is not None else {}),
             )
         )
         for det in list(self.detectors):
@@ -350,16 +419,63 @@ class Session:
         if self._exchange is not None:
             self._exchange.flush()  # this boundary's posts, one round (the same posts on every rank)
 
-    def _mean_loss(self) -> float | None:
-        if self._loss_sum is None or not self._loss_n:
-            return None
-        # float() of a device tensor waits for that tensor only; on CPU it is free.
-        return float(self._loss_sum) / self._loss_n
+    def _read_step(self) -> tuple[float | None, dict[str, dict[str, Any]], float | None]:
+        """The step's one device-to-host read: the loss, the loss scale and every detector's probe
+        (runtime.readout)."""
+        readout = Readout()
+        loss_sum, n = self._loss_sum, self._loss_n
+        if isinstance(loss_sum, torch.Tensor) and n:
+            try:
+                readout.add(("", "loss"), loss_sum)
+            except Exception:  # a loss that cannot be read (complex?): the step goes on without it
+                loss_sum = None
+        scaler = self._scaler_ref() if self._scaler_ref is not None else None
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            try:
+                readout.add(("", "scale"), scale.reshape(()))
+            except Exception:
+                pass
+        for det in list(self.detectors):
+            if det.off:
+                continue
+            try:
+                for key, value in (det.probe(self.step) or {}).items():
+                    readout.add((det.name, key), value)
+            except Exception as e:
+                det.fail(e, "probe")
+        values: dict[Any, Any] = {}
+        if len(readout):
+            try:
+                values = readout.read()
+            except Exception as e:  # ours; every detector's values are lost this step, training goes on
+                self.harness_finding(Severity.WARNING, "step readout", f"the step's read failed ({type(e).__name__}: "
+                                                                        f"{e}); this step's checks are skipped")
+        per_detector: dict[str, dict[str, Any]] = {}
+        for (owner, key), value in values.items():
+            if owner:
+                per_detector.setdefault(owner, {})[key] = value
+        scale_value = values.get(("", "scale"))
+        if not n or loss_sum is None:
+            return None, per_detector, scale_value
+        if isinstance(loss_sum, torch.Tensor):
+            total = values.get(("", "loss"))
+            return (None if total is None else total / n), per_detector, scale_value
+        return float(loss_sum) / n, per_detector, scale_value
 
     def _finish_discovery(self) -> None:
-        self._end_discovery_hooks()
         self._discovering = False
         self._emit_discovery()
+        self._end_discovery_hooks()
+        blind = [d.name for d in self.detectors if d.needs_model]
+        if not self.roots and blind:
+            # Never a quiet "No findings.": a run in which these checks saw nothing says so.
+            self.harness_finding(
+                Severity.WARNING, "discovery",
+                f"no model was found in step 1 (no module ran forward before the first optimizer step): "
+                f"{', '.join(blind)} watch nothing in this run",
+                fix="call distdebug.watch(model, optimizer) once they are built; or look for an optimizer.step() "
+                    "before the first forward (a helper that steps once to create the optimizer's state)")
         self._open_exchange()
         for det in list(self.detectors):
             self._run_detector(det, "attach", lambda d: d.attach(self.ctx))
@@ -367,7 +483,12 @@ class Session:
             self._exchange.flush()
 
     def _end_discovery_hooks(self) -> None:
-        # Forward hooks are only for discovery; removing them restores nn.Module's fast path.
+        # Forward hooks are only for discovery; removing them restores nn.Module's fast path. Not when a
+        # model runs compiled: its graphs were traced with the global hooks there (inert while
+        # compiling), and removing them would recompile every graph once. They stay, inert.
+        if not self._discovering and discovery.any_compiled() and not self._closed:
+            self._discovery_inert = True
+            return
         for h in self._discovery_handles:
             h.remove()
         self._discovery_handles = []
@@ -382,6 +503,7 @@ class Session:
         manual = bool(self._reduced_ptrs & grad_ptrs)
         models = []
         self.ctx.models = roots
+        discovery.mark_compiled(roots)
         for root in roots:
             try:
                 models.append(discovery.describe_model(root, manual_grad_collectives=manual))

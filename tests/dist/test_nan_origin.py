@@ -127,9 +127,13 @@ def _fsdp(rank, world, tmp):
     s.close(0)
 
 
-def test_fsdp2_names_step_and_module_and_says_the_origin_is_unknown(tmp_path):
+def test_fsdp2_origin_is_the_rank_whose_forward_made_it(tmp_path):
+    # FSDP2 reduces gradients inside; the forward comes before any reduction, so the rank whose forward
+    # made the first non-finite output is the origin, and the rank it reached through reduce-scatter
+    # (finite forward and loss) is told it received it.
     spawn_ranks(_fsdp, 2, tmp=tmp_path, timeout=120)
-    f = findings(tmp_path, 0)[0]
-    assert (f["step"], f["ranks"], f["subject"]) == (3, [0], "0")
-    assert "cannot be told" in f["message"] and f["evidence"]["origin"] == "unknown"
-    assert findings(tmp_path, 1)[0]["step"] == 3  # reduce-scatter spread it
+    (f,) = [f for f in findings(tmp_path, 0) if f["severity"] != "info"]
+    assert (f["step"], f["ranks"], f["subject"], f["severity"]) == (3, [0], "0", "error")
+    assert f["message"].startswith("NaN/Inf started on rank 0 at step 3") and f["evidence"]["origin"] == "this rank (forward)"
+    (g,) = [f for f in findings(tmp_path, 1) if f["severity"] != "info"]
+    assert (g["step"], g["severity"], g["subject"], g["evidence"]["origin"]) == (3, "warning", "gradients", "another rank")

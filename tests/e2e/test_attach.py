@@ -297,7 +297,8 @@ def test_every_recipe_is_clean_under_every_default_detector_over_several_seeds(t
         run_dir = tmp_path / recipe[0]
         r = distdebug("attach", "--run-dir", str(run_dir), str(RECIPES / recipe[0]), *recipe[1:], "--seed", str(seed))
         assert r.returncode == 0, r.output
-        found = [f for rank in (0, 1) for f in kinds(run_dir, rank, "finding")]
+        found = [f"{f['detector']} rank {f['rank']} step {f['step']}: {f['message']}"
+                 for rank in (0, 1) for f in kinds(run_dir, rank, "finding")]
         assert found == [], (recipe, seed, found)
 
 

@@ -123,15 +123,104 @@ def test_snapshot_round_trip_and_cut_record(tmp_path):
     assert snaps[3][0] == ["a", "c"]
 
 
-def test_large_tensors_hash_in_parallel_chunks_deterministically():
+def test_large_tensors_hash_in_blocks_deterministically(monkeypatch):
     from distdebug.fingerprint import hashing
 
-    big = torch.randn(3 * hashing.CHUNK // 4 + 5)  # several chunks and a ragged tail
+    monkeypatch.setattr(hashing, "BLOCK", 1000)
+    monkeypatch.setattr(hashing, "GROUP", 300)
+    big = torch.randn(3 * 1000 + 5)  # several blocks and a ragged tail
     named = [("small", torch.ones(3)), ("big", big), ("tail", torch.zeros(2))]
     fps = fingerprints(named)
     assert list(fps) == ["small", "big", "tail"]  # the caller's order
     assert fps["big"] == cpu_fingerprint(big) == cpu_fingerprint(big.clone())
-    assert cpu_fingerprint(flip(big, hashing.CHUNK + 7, 1)) != fps["big"]  # a bit in the second chunk
+    assert cpu_fingerprint(flip(big, 4 * 1000 + 7, 1)) != fps["big"]  # a bit in the second block
+
+
+def _host(rows):
+    return [tuple(int(x) & (2**64 - 1) for x in r) for r in rows.tolist()]
+
+
+ALL_DTYPES = DTYPES + [torch.int8, torch.int16, torch.bool, torch.complex64, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_device_path_and_cpu_path_give_the_same_fingerprint(dtype, monkeypatch):
+    # One definition, two implementations: a tensor on a GPU and its copy on the CPU (a checkpoint
+    # loaded with map_location, an offloaded shard) must fingerprint alike. Small blocks and groups so
+    # that both the fused path and the blocked path, and their edges, are crossed.
+    from distdebug.fingerprint import hashing
+
+    monkeypatch.setattr(hashing, "BLOCK", 256)
+    monkeypatch.setattr(hashing, "GROUP", 100)
+    g = torch.Generator().manual_seed(1)
+    tensors = []
+    for n in (0, 1, 2, 3, 5, 99, 100, 101, 257, 1023, 1500):
+        x = torch.randn(n, generator=g) * 50
+        tensors.append(x.to(dtype) if not dtype.is_complex else torch.randn(n, dtype=dtype, generator=g))
+    flat = torch.randn(700, generator=g).to(dtype) if not dtype.is_complex else torch.randn(700, dtype=dtype)
+    tensors += [flat[1:300], flat[3:650], flat.view(-1)[5:6], torch.randn(7, 9, generator=g).to(dtype).t()]
+    cpu = hashing.cpu_sums_many(tensors)
+    assert cpu == _host(hashing.device_sums(tensors))
+    assert cpu == [hashing.cpu_sums(t) for t in tensors] == [_host(hashing.device_fingerprint(t)[None])[0]
+                                                            for t in tensors]
+    monkeypatch.setenv("DISTDEBUG_DEVICE_PATH", "1")
+    forced = fingerprints([(str(i), t) for i, t in enumerate(tensors)])
+    monkeypatch.delenv("DISTDEBUG_DEVICE_PATH")
+    assert forced == fingerprints([(str(i), t) for i, t in enumerate(tensors)])
+
+
+def test_words_trading_places_are_caught_anywhere(monkeypatch):
+    # The old weights (column+1)*(row+1) gave positions (0,1) and (1,0) the same weight. Linear
+    # weights cannot collide: (w_i - w_j)(j - i) is never 0 modulo 2^64.
+    from distdebug.fingerprint import hashing
+
+    monkeypatch.setattr(hashing, "BLOCK", 64)
+    t = torch.arange(1, 300, dtype=torch.int32)
+    base = hashing.cpu_sums(t)
+    for i, j in ((0, 1), (1, 64), (0, 65), (63, 64), (10, 298), (128, 129)):
+        u = t.clone()
+        u[i], u[j] = t[j], t[i]
+        assert hashing.cpu_sums(u)[0] == base[0] and hashing.cpu_sums(u)[1] != base[1], (i, j)
+        assert _host(hashing.device_sums([u])) == [hashing.cpu_sums(u)]
+
+
+class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that make new memory (kernels, not views) and the largest output's bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels, self.largest = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for o in torch.utils._pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+                self.kernels += 1
+                self.largest = max(self.largest, o.untyped_storage().nbytes())
+        return out
+
+
+def test_device_path_costs_a_constant_number_of_kernels_and_bounded_temporaries(monkeypatch):
+    from distdebug.fingerprint import hashing
+
+    counts = []
+    for n in (10, 200):  # a group of 10 small tensors, one of 200 (odd sizes: padded)
+        ts = [torch.randn(3 + i % 5).to(torch.bfloat16) for i in range(n)]
+        hashing.device_sums(ts)  # layouts and index cached, as at every step after the first
+        with _Kernels() as k:
+            hashing.device_sums(ts)
+        counts.append(k.kernels)
+    assert counts[0] == counts[1] <= 24, counts  # the same for 10 tensors as for 200
+    monkeypatch.setattr(hashing, "BLOCK", 1 << 12)
+    monkeypatch.setattr(hashing, "GROUP", 1 << 10)
+    big = torch.randn(40 << 12)  # 40 blocks
+    hashing.device_sums([big])
+    with _Kernels() as k:
+        hashing.device_sums([big])
+    assert k.largest <= 8 * (1 << 12), k.largest  # one int64 block, never a copy of the tensor
+    assert k.kernels <= 6 * 40 + 8
 
 
 def test_hashing_leaves_storages_resizable():
@@ -154,3 +243,4 @@ def test_device_path_takes_two_byte_tensors_at_odd_offsets():
         assert odd.storage_offset() == 1
         assert device_fingerprint(odd).tolist() == device_fingerprint(odd.clone()).tolist()
         assert device_fingerprint(buf[1:3]).tolist() != device_fingerprint(buf[2:4]).tolist()
+        assert cpu_fingerprint(odd) == combine_device(device_fingerprint(odd).tolist(), odd)

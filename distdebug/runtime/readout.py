@@ -1,0 +1,79 @@
+"""The step's one device-to-host read, for the whole harness.
+
+On a GPU every ``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()`` or ``.cpu()`` of a device tensor
+makes the CPU wait until the device has finished all the work queued before it, which ends the
+overlap of compute and communication. So no hook of the harness reads anything: detectors keep
+their flags, norms and fingerprints as device tensors, and at the step boundary each hands them
+to the session (``Detector.probe``), which adds the loss, packs everything into one int64 tensor per
+device (floats travel as their float64 bits, so integers and fingerprints stay exact) and reads it
+once. The values come back to each detector in its step event (``StepEvent.readout``).
+
+On CPU the read is free, but it is the same single call: the tests count it there.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+
+
+class Readout:
+    """Device values queued for the boundary's read: ``add`` them, then ``read`` once."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Any, torch.Tensor, tuple[int, ...], bool]] = []
+
+    def add(self, key: Any, value: torch.Tensor) -> None:
+        """Queue ``value`` (any shape; floating, integer or bool) under ``key``. Raises for anything
+        else, at once, so that the caller's detector fails alone and the read never does."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"a readout value must be a tensor, not {type(value).__name__}")
+        if value.is_complex():
+            raise TypeError("complex values cannot be read out")
+        floating = value.is_floating_point()
+        flat = value.detach().reshape(-1)
+        # int64 words: float64 bits for floats (exact), the integer itself otherwise. Queued as is
+        # (one small kernel), packed with the others at the read.
+        words = flat.to(torch.float64).view(torch.int64) if floating else flat.to(torch.int64)
+        self._items.append((key, words, tuple(value.shape), floating))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def read(self) -> dict[Any, Any]:
+        """Every queued value on the host: one ``tolist`` per device (one in practice). Scalars come back
+        as Python numbers, other shapes as nested lists; floats as float, the rest as int."""
+        by_device: dict[Any, list[int]] = {}
+        for i, (_, words, _, _) in enumerate(self._items):
+            by_device.setdefault(words.device, []).append(i)
+        host: dict[int, list[int]] = {}
+        for indices in by_device.values():
+            parts = [self._items[i][1] for i in indices]
+            packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+            values = packed.tolist()  # the read
+            pos = 0
+            for i, part in zip(indices, parts, strict=True):
+                n = part.numel()
+                host[i] = values[pos:pos + n]
+                pos += n
+        out: dict[Any, Any] = {}
+        for i, (key, _, shape, floating) in enumerate(self._items):
+            values = host[i]
+            if floating:
+                values = list(struct.unpack(f"<{len(values)}d", struct.pack(f"<{len(values)}q", *values)))
+            out[key] = _shaped(values, shape)
+        self._items = []
+        return out
+
+
+def _shaped(values: list[Any], shape: tuple[int, ...]) -> Any:
+    if not shape:
+        return values[0]
+    if len(shape) == 1:
+        return values
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+    return [_shaped(values[i * inner:(i + 1) * inner], shape[1:]) for i in range(shape[0])]
