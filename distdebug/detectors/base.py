@@ -51,6 +51,10 @@ class Detector:
         The moment for what must precede a model's first backward (a DDP communication hook): the
         script has made its own registrations by then."""
 
+    def after_backward(self) -> None:
+        """Called after every backward call (from attach on): the gradients as backward left them, before
+        anything the script does between backward and the optimizer step (clipping). Device work only."""
+
     def attach(self, ctx: RankContext) -> None:
         """Called once per rank after discovery (first step boundary)."""
 

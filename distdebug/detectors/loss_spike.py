@@ -48,8 +48,9 @@ MAX_FINDINGS = 5
 REL_FLOOR = 0.05
 
 
-def spike(history: list[float], value: float, threshold: float) -> tuple[bool, float, float]:
-    """(is value a spike against history, the level it is measured from, robust z)."""
+def spike(history: list[float], value: float, threshold: float, both: bool = False) -> tuple[bool, float, float]:
+    """(is value a spike against history, the level it is measured from, robust z). ``both``: a value
+    as far below the level counts too (a loss that collapses)."""
     if len(history) < MIN_HISTORY or not math.isfinite(value):
         return False, float("nan"), 0.0
     level = statistics.median(history[-LEVEL:])
@@ -58,7 +59,15 @@ def spike(history: list[float], value: float, threshold: float) -> tuple[bool, f
     noise = 1.4826 * statistics.median(abs(d - center) for d in diffs) / math.sqrt(2)
     scale = max(noise, REL_FLOOR * abs(level), 1e-12)
     z = (value - level) / scale
-    return z > threshold, level, z
+    return (abs(z) if both else z) > threshold, level, z
+
+
+def _relative(value: float, level: float) -> str:
+    """How far a value is from its level, for a message: '21217.1x', '1/39.0 of', or the other side of 0."""
+    ratio = value / level if level else 0.0
+    if ratio <= 0:
+        return "on the other side of zero from"
+    return f"{ratio:.1f}x" if ratio >= 1 else f"1/{1 / ratio:.1f} of"
 
 
 class CrossRank:
@@ -134,6 +143,7 @@ class LossSpike(ExchangeUser, Detector):
         self.found: dict[str, int] = {"loss": 0, "grad_norm": 0}
         self.run: dict[str, int] = {"loss": 0, "grad_norm": 0}  # consecutive spiking steps
         self.params: list[torch.nn.Parameter] = []
+        self._norm: Any = None  # the last backward's gradient norm (a device scalar), read at the boundary
         self.sharded = False
         self.rank = 0
         self.ctx: RankContext | None = None
@@ -194,8 +204,16 @@ class LossSpike(ExchangeUser, Detector):
         if self.exchange is not None:
             self.exchange.post(mine, judge)
 
+    def after_backward(self) -> None:
+        # The norm as backward left it, before the script's own clip_grad_norm_ (which would hide the
+        # spike); with accumulation, the last backward's (every micro-batch's gradients summed).
+        if self.params:
+            self._norm = self._grad_norm()
+
     def probe(self, step: int) -> dict[str, Any] | None:
-        norm = self._grad_norm()
+        norm, self._norm = self._norm, None
+        if norm is None:
+            norm = self._grad_norm()  # a step whose backward was not seen (DeepSpeed's own, a custom loop)
         return None if norm is None else {"grad_norm": norm}
 
     def _grad_norm(self) -> Any:
@@ -220,7 +238,9 @@ class LossSpike(ExchangeUser, Detector):
             if value is None or not math.isfinite(value):
                 continue  # NaN/Inf are nan_origin's and loss_nonfinite's
             hist = self.history[signal]
-            is_spike, med, z = spike(list(hist), value, self.threshold)
+            # The loss both ways (a collapse, a loss gone negative, is as wrong as a jump); the gradient
+            # norm upward only (it falls as training converges).
+            is_spike, med, z = spike(list(hist), value, self.threshold, both=signal == "loss")
             if is_spike:
                 self.run[signal] += 1
                 if self.run[signal] > LEVEL:
@@ -231,11 +251,12 @@ class LossSpike(ExchangeUser, Detector):
                 self.found[signal] += 1
                 if self.found[signal] <= MAX_FINDINGS:
                     label = "loss" if signal == "loss" else "gradient norm"
+                    kind = "spike" if z > 0 else "collapse"
                     out.append(Finding(
                         severity=Severity.WARNING, detector=self.name, ranks=[event.rank], step=event.step,
                         subject=signal,
-                        message=f"{label} spike at step {event.step}: {value:.4g}, {value / med if med else 0:.1f}x "
-                                f"the level {med:.4g} of the last steps (robust z {z:.1f} > "
+                        message=f"{label} {kind} at step {event.step}: {value:.4g}, {_relative(value, med)} "
+                                f"the level {med:.4g} of the last steps (robust z {z:.1f}, beyond "
                                 f"{self.threshold:g})",
                         evidence={"value": value, "median": med, "robust_z": z, "window": len(hist),
                                   "threshold": self.threshold},

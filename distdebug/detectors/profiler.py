@@ -19,7 +19,11 @@ when triggered windows are on).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,42 @@ from distdebug.findings import Finding, Severity
 CHECK_EVERY = 8
 TRIGGERS = ("loss_spike", "nan_origin", "loss_nonfinite", "straggler")
 STORE_KEY = "distdebug/profile_trigger"
+
+
+CHATTER = (b"USDT:", b"STAGE:")
+"""Line prefixes torch's profiler (kineto) prints to the process's stderr at every start and stop,
+whatever KINETO_LOG_LEVEL says: not the script's output, so they do not reach its stderr."""
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """Fd 2 goes to a file while torch's profiler starts or stops; then everything written there,
+    but the profiler's own lines, goes on to the real stderr (another thread's output is kept, a few
+    milliseconds late)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        spool = tempfile.TemporaryFile()
+        os.dup2(spool.fileno(), 2)
+    except Exception:  # no fd 2 to borrow: the chatter shows, nothing else changes
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        except Exception:
+            pass
+        os.dup2(saved, 2)
+        os.close(saved)
+        try:
+            spool.seek(0)
+            kept = b"".join(line for line in spool.read().splitlines(keepends=True) if not line.startswith(CHATTER))
+            if kept:
+                os.write(2, kept)
+        finally:
+            spool.close()
 
 
 def trace_dir(run_dir: Path, start: int, end: int) -> Path:
@@ -118,14 +158,18 @@ class Profiler(Detector):
         prof = torch.profiler.profile(activities=activities)
         prof.record_steps = True  # ProfilerStep#N marks, as with a schedule
         prof.step_num = window[0]
-        prof.start()
+        with _without_profiler_chatter():
+            prof.start()
         self.prof, self.window = prof, window
 
     def _stop(self) -> None:
         prof, window = self.prof, self.window
         self.prof, self.window = None, None
         assert window is not None
-        prof.stop()
+        with _without_profiler_chatter():
+            prof.stop()
+        # Named for the steps it covers: a script that ends inside a window ran only some of them.
+        window = (window[0], max(window[0], min(window[1], self.current - 1)))
         if self.ctx is not None and self.ctx.run_dir is not None:
             out = trace_dir(Path(self.ctx.run_dir), *window)
             out.mkdir(parents=True, exist_ok=True)

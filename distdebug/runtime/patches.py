@@ -44,6 +44,7 @@ class Observer(Protocol):
 
     def note_loss(self, tensors: Any) -> None: ...
     def note_scaled(self, scaler: Any, out: Any) -> None: ...
+    def after_backward(self) -> None: ...
     def scaler_skipped(self, scaler: Any, optimizer: Any) -> None: ...
     optimizer_steps: int
     def note_all_reduce(self, tensor: torch.Tensor) -> None: ...
@@ -139,9 +140,12 @@ class TorchPatches:
 
         @functools.wraps(original)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not patches._in_engine_backward:
-                _quietly(patches.session.note_loss, tensors)
-            return original(tensors, *args, **kwargs)
+            if patches._in_engine_backward:
+                return original(tensors, *args, **kwargs)
+            _quietly(patches.session.note_loss, tensors)
+            out = original(tensors, *args, **kwargs)
+            _quietly(patches.session.after_backward)
+            return out
 
         return backward
 
@@ -185,9 +189,11 @@ class TorchPatches:
             _quietly(session.note_loss, loss)
             patches._in_engine_backward = True
             try:
-                return orig_backward(loss, *args, **kwargs)
+                out = orig_backward(loss, *args, **kwargs)
             finally:
                 patches._in_engine_backward = False
+            _quietly(session.after_backward)
+            return out
 
         @functools.wraps(orig_step)
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -272,7 +278,8 @@ class TorchPatches:
             t = args[0] if args else kwargs.get("tensor")
             if name == "all_reduce" and isinstance(t, torch.Tensor):
                 session.note_all_reduce(t)
-            info = {"op": name, "seq": progress.collective_seq, "step": progress.step + 1, "shapes": _shapes(t),
+            info = {"op": name, "seq": progress.collective_seq, "step": progress.step + 1,
+                    "shapes": _call_shapes(args, kwargs),
                     "site": _call_site(3)}  # enter <- _quietly <- collective <- its caller
             slot = session.inflight
             if slot is not None:
@@ -310,6 +317,29 @@ def _deepspeed_scale(engine: Any) -> float | None:
 def _deepspeed_overflow(engine: Any) -> bool:
     """Whether DeepSpeed's fp16 loss scaler skipped the step just taken (its optimizer's host flag)."""
     return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
+
+
+TENSOR_ARGS = ("tensor", "output", "input", "output_tensor", "input_tensor", "tensor_list", "output_tensor_list",
+               "input_tensor_list", "output_list", "input_list", "gather_list", "scatter_list")
+"""Keyword names torch.distributed's collectives take their tensors by (DeepSpeed's comm wrappers pass
+``output=``/``input=``); with the first two positional arguments, where the shapes are read from."""
+SPLIT_ARGS = ("output_split_sizes", "input_split_sizes")
+
+
+def _call_shapes(args: Any, kwargs: Any) -> list[Any] | None:
+    """The shapes of a collective's tensors however it was called (positional or keyword, tensors or
+    lists of them), in argument order, and all_to_all_single's split sizes: what tells two ranks'
+    calls of the same collective apart. None when it takes no tensor (object collectives, barrier)."""
+    out: list[Any] = []
+    for obj in [*args[:2], *(kwargs[k] for k in TENSOR_ARGS if k in kwargs)]:
+        shapes = _shapes(obj)
+        if shapes:
+            out += shapes
+    for i, key in enumerate(SPLIT_ARGS):
+        splits = kwargs.get(key, args[2 + i] if len(args) > 2 + i else None)
+        if isinstance(splits, (list, tuple)) and splits and all(isinstance(v, int) for v in splits):
+            out.append({key.split("_")[0]: list(splits)[:8]})
+    return out or None
 
 
 def _shapes(obj: Any) -> list[list[int]] | None:

@@ -110,7 +110,8 @@ class Session:
         self._t_last: float | None = None
         self._depth = 0
         self._discovering = True
-        self._discovery_inert = False  # discovery is over but its hooks stay (a compiled model: see below)
+        self._discovery_inert = False
+        self._after_backward: list[Detector] = []  # discovery is over but its hooks stay (a compiled model: see below)
         self._root_refs: list[weakref.ref[torch.nn.Module]] = []  # weak: see RankContext
         self._loss_modules: list[str] = []
         self._reduced_ptrs: set[int] = set()
@@ -151,6 +152,8 @@ class Session:
                 detectors=[d.name for d in self.detectors],
             )
         )
+        # Only the detectors that use it are called after every backward.
+        self._after_backward = [d for d in self.detectors if type(d).after_backward is not Detector.after_backward]
         for det in list(self.detectors):
             det.on_failure = self._detector_failed
             self._run_detector(det, "setup", lambda d: d.setup(self.ctx))
@@ -295,6 +298,13 @@ class Session:
                 v = v / scale.detach().to(torch.float64)  # on the device: the loss the script computed
             self._loss_sum = v if self._loss_sum is None else self._loss_sum + v
             self._loss_n += 1
+
+    def after_backward(self) -> None:
+        """A backward call returned (gradients accumulated, and reduced under DDP/FSDP2): detectors
+        that read gradients before the script's own clipping do it here (device work, no read)."""
+        for det in self._after_backward:
+            if not det.off:
+                self._run_detector(det, "after_backward", lambda d: d.after_backward())
 
     def note_scaled(self, scaler: Any, out: Any) -> None:
         """``GradScaler.scale(loss)`` returned ``out`` (loss times the scale): remembered weakly, a few."""

@@ -264,6 +264,27 @@ def test_ddp_recipe_without_buffer_broadcast_names_each_batchnorm(tmp_path):
     assert [(f["subject"], f["step"], f["ranks"]) for f in bn] == [("features.1", 2, [0, 1]), ("features.4", 2, [0, 1])]
 
 
+def test_spikes_both_ways_and_the_gradient_norm_before_the_scripts_clipping(tmp_path):
+    # The script clips its gradients to 0.05 after its all_reduce: the norm at the step boundary is the
+    # clipped one, flat; the norm when backward returns is the one that spiked.
+    r = distdebug("attach", "--run-dir", str(tmp_path / "clip"), SCRIPT, "--steps", "40", "--spike-at", "30",
+                  "--clip", "0.05")
+    assert r.returncode == 0, r.output
+    for rank in (0, 1):
+        grad = [f["step"] for f in kinds(tmp_path / "clip", rank, "finding")
+                if f["detector"] == "loss_spike" and f["subject"] == "grad_norm"]
+        assert grad and grad[0] == 30, grad
+    # A loss that collapses 39x below zero in one step (a sign bug) is found too.
+    r = distdebug("attach", "--run-dir", str(tmp_path / "collapse"), SCRIPT, "--steps", "40", "--collapse-at", "30")
+    assert r.returncode == 0, r.output
+    for rank in (0, 1):
+        losses = [f for f in kinds(tmp_path / "collapse", rank, "finding")
+                  if f["detector"] == "loss_spike" and f["subject"] == "loss"]
+        f = losses[0]  # (its 39x reversed gradients spike the norm too, and shake the steps after)
+        assert f["step"] == 30 and f["message"].startswith("loss collapse at step 30"), losses
+        assert f["evidence"]["robust_z"] < -8
+
+
 def test_loss_spike_in_its_step_and_none_in_the_recipes_normal_training(tmp_path):
     r = distdebug("attach", "--run-dir", str(tmp_path / "spike"), SCRIPT, "--steps", "40", "--spike-at", "30")
     assert r.returncode == 0, r.output

@@ -195,3 +195,13 @@ def test_on_stall_abort_ends_a_busy_job_as_asked(tmp_path):
     assert r.returncode == EXIT_HANG, r.output
     (f,) = [f for f in run_findings(tmp_path) if f["detector"] == "hang"]
     assert (f["subject"], f["ranks"]) == ("stall", [0, 1])
+
+
+def test_a_collective_called_by_keywords_with_different_sizes_names_each_ranks_sizes(tmp_path):
+    # DeepSpeed's MoE dispatch calls all_to_all_single(output=..., input=...): the shapes are read from
+    # keywords as well as positions (they were "sizes None" before).
+    r = attach(tmp_path, "--a2a-size-at", "3")
+    assert r.returncode != 0, r.output
+    (f,) = run_findings(tmp_path)
+    assert f["ranks"] == [0, 1] and f["step"] == 4  # after the 3rd optimizer step: step 4's work
+    assert "rank 0 all_to_all_single [[12], [12]], rank 1 all_to_all_single [[16], [16]]" in f["message"], f

@@ -36,6 +36,16 @@ def test_windows_hold_exactly_the_requested_steps_on_every_rank_and_are_analysed
         assert 0 < a["comm_share"] < 1 and 0 <= a["overlap_ratio"] <= 1 and 0 < a["data_share"] < 0.5
         assert a["top_ops"] and all(s["compute_us"] > 0 for s in a["steps"])
     assert "Profiler windows" in distdebug("report", str(tmp_path)).stdout
+    assert "USDT:" not in r.stderr and "profiler_start" not in r.stderr  # torch's profiler chatter stays ours
+
+
+def test_a_window_past_the_end_is_named_for_the_steps_it_covers(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--profile-steps", "8:14",
+                  str(RECIPES / "ddp_convnet.py"), "--steps", "10")
+    assert r.returncode == 0, r.output
+    assert [p.name for p in (tmp_path / "traces").iterdir()] == ["steps-8-10"]
+    for f in sorted((tmp_path / "traces" / "steps-8-10").glob("rank-*.pt.trace.json.gz")):
+        assert step_marks(f)[:3] == [8, 9, 10]
 
 
 def test_a_finding_triggers_a_window_on_every_rank(tmp_path):

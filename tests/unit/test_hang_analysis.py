@@ -191,3 +191,20 @@ def test_extra_collective_is_named_by_the_majority_of_counts(tmp_path):
     _stalled(tmp_path, 2, [1, 1, 1, 1])
     (f,) = diagnose(load_run(tmp_path))
     assert (f.ranks, f.step) == ([0], 2)
+
+
+def test_collective_shapes_are_read_however_the_collective_was_called():
+    import torch
+
+    from distdebug.runtime.patches import _call_shapes
+
+    t = torch.zeros(3, 2)
+    assert _call_shapes((t,), {}) == [[3, 2]]  # all_reduce(t)
+    assert _call_shapes((), {"tensor": t}) == [[3, 2]]
+    # all_to_all_single as DeepSpeed calls it, with split sizes
+    assert _call_shapes((), {"output": torch.zeros(4), "input": torch.zeros(6), "input_split_sizes": [2, 4]}) == \
+        [[4], [6], {"input": [2, 4]}]
+    assert _call_shapes(([torch.zeros(1), torch.zeros(2)], t), {}) == [[1], [2], [3, 2]]  # all_gather(list, t)
+    assert _call_shapes((t,), {"scatter_list": [t, t]}) == [[3, 2], [3, 2], [3, 2]]
+    assert _call_shapes(([None, None], {"a": 1}), {}) is None  # all_gather_object: no tensor
+    assert _call_shapes((t, None, True), {}) == [[3, 2]]  # a flag in third place is not a split

@@ -83,3 +83,16 @@ def test_every_rank_moving_together_is_not_one_rank_departing():
     for r, factor in ((0, 40), (1, 90), (2, 20)):  # a learning-rate blow-up: all jump, unequally
         per_rank[r][50] *= factor
     assert departures(per_rank) == []
+
+
+def test_a_loss_that_collapses_or_turns_negative_is_found_and_the_early_drop_is_not():
+    for seed in range(20):  # the steep early drop, both ways now: still nothing
+        assert run(curve(200, seed)) == [], seed
+    values = curve(60, 3)
+    values[40] = -values[39] * 39  # a sign bug: 39x the level, below zero
+    assert run(values) == [41]
+    values = curve(60, 4)
+    values[40] = values[39] / 39  # a collapse to 1/39 of the level
+    assert run(values) == [41]
+    assert spike([1.0] * 12, 0.5, 8.0) == (False, 1.0, -10.0)  # one-sided unless asked: the gradient norm
+    assert spike([1.0] * 12, 0.5, 8.0, both=True)[0]

@@ -26,6 +26,8 @@ p.add_argument("--flip-at", type=int, default=None, help="flip one bit of one pa
 p.add_argument("--nan-at", type=int, default=None, help="a NaN in one input value on --fault-rank at this step")
 p.add_argument("--spike-at", type=int, default=None, help="a corrupted batch (inputs x 30) at this step")
 p.add_argument("--spike-rank", type=int, default=None, help="only on this rank (default: every rank)")
+p.add_argument("--collapse-at", type=int, default=None, help="the loss's sign flipped (x -39) at this step")
+p.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this after the all_reduce")
 p.add_argument("--seed", type=int, default=0)
 args = p.parse_args()
 
@@ -49,10 +51,14 @@ for step in range(1, args.steps + 1):
     if rank == args.fault_rank and step == args.nan_at:
         x[1, 2] = float("nan")  # a bad sample: NaN from the first layer on
     loss = (model(x) - x[:, :1]).pow(2).mean()
+    if step == args.collapse_at:
+        loss = loss * -39  # a sign bug (a log-likelihood where its negative was meant): the loss collapses
     loss.backward()
     for prm in model.parameters():
         dist.all_reduce(prm.grad)
         prm.grad /= world
+    if args.clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
     opt.step()
     opt.zero_grad()
     if args.sleep_rank in (None, rank):

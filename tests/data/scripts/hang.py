@@ -25,7 +25,7 @@ p.add_argument("--exit-at", type=int)
 p.add_argument("--slow", type=float, default=0.0)
 p.add_argument("--init-late", action="store_true")
 p.add_argument("--pg-timeout", type=float)
-p.add_argument("--busy", nargs=2, type=float, metavar=("K", "S"), help="no fault: all ranks evaluate S s after step K")
+p.add_argument("--busy", nargs=2, type=float, metavar=("K", "S"), help="no fault: all ranks evaluate S s after step K"); p.add_argument("--a2a-size-at", type=int, help="a keyword all_to_all_single, another size on the fault rank")  # noqa: E501, E702
 args = p.parse_args()
 
 import os  # noqa: E402
@@ -64,6 +64,9 @@ for step in range(1, args.steps + 1):
             while time.monotonic() < deadline:  # an evaluation: forwards, no collective
                 model(torch.ones(2, 4))
                 time.sleep(0.01)
+    if step == args.a2a_size_at:  # a MoE dispatch as DeepSpeed calls it (keywords); another size on one rank
+        n = 8 if faulty else 6
+        dist.all_to_all_single(output=torch.empty(n * world), input=torch.ones(n * world))
 if faulty and args.skip_at:
     time.sleep(600)  # goes on with work of its own (evaluation...) and never joins the last collective
 print(f"rank {rank} done", flush=True)
