@@ -60,7 +60,8 @@ class DataOrder(ExchangeUser, Detector):
         self.pending: Any = None  # this step's batch fingerprint
         self.history: dict[int, list[list[Any]]] = {}
         self.reported: set[str] = set()
-        self._epochs: dict[int, int] = {}  # id(sampler) -> epoch of its last iteration
+        self._epochs: dict[int, int] = {}  # id(sampler) -> epoch of its last real pass
+        self._passes: dict[int, tuple[int, list[int]]] = {}  # id(sampler) -> (epoch, [indices taken]) of its last pass
         self._hooks: list[Any] = []
 
     def setup(self, ctx: RankContext) -> None:
@@ -72,10 +73,19 @@ class DataOrder(ExchangeUser, Detector):
         def make(original: Any) -> Any:
             def __iter__(sampler: Any) -> Any:
                 det._guard(det._sampler_iter, sampler)
-                return original(sampler)
+                it = original(sampler)
+                counter = det._passes.get(id(sampler))
+                return det._counted(it, counter[1]) if counter is not None else it
             return __iter__
 
         self.patch(ctx, DistributedSampler, "__iter__", make)
+
+    @staticmethod
+    def _counted(it: Any, taken: list[int]) -> Any:
+        """The sampler's indices as they are, counted: how much of a pass the loop really consumed."""
+        for index in it:
+            taken[0] += 1
+            yield index
 
     def _guard(self, fn: Any, *args: Any) -> None:
         try:
@@ -84,12 +94,18 @@ class DataOrder(ExchangeUser, Detector):
             pass
 
     def _sampler_iter(self, sampler: Any) -> None:
+        """A new pass over a DistributedSampler. A pass counts once the loop has consumed at least half
+        of it: ``next(iter(loader))`` before the epoch loop (a peek at one batch) is not a pass, so the
+        loop's own first pass, after set_epoch(0), does not 'repeat' it."""
         ctx = self.ctx
         assert ctx is not None  # set in setup()/attach(), which the session calls first
         key = id(sampler)
         epoch = int(getattr(sampler, "epoch", 0))
+        last = self._passes.get(key)
+        if last is not None and last[1][0] * 2 >= max(1, len(sampler)):
+            self._epochs[key] = last[0]  # the previous pass was a real one
+        self._passes[key] = (epoch, [0])
         before = self._epochs.get(key)
-        self._epochs[key] = epoch
         if before is None or epoch != before or not getattr(sampler, "shuffle", False) or "set_epoch" in self.reported:
             return
         self.reported.add("set_epoch")

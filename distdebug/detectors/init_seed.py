@@ -6,8 +6,8 @@
   fingerprints once, in the background (``runtime.exchange``).
   - Different, and nothing broadcast them (a hand-written loop, a plain module): the replicas
     differ from step 0 and will never agree: an error naming the tensors.
-  - Different before DDP broadcast them: training is fine (DDP made them equal), but the ranks
-    were seeded differently, which also changes everything else drawn from the generator: info.
+  - Different before DDP broadcast them: training is fine (DDP made them equal); ranks seeded
+    apart on purpose are a common idiom: no finding.
 - ``torch.manual_seed`` never called before the first step: torch's generator was seeded from the
   OS, so no two runs are alike (info, with every rank's seed when they differ).
 
@@ -143,16 +143,9 @@ class InitSeed(ExchangeUser, Detector):
         if diffs:
             names = ", ".join(d["tensor"] for d in diffs[:MAX_NAMED]) + (" ..." if len(diffs) > MAX_NAMED else "")
             culprits = sorted({r for d in diffs for r in d["ranks"]})
-            if broadcast:
-                out.append(Finding(
-                    severity=Severity.INFO, detector=self.name, ranks=culprits, step=0, subject=diffs[0]["tensor"],
-                    message=f"initial parameters differed across ranks before DDP broadcast rank 0's ({len(diffs)} "
-                            f"tensors: {names}); DDP made them equal, but the ranks' generators were seeded "
-                            f"differently (seeds {seeds})",
-                    evidence={"tensors": [d["tensor"] for d in diffs[:200]], "seeds": seeds},
-                    fix="harmless for the parameters; seed every rank alike where the same random draws are meant",
-                ))
-            else:
+            # With DDP's broadcast (ranks seeded apart on purpose, or not) the replicas were made equal
+            # before the first step: the training is right, nothing to report. Without it:
+            if not broadcast:
                 out.append(Finding(
                     severity=Severity.ERROR, detector=self.name, ranks=culprits, step=0, subject=diffs[0]["tensor"],
                     message=f"initial parameters differ across ranks and nothing broadcasts them ({len(diffs)} "

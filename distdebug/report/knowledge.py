@@ -32,6 +32,7 @@ RESTORE = "loss jumps after restoring a checkpoint"
 HANG = "job stuck until the collective timeout"
 ENVIRONMENT = "job fails to start, or runs slow, on some nodes only"
 CONFIG = "a configuration trap (runs, but wrong or slow)"
+REPRODUCE = "two runs of the same script do not match"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,11 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
                       "compare running_mean across ranks (the finding's evidence)",
                       "SyncBatchNorm.convert_sync_batchnorm(model) before wrapping in DDP, or keep "
                       "broadcast_buffers=True")
+    if d == "init_seed" and f.subject == "torch.manual_seed":
+        return Advice(REPRODUCE, "torch's generator is seeded from the OS: no two runs draw alike (the replicas "
+                      "are not affected)", "the seeds in the finding's evidence",
+                      "torch.manual_seed(seed) (and random/numpy seeds) at the start, or distdebug attach "
+                      "--deterministic")
     if d == "init_seed":
         return Advice(LOSSES_DIFFER, "seeds not fixed: ranks built different initial weights",
                       f"distdebug diff {run_dir} --step 1",
@@ -177,6 +183,10 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
 
 
 NAN_FAMILY = ("loss_nonfinite", "nan_origin")
+NAN_CAN_CAUSE = ("replica_divergence", "bn_divergence", "loss_spike", "loss_scale")
+"""What a NaN/Inf can cause in later steps: values that became non-finite differ everywhere (replicas,
+BatchNorm statistics), spike, or keep a loss scaler skipping. Not inputs, seeds, configuration,
+checkpoints, hangs or speed: those findings keep their own cause after a NaN."""
 
 
 def advise_all(findings: list[Finding], *, run_dir: str = "RUN") -> list[Advice]:
@@ -190,8 +200,11 @@ def advise_all(findings: list[Finding], *, run_dir: str = "RUN") -> list[Advice]
     for f in findings:
         before = [s for s in restores if f.step is not None and s <= f.step]
         a = advise(f, run_dir=run_dir, restored_before=before[-1] if before else None)
-        if first_nan is not None and f.detector not in NAN_FAMILY + ("harness",) and f.step is not None \
-                and f.step > first_nan:
+        if f.detector == "init_seed" and f.subject != "torch.manual_seed" and restores:
+            a = Advice(a.symptom, "the ranks restored different values from a checkpoint before the first step (see "
+                       "the checkpoint_roundtrip finding), not their seeds", "the checkpoint_roundtrip finding's "
+                       "tensor and files", "load through the sharding-aware API, each rank its own shard")
+        if first_nan is not None and f.detector in NAN_CAN_CAUSE and f.step is not None and f.step > first_nan:
             a = Advice(a.symptom, f"probably a consequence of the NaN/Inf from step {first_nan} (values that "
                        f"became non-finite differ everywhere); otherwise: {a.cause}", a.check, a.fix)
         out.append(a)

@@ -18,7 +18,7 @@ def test_identical_batches_rule():
     assert identical_batches(per_rank) == ([2, 3], [2])
 
 
-def _loop(rank, world, tmp, sampler="distributed", set_epoch=True, init_seed=None, epochs=3):
+def _loop(rank, world, tmp, sampler="distributed", set_epoch=True, init_seed=None, epochs=3, peek=False):
     s = start_session(tmp, rank, detectors=[DataOrder()])
     torch.manual_seed(rank if init_seed == "per_rank" else 0)
     model = nn.Linear(4, 1)  # a hand-written loop: no broadcast of the initial parameters
@@ -27,6 +27,8 @@ def _loop(rank, world, tmp, sampler="distributed", set_epoch=True, init_seed=Non
     data = TensorDataset(torch.randn(48, 4, generator=g), torch.randn(48, 1, generator=g))
     smp = DistributedSampler(data, shuffle=True, seed=0) if sampler == "distributed" else None
     loader = DataLoader(data, batch_size=4, sampler=smp, shuffle=False)
+    if peek:
+        next(iter(loader))  # a look at one batch before the epoch loop (shapes, a sanity check)
     for epoch in range(epochs):
         if smp is not None and set_epoch:
             smp.set_epoch(epoch)
@@ -58,6 +60,15 @@ def test_same_batches_but_different_init_gives_different_losses(tmp_path):
     by_subject = {f["subject"]: f for f in findings(tmp_path, 0)}
     assert by_subject["loss"]["severity"] == "error" and by_subject["loss"]["step"] == 2
     assert "not the same model" in by_subject["loss"]["message"]
+
+
+def test_a_peek_before_the_epoch_loop_is_not_a_pass(tmp_path):
+    # next(iter(loader)) before the loop, then set_epoch(0) and the loop's own first pass: not a repeat.
+    spawn_ranks(_loop, 2, tmp=tmp_path / "peek", peek=True)
+    assert findings(tmp_path / "peek", 0) == [] and findings(tmp_path / "peek", 1) == []
+    spawn_ranks(_loop, 2, tmp=tmp_path / "peek_no_set_epoch", peek=True, set_epoch=False)
+    (f,) = findings(tmp_path / "peek_no_set_epoch", 0)  # a real repeat is still found
+    assert f["subject"] == "DistributedSampler.set_epoch"
 
 
 def test_set_epoch_never_called_is_found_with_its_place(tmp_path):

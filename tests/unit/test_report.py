@@ -60,6 +60,18 @@ def test_context_decides_the_cause():
     advice = kb.advise_all([nan, bn_after, bn_before])
     assert "consequence of the NaN/Inf from step 12" in advice[1].cause
     assert "consequence" not in advice[2].cause
+    # ... but only what a NaN can cause: identical batches across ranks, a seed or a config trap after it
+    # keep their own cause.
+    data_after = finding("data_order", step=16)
+    seed_after = finding("init_seed", step=16, subject="torch.manual_seed")
+    for a in kb.advise_all([nan, data_after, seed_after])[1:]:
+        assert "consequence" not in a.cause, a
+    # A seed note is about reproducing runs, not about replicas; after a restored checkpoint, an
+    # init_seed difference is the checkpoint's.
+    assert kb.advise(seed_after).symptom == kb.REPRODUCE
+    restore0, differ = finding("checkpoint_roundtrip", step=0), finding("init_seed", step=0, subject="w")
+    assert "restored different values from a checkpoint" in kb.advise_all([restore0, differ])[1].cause
+    assert "seeds not fixed" in kb.advise_all([differ])[0].cause
     # The seed is wrong about clipping after DDP: the advice follows PyTorch.
     assert "no rescaling" in kb.advise(finding("loss_nonfinite")).fix
 
