@@ -124,8 +124,10 @@ def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
         return
     step, diffs = found
     compared = sum(1 for s in snaps.values() if step in s)
+    ddp = any("ddp" in (m.get("wrappers") or [])
+              for s in run.ranks.values() for d in s.of_kind("discovery") for m in d.get("models") or [])
     out.findings.append(divergence_finding(step, [d.to_dict() for d in diffs], compared, after_job=True,
-                                           run_dir=str(run_dir)))
+                                           run_dir=str(run_dir), ddp=ddp))
 
 
 def _layout(run: Run, out: AfterJob) -> None:

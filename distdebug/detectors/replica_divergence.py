@@ -8,7 +8,7 @@ host read (``probe``; runtime.readout): 16 bytes per tensor.
 Everything else happens on a background thread, so the training never waits for it: the snapshot
 write, and per checked step one 40-byte record (step, backward passes, root digest of the tensors all
 ranks share, replica-group id and root digest of the tensors shared within an HSDP replicate group)
-per rank, BATCH (32) steps to one all_gather on a gloo group of the harness's own, so the training's
+per rank, BATCH (4) steps to one all_gather on a gloo group of the harness's own, so the training's
 collectives and their order are never touched. Only when root digests differ are the per-tensor
 fingerprints exchanged, to name the tensors; with 3 or more ranks the odd ones out are found by
 majority, with 2 ranks both are named.
@@ -41,12 +41,15 @@ from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
 from distdebug.fingerprint.hashing import PendingFingerprints, root_digest
 from distdebug.fingerprint.snapshots import SnapshotWriter
+from distdebug.runtime.discovery import find_ddp
 from distdebug.runtime.exchange import CAPACITY, ExchangeUser
 
-BATCH = 32
+BATCH = 4
 """Checked steps per exchange: one all_gather carries BATCH records, so the harness's collectives
-cost 1/BATCH of one per step. The first divergent step is still exact (each record carries its
-step); the finding comes at most BATCH checks later, or at the end of the run."""
+cost 1/BATCH of one per step (on the exchange's own thread and group). The first divergent step is
+still exact (each record carries its step); the finding comes at most BATCH checks later, during
+the run (it was 32: a finding up to 32 steps late, or only after the job when the script never
+destroys its process group)."""
 
 
 def _signed(v: int) -> int:
@@ -236,7 +239,8 @@ class ReplicaDivergence(ExchangeUser, Detector):
         if not diffs:
             return ()
         run_dir = str(ctx.run_dir) if ctx.run_dir is not None else None
-        return self._emit(divergence_finding(step, diffs, world, run_dir=run_dir))
+        ddp = any(find_ddp(m) is not None for m in ctx.models)
+        return self._emit(divergence_finding(step, diffs, world, run_dir=run_dir, ddp=ddp))
 
     def _emit(self, finding: Finding) -> Iterable[Finding]:
         # Every rank reaches the same verdict; one writes it.

@@ -65,8 +65,25 @@ MAX_NAMED = 10
 """Tensors named in a divergence message (all of them are in the evidence, up to 200)."""
 
 
+def mechanism(diffs: list[dict[str, Any]], ddp: bool) -> str:
+    """What the differing tensors say about how the replicas parted (checked at the step after the
+    optimizer's, gradients still in place): gradients that differ were not reduced alike; equal
+    gradients with differing parameters mean a rank-local change after the reduction."""
+    bases = [split_group(d["tensor"])[0] for d in diffs]
+    if any(b.endswith(".grad") for b in bases):
+        if ddp:
+            return ("gradients differ while a DDP wrapper exists: DDP reduced nothing for them (its hooks lost: "
+                    "the model converted with .to()/.double()/.cuda() after wrapping, the forward run on the "
+                    "unwrapped module, or a new wrapper built per step)")
+        return "gradients differ: they were not reduced alike across the ranks before the update"
+    if any(not b.startswith("optimizer.") for b in bases):
+        return ("gradients were equal but parameters or buffers differ: a rank-local change after the gradient "
+                "reduction (a bit flip, a rank-dependent update or buffer)")
+    return "only optimizer state differs: a rank-local change to it (a restore, a rank-dependent update)"
+
+
 def divergence_finding(step: int, diffs: list[dict[str, Any]], world: int, *, after_job: bool = False,
-                       run_dir: str | None = None) -> Finding:
+                       run_dir: str | None = None, ddp: bool = False) -> Finding:
     """The replica-divergence verdict, one rule and one wording for the online check (the ranks'
     exchange) and the check after the job (the snapshots on disk).
 
@@ -86,8 +103,9 @@ def divergence_finding(step: int, diffs: list[dict[str, Any]], world: int, *, af
     return Finding(
         severity=Severity.ERROR, detector="replica_divergence", ranks=culprits, step=step,
         subject=diffs[0]["tensor"],
-        message=f"replicas diverged at step {step}{found}: {len(diffs)} tensor(s) differ ({named}); {who}",
-        evidence={"tensors": diffs[:200], "count": len(diffs)},
+        message=f"replicas diverged at step {step}{found}: {len(diffs)} tensor(s) differ ({named}); {who}; "
+                f"{mechanism(diffs, ddp)}",
+        evidence={"tensors": diffs[:200], "count": len(diffs), "mechanism": mechanism(diffs, ddp)},
         fix=f"first divergent step and tensor are above; 'distdebug diff {run_dir or 'RUN'} --step {step}' lists "
             "all of them. Usual causes: a rank-local update (unsynchronised gradients or buffers), silent data "
             "corruption, non-deterministic kernels",

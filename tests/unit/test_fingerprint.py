@@ -244,3 +244,15 @@ def test_device_path_takes_two_byte_tensors_at_odd_offsets():
         assert device_fingerprint(odd).tolist() == device_fingerprint(odd.clone()).tolist()
         assert device_fingerprint(buf[1:3]).tolist() != device_fingerprint(buf[2:4]).tolist()
         assert cpu_fingerprint(odd) == combine_device(device_fingerprint(odd).tolist(), odd)
+
+
+def test_the_divergence_says_how_the_replicas_parted():
+    from distdebug.fingerprint.compare import mechanism
+
+    grads = [{"tensor": "w.grad"}, {"tensor": "w"}]
+    assert mechanism(grads, ddp=True).startswith("gradients differ while a DDP wrapper exists: DDP reduced nothing")
+    assert mechanism(grads, ddp=False).startswith("gradients differ: they were not reduced alike")
+    assert mechanism([{"tensor": "w"}, {"tensor": "optimizer.w.exp_avg"}], ddp=True).startswith(
+        "gradients were equal but parameters")
+    assert mechanism([{"tensor": "w.grad@replicas[0,2]"}], ddp=False).startswith("gradients differ")
+    assert mechanism([{"tensor": "optimizer.w.momentum_buffer"}], ddp=True).startswith("only optimizer state")
