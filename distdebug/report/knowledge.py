@@ -196,6 +196,8 @@ def advise_all(findings: list[Finding], *, run_dir: str = "RUN") -> list[Advice]
     restores = sorted(f.step for f in findings if f.detector == "checkpoint_roundtrip" and f.step is not None)
     nans = [f.step for f in findings if f.detector in NAN_FAMILY and f.step is not None and f.severity != "info"]
     first_nan = min(nans) if nans else None
+    divergences = [f.step for f in findings if f.detector == "replica_divergence" and f.step is not None]
+    first_divergence = min(divergences) if divergences else None
     out = []
     for f in findings:
         before = [s for s in restores if f.step is not None and s <= f.step]
@@ -204,6 +206,11 @@ def advise_all(findings: list[Finding], *, run_dir: str = "RUN") -> list[Advice]
             a = Advice(a.symptom, "the ranks restored different values from a checkpoint before the first step (see "
                        "the checkpoint_roundtrip finding), not their seeds", "the checkpoint_roundtrip finding's "
                        "tensor and files", "load through the sharding-aware API, each rank its own shard")
+        if first_divergence is not None and f.detector in ("bn_divergence", "loss_spike") and f.step is not None \
+                and f.step > first_divergence:
+            a = Advice(a.symptom, f"probably a consequence of the replica divergence from step {first_divergence} "
+                       f"(replicas that differ compute different statistics and losses); otherwise: {a.cause}",
+                       a.check, "fix the divergence first (its finding says how the replicas parted)")
         if first_nan is not None and f.detector in NAN_CAN_CAUSE and f.step is not None and f.step > first_nan:
             a = Advice(a.symptom, f"probably a consequence of the NaN/Inf from step {first_nan} (values that "
                        f"became non-finite differ everywhere); otherwise: {a.cause}", a.check, a.fix)

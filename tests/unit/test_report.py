@@ -72,6 +72,11 @@ def test_context_decides_the_cause():
     restore0, differ = finding("checkpoint_roundtrip", step=0), finding("init_seed", step=0, subject="w")
     assert "restored different values from a checkpoint" in kb.advise_all([restore0, differ])[1].cause
     assert "seeds not fixed" in kb.advise_all([differ])[0].cause
+    # BatchNorm statistics on replicas that already diverged are the divergence's consequence, not a
+    # reason for SyncBatchNorm.
+    div, bn_later = finding("replica_divergence", step=3), finding("bn_divergence", step=4)
+    later = kb.advise_all([div, bn_later])[1]
+    assert "consequence of the replica divergence from step 3" in later.cause and "SyncBatchNorm" not in later.fix
     # The seed is wrong about clipping after DDP: the advice follows PyTorch.
     assert "no rescaling" in kb.advise(finding("loss_nonfinite")).fix
 
