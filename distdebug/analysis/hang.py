@@ -421,7 +421,9 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         return _killed_rank_finding(states, killed)
     count_diff = first_collective_count_difference(states)
     evidence_common: dict[str, Any] = {
-        "ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase, "in_collective": _inflight_of(s)}
+        "ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase, "in_collective": _inflight_of(s),
+                      # the backend's own words, where the rank raised (gloo's size check, NCCL's timeout)
+                      **({"error": f"{s.exception}: {s.message}"[:500]} if s.status == Status.RAISED else {})}
                   for r, s in states.items()},
     }
     if count_diff:
