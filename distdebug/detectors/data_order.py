@@ -58,6 +58,8 @@ class DataOrder(ExchangeUser, Detector):
         self.exchange: Any = None
         self.records: list[list[Any]] = []  # [step, batch fingerprint, loss]
         self.pending: Any = None  # this step's batch fingerprint
+        self._pending_id: int | None = None
+        self.backward_seen = False  # the step's first backward ran: its batch is the last one fingerprinted
         self.history: dict[int, list[list[Any]]] = {}
         self.reported: set[str] = set()
         self._epochs: dict[int, int] = {}  # id(sampler) -> epoch of its last real pass
@@ -135,17 +137,25 @@ class DataOrder(ExchangeUser, Detector):
             self.open_exchange(ctx)
 
     def _pre_hook(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self.pending is not None or self.exchange is None:
-            return  # the step's first forward only
-        if not torch.is_grad_enabled() or not getattr(module, "training", True):
-            return  # an evaluation forward between steps (often the same batch on every rank): not training
-        t = first_tensor((args, kwargs))
-        if t is None:
+        # The step's batch is the input of its last forward before its first backward: the one whose
+        # output reached the training backward. An evaluation forward between steps (a shared test batch,
+        # the same on every rank) comes before it and is replaced; one under no_grad or eval() is not
+        # even fingerprinted.
+        if self.backward_seen or self.exchange is None:
             return
+        if not torch.is_grad_enabled() or not getattr(module, "training", True):
+            return
+        t = first_tensor((args, kwargs))
+        if t is None or id(t) == self._pending_id:
+            return  # the wrapper's and the inner module's hooks see the same input
         # A CPU batch is hashed at once; a device batch is fingerprinted on the device and its 16 bytes
         # read with the step's other values at the boundary (probe). Only dtype and shape are kept of
         # the batch: nothing of the user's data outlives the forward.
         self.pending = PendingFingerprints([("batch", t)])
+        self._pending_id = id(t)
+
+    def after_backward(self) -> None:
+        self.backward_seen = True
 
     def probe(self, step: int) -> dict[str, Any] | None:
         if self.pending is None:
@@ -154,6 +164,7 @@ class DataOrder(ExchangeUser, Detector):
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         pending, self.pending = self.pending, None
+        self.backward_seen, self._pending_id = False, None
         if self.exchange is None:
             return ()
         if pending is not None:

@@ -18,7 +18,8 @@ def test_identical_batches_rule():
     assert identical_batches(per_rank) == ([2, 3], [2])
 
 
-def _loop(rank, world, tmp, sampler="distributed", set_epoch=True, init_seed=None, epochs=3, peek=False):
+def _loop(rank, world, tmp, sampler="distributed", set_epoch=True, init_seed=None, epochs=3, peek=False,
+          sloppy_eval=False):
     s = start_session(tmp, rank, detectors=[DataOrder()])
     torch.manual_seed(rank if init_seed == "per_rank" else 0)
     model = nn.Linear(4, 1)  # a hand-written loop: no broadcast of the initial parameters
@@ -33,6 +34,8 @@ def _loop(rank, world, tmp, sampler="distributed", set_epoch=True, init_seed=Non
         if smp is not None and set_epoch:
             smp.set_epoch(epoch)
         for x, y in loader:
+            if sloppy_eval:  # a metric on a shared batch, in train mode, grad on, no backward
+                model(torch.ones(4, 4)).mean()
             (model(x) - y).pow(2).mean().backward()
             for p in model.parameters():
                 dist.all_reduce(p.grad)
@@ -60,6 +63,13 @@ def test_same_batches_but_different_init_gives_different_losses(tmp_path):
     by_subject = {f["subject"]: f for f in findings(tmp_path, 0)}
     assert by_subject["loss"]["severity"] == "error" and by_subject["loss"]["step"] == 2
     assert "not the same model" in by_subject["loss"]["message"]
+
+
+def test_a_forward_whose_output_never_reaches_backward_is_not_the_steps_batch(tmp_path):
+    # Every rank runs the same (shared) batch through the model before its training forward, grad on,
+    # train mode: the step's batch is the one whose output reached the backward, not that one.
+    spawn_ranks(_loop, 2, tmp=tmp_path, sloppy_eval=True, init_seed="per_rank")
+    assert findings(tmp_path, 0) == [] and findings(tmp_path, 1) == []
 
 
 def test_a_peek_before_the_epoch_loop_is_not_a_pass(tmp_path):
