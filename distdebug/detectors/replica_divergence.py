@@ -41,7 +41,7 @@ from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
 from distdebug.fingerprint.hashing import PendingFingerprints, root_digest
 from distdebug.fingerprint.snapshots import SnapshotWriter
-from distdebug.runtime.discovery import find_ddp
+from distdebug.runtime.discovery import ddp_exists, find_ddp
 from distdebug.runtime.exchange import CAPACITY, ExchangeUser
 
 BATCH = 4
@@ -239,7 +239,7 @@ class ReplicaDivergence(ExchangeUser, Detector):
         if not diffs:
             return ()
         run_dir = str(ctx.run_dir) if ctx.run_dir is not None else None
-        ddp = any(find_ddp(m) is not None for m in ctx.models)
+        ddp = any(find_ddp(m) is not None for m in ctx.models) or ddp_exists()
         return self._emit(divergence_finding(step, diffs, world, run_dir=run_dir, ddp=ddp))
 
     def _emit(self, finding: Finding) -> Iterable[Finding]:

@@ -75,6 +75,20 @@ def unwrap(module: torch.nn.Module) -> tuple[torch.nn.Module, list[str], dict[st
 
 
 _COMPILED: dict[int, Any] = {}  # id(module) -> weakref, for modules that run inside a compiled region
+_DDP_BUILT: list[Any] = []  # weakrefs to the DistributedDataParallel wrappers built in this process
+
+
+def note_ddp(ddp: Any) -> None:
+    """A DDP wrapper was built (runtime.patches watches its constructor): kept weakly, a few."""
+    import weakref
+
+    _DDP_BUILT[:] = [r for r in _DDP_BUILT if r() is not None][-7:] + [weakref.ref(ddp)]
+
+
+def ddp_exists() -> bool:
+    """Whether a DDP wrapper built in this process is alive: when its gradients still differ across
+    ranks, DDP reduced nothing for them (its hooks lost, or the forward ran on the unwrapped module)."""
+    return any(r() is not None for r in _DDP_BUILT)
 
 
 def mark_compiled(roots: list[Any]) -> None:

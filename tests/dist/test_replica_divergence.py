@@ -36,7 +36,7 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, steps=5, broadcast_buffers=
         same_data = fault == "bn_data" and rank != fault_rank
         seed = 100 * step + (0 if same_data else rank + 1)
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
-        ddp(x).pow(2).mean().backward()
+        (model if fault == "unwrapped" else ddp)(x).pow(2).mean().backward()
         opt.step()
         if rank == fault_rank and step == 3 and fault == "momentum":
             opt.state[model[3].bias]["momentum_buffer"].add_(1e-3)  # only optimizer state (lr=0)
@@ -80,6 +80,15 @@ def test_one_flipped_bit_with_two_ranks_names_both(tmp_path):
     (f,) = findings(tmp_path, 0)
     assert (f["step"], f["subject"], f["ranks"]) == (3, "0.weight", [0, 1])
     assert "no majority with 2 ranks" in f["message"]
+
+
+def test_a_forward_on_the_unwrapped_module_is_named_ddp_reduced_nothing(tmp_path):
+    # The DDP wrapper exists, but the loop calls the inner module: DDP's reducer never reduces (a real
+    # bug pattern); the gradients differ from step 1 and the finding says why.
+    spawn_ranks(_ddp, 2, tmp=tmp_path, fault="unwrapped")
+    (f,) = findings(tmp_path, 0)
+    assert f["step"] == 1 and "gradients differ while a DDP wrapper exists: DDP reduced nothing" in f["message"], f
+    assert any(d["tensor"].endswith(".grad") for d in f["evidence"]["tensors"])
 
 
 def test_divergence_only_in_optimizer_state(tmp_path):
