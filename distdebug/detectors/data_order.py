@@ -26,7 +26,7 @@ import torch
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.hashing import PendingFingerprints
+from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows_to_read
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
@@ -160,7 +160,7 @@ class DataOrder(ExchangeUser, Detector):
     def probe(self, step: int) -> dict[str, Any] | None:
         if self.pending is None:
             return None
-        return {str(j): rows for j, rows in enumerate(self.pending.device_rows)}
+        return rows_to_read([self.pending])
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         pending, self.pending = self.pending, None
@@ -168,10 +168,9 @@ class DataOrder(ExchangeUser, Detector):
         if self.exchange is None:
             return ()
         if pending is not None:
-            values = self.values(event)
-            rows = [values.get(str(j)) for j in range(len(pending.device_rows))]
-            if all(r is not None for r in rows):
-                self.records.append([event.step, pending.finish(rows)["batch"], event.loss])
+            fps = finish_read([pending], self.values(event))
+            if fps is not None:
+                self.records.append([event.step, fps["batch"], event.loss])
         if not checked(event.step):
             return ()
         mine, self.records = self.records, []

@@ -26,7 +26,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.compare import compare
-from distdebug.fingerprint.hashing import PendingFingerprints
+from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows_to_read
 from distdebug.runtime.exchange import ExchangeUser
 
 MAX_NAMED = 10
@@ -106,20 +106,14 @@ class InitSeed(ExchangeUser, Detector):
     def probe(self, step: int) -> dict[str, Any] | None:
         if self._posted or self.exchange is None:
             return None
-        return {f"{i}.{j}": rows for i, part in enumerate(self.initial) for j, rows in enumerate(part.device_rows)}
+        return rows_to_read(self.initial)
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         if self._posted or self.exchange is None:
             return ()
         self._posted = True
-        values = self.values(event)
-        fps: dict[str, int] = {}
-        for i, part in enumerate(self.initial):
-            keys = [f"{i}.{j}" for j in range(len(part.device_rows))]
-            if any(k not in values for k in keys):
-                fps = {}  # the step's read failed: posted empty (every rank posts), judged without this rank
-                break
-            fps.update(part.finish([values[k] for k in keys]))
+        # None: the step's read failed; posted empty (every rank posts), judged without this rank
+        fps = finish_read(self.initial, self.values(event)) or {}
         self.initial = []
         ctx = self.ctx
         assert ctx is not None  # set in setup()

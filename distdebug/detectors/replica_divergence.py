@@ -39,7 +39,7 @@ from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
-from distdebug.fingerprint.hashing import PendingFingerprints, root_digest
+from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, root_digest, rows_to_read
 from distdebug.fingerprint.snapshots import SnapshotWriter
 from distdebug.runtime.discovery import ddp_exists, find_ddp
 from distdebug.runtime.exchange import CAPACITY, ExchangeUser
@@ -123,16 +123,10 @@ class ReplicaDivergence(ExchangeUser, Detector):
         elif self.synced_buffers is not None:
             parts.append(self.synced_buffers)
         self._parts = parts
-        return {f"{i}.{j}": rows for i, part in enumerate(parts) for j, rows in enumerate(part.device_rows)}
+        return rows_to_read(parts)
 
     def _local(self, values: dict[str, Any]) -> dict[str, int] | None:
-        fps: dict[str, int] = {}
-        for i, part in enumerate(self._parts):
-            keys = [f"{i}.{j}" for j in range(len(part.device_rows))]
-            if any(k not in values for k in keys):
-                return None  # the step's read failed: no check this step
-            fps.update(part.finish([values[k] for k in keys]))
-        return fps
+        return finish_read(self._parts, values)  # None: the step's read failed, no check this step
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         checked = self.ctx is not None and not event.step % self.every and bool(self._parts)

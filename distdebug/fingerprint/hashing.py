@@ -341,6 +341,23 @@ class PendingFingerprints:
         return {name: out[name] for name in self.names}
 
 
+def rows_to_read(parts: list[PendingFingerprints]) -> dict[str, torch.Tensor]:
+    """The device rows of several pending fingerprint sets, keyed for a detector's probe (runtime.readout)."""
+    return {f"{i}.{j}": rows for i, part in enumerate(parts) for j, rows in enumerate(part.device_rows)}
+
+
+def finish_read(parts: list[PendingFingerprints], values: dict[str, Any]) -> dict[str, int] | None:
+    """The fingerprints of ``parts`` from the values read under rows_to_read's keys, in order; None when
+    a row is missing (the step's read failed)."""
+    fps: dict[str, int] = {}
+    for i, part in enumerate(parts):
+        keys = [f"{i}.{j}" for j in range(len(part.device_rows))]
+        if any(k not in values for k in keys):
+            return None
+        fps.update(part.finish([values[k] for k in keys]))
+    return fps
+
+
 def fingerprints(named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
     """Fingerprint many tensors now: CPU ones on the host, device ones on the device, one read per device."""
     return PendingFingerprints(named).finish()
