@@ -103,6 +103,9 @@ class RankContext:
     exchange: SharedExchange | None = None
     """The rank's one background exchange with its peers (None without peers, or before discovery):
     detectors take a channel of it (runtime.exchange.ExchangeUser.open_exchange)."""
+    layout: Any = None
+    """The rank's parallel layout (``runtime.layout.Layout``), found at the end of discovery: which ranks
+    every cross-rank check compares (data-parallel group, each tensor's replica group). None before."""
     raw_collectives: dict[str, Any] = field(default_factory=dict)
     """torch.distributed functions as they were before the session wrapped them: the harness's own
     collectives use these, so they are neither counted nor tracked as the training's."""

@@ -83,6 +83,7 @@ def summarize(run: Run) -> RunSummary:
     straggler_scores: dict[int, float] = {}
     discovery = None
     world_size = None
+    per_rank_layout: dict[int, dict[str, Any]] = {}
     for rank, stream in sorted(run.ranks.items()):
         records = stream.last_attempt()
         start = next((r for r in records if r.get("kind") == schema.START), {})
@@ -93,7 +94,9 @@ def summarize(run: Run) -> RunSummary:
         times = [r["step_time_s"] for r in steps if r.get("step_time_s") is not None]
         disc = next((r for r in records if r.get("kind") == schema.DISCOVERY), None)
         if disc is not None and discovery is None:
-            discovery = {k: disc.get(k) for k in ("models", "optimizers", "process_group", "step_source")}
+            discovery = {k: disc.get(k) for k in ("models", "optimizers", "process_group", "step_source", "layout")}
+        if disc is not None and isinstance(disc.get("layout"), dict):
+            per_rank_layout[rank] = disc["layout"]
         rank_findings = [Finding.from_dict(r) for r in records if r.get("kind") == schema.FINDING]
         findings.extend(rank_findings)
         end = next((r for r in records if r.get("kind") == schema.END), None)
@@ -148,6 +151,19 @@ def summarize(run: Run) -> RunSummary:
         injected=injected,
         windows=analyze_run(run.path),
         findings=_merge(findings),
-        discovery=discovery,
+        discovery=_with_layouts(discovery, per_rank_layout),
         warnings=list(run.warnings),
     )
+
+
+def _with_layouts(discovery: dict[str, Any] | None, per_rank: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """Rank 0's layout, with what differs per rank: each rank's data-parallel group and pipeline stage."""
+    if discovery is None or not isinstance(discovery.get("layout"), dict):
+        return discovery
+    layout = dict(discovery["layout"])
+    layout["data_parallel_groups"] = {str(r): lay.get("data_parallel_group") for r, lay in per_rank.items()}
+    stages = {str(r): lay["pipeline"]["index"] for r, lay in per_rank.items() if lay.get("pipeline")}
+    if stages:
+        layout["pipeline_stages"] = stages
+    return {**discovery, "layout": layout}
+

@@ -61,6 +61,7 @@ class DataOrder(ExchangeUser, Detector):
         self._pending_id: int | None = None
         self.backward_seen = False  # the step's first backward ran: its batch is the last one fingerprinted
         self.history: dict[int, list[list[Any]]] = {}
+        self.groups: dict[int, Any] = {}  # rank -> its data-parallel group (runtime.layout): who must differ
         self.reported: set[str] = set()
         self._epochs: dict[int, int] = {}  # id(sampler) -> epoch of its last real pass
         self._passes: dict[int, tuple[int, list[int]]] = {}  # id(sampler) -> (epoch, [indices taken]) of its last pass
@@ -173,13 +174,17 @@ class DataOrder(ExchangeUser, Detector):
                 self.records.append([event.step, fps["batch"], event.loss])
         if not checked(event.step):
             return ()
-        mine, self.records = self.records, []
+        layout = self.ctx.layout if self.ctx is not None else None
+        mine = {"records": self.records, "group": layout.data_group() if layout is not None else None}
+        self.records = []
 
         def verdicts(gathered: list[Any]) -> None:  # on the exchange's thread
             ctx = self.ctx
             assert ctx is not None  # set in setup()/attach(), which the session calls first
-            for rank, records in enumerate(gathered):
-                self.history.setdefault(rank, []).extend(records or [])
+            for rank, got in enumerate(gathered):
+                got = got or {}
+                self.history.setdefault(rank, []).extend(got.get("records") or [])
+                self.groups[rank] = got.get("group")
             if ctx.rank == 0:
                 for f in self._verdicts():
                     ctx.report(f)
@@ -187,15 +192,33 @@ class DataOrder(ExchangeUser, Detector):
         self.exchange.post(mine, verdicts)
         return ()
 
+    def _partition(self) -> list[list[int]]:
+        """The data-parallel groups among the ranks (TP, pipeline and context-parallel peers share a
+        batch by design and are never compared); groups of one rank have nothing to compare."""
+        parts: dict[Any, list[int]] = {}
+        for rank in sorted(self.history):
+            group = self.groups.get(rank)
+            key = "all" if group is None else ("alone", rank) if group is False else tuple(group)
+            parts.setdefault(key, []).append(rank)
+        return [ranks for ranks in parts.values() if len(ranks) > 1]
+
     def _verdicts(self) -> list[Finding]:
         out: list[Finding] = []
-        full, same = identical_batches(self.history)
-        ranks = sorted(self.history)
+        for ranks in self._partition():
+            out += self._verdicts_among(ranks)
+        return out
+
+    def _verdicts_among(self, ranks: list[int]) -> list[Finding]:
+        out: list[Finding] = []
+        history = {r: self.history[r] for r in ranks}
+        full, same = identical_batches(history)
+        whole = len(ranks) == len(self.history)
+        among = "every rank" if whole else f"every rank of data-parallel group {ranks}"
         if len(full) >= MIN_STEPS and same == full and "identical" not in self.reported:
             self.reported.add("identical")
             out.append(Finding(
                 severity=Severity.WARNING, detector=self.name, ranks=ranks, step=full[0], subject="input batches",
-                message=f"every rank trained on the same batch in each of steps {full[:8]}"
+                message=f"{among} trained on the same batch in each of steps {full[:8]}"
                         f"{' ...' if len(full) > 8 else ''}: the data is not sharded across ranks "
                         "(DistributedSampler missing?), so each rank repeats the others' work",
                 evidence={"steps": full[:50], "ranks": ranks},
@@ -203,7 +226,7 @@ class DataOrder(ExchangeUser, Detector):
                     "every epoch; if every rank is meant to see the same data, ignore this",
             ))
         losses: dict[int, dict[int, float]] = {}
-        for rank, records in self.history.items():
+        for rank, records in history.items():
             for s, _, loss in records:
                 if s in same and loss is not None:
                     losses.setdefault(s, {})[rank] = loss
@@ -218,7 +241,7 @@ class DataOrder(ExchangeUser, Detector):
                 self.reported.add("loss_mismatch")
                 out.append(Finding(
                     severity=Severity.ERROR, detector=self.name, ranks=ranks, step=s, subject="loss",
-                    message=f"every rank had the same batch at step {s} but their losses differ: {values} "
+                    message=f"{among} had the same batch at step {s} but their losses differ: {values} "
                             f"(more than {LOSS_RTOL:g} apart): the replicas are not the same model (different "
                             "initialisation or seeds, an unsynchronised update) or the computation is not "
                             "deterministic",

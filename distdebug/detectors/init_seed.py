@@ -25,7 +25,7 @@ import torch
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.compare import compare
+from distdebug.fingerprint.compare import compare, with_group
 from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows_to_read
 from distdebug.runtime.exchange import ExchangeUser
 
@@ -45,6 +45,7 @@ class InitSeed(ExchangeUser, Detector):
         self.seeded = False
         self._hook: Any = None
         self._seen: set[int] = set()
+        self._specs: dict[str, Any] = {}  # parameter name -> its DTensor spec when recorded (None: plain)
         self.exchange: Any = None
 
     def setup(self, ctx: RankContext) -> None:
@@ -78,14 +79,20 @@ class InitSeed(ExchangeUser, Detector):
     def _record(self, module: torch.nn.Module, broadcast: bool) -> None:
         if id(module) in self._seen or not any(True for _ in module.parameters()):
             return
-        if any(hasattr(p, "placements") or hasattr(p, "ds_id") for p in module.parameters()):
-            return  # already sharded (FSDP2, ZeRO-3): each rank holds other values by design
+        if any(hasattr(p, "ds_id") for p in module.parameters()):
+            return  # ZeRO-3 partitions: each rank holds other values by design
         self._seen.add(id(module))
         from distdebug.runtime.discovery import unwrap
+        from distdebug.runtime.layout import spec_of
 
         inner = unwrap(module)[0]
-        # Computed now (before DDP's broadcast), read with step 1's values at its boundary (probe).
-        self.initial.append(PendingFingerprints([(n, p) for n, p in inner.named_parameters()]))
+        named: list[tuple[str, torch.Tensor]] = list(inner.named_parameters())
+        # Computed now (before DDP's broadcast), read with step 1's values at its boundary (probe). A
+        # DTensor (TP, FSDP2) is fingerprinted as its local shard; which ranks must agree on it is the
+        # layout's answer at step 1 (runtime.layout), from the spec kept here: TP and FSDP shards differ
+        # by design, HSDP replicas and DDP's dp peers do not.
+        self.initial.append(PendingFingerprints(named))
+        self._specs.update((n, spec_of(p)) for n, p in named)
         self.broadcast |= broadcast
 
     def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -117,6 +124,10 @@ class InitSeed(ExchangeUser, Detector):
         self.initial = []
         ctx = self.ctx
         assert ctx is not None  # set in setup()
+        if ctx.layout is not None:
+            groups = {n: ctx.layout.replicas_of_spec(self._specs.get(n)) for n in fps}
+            fps = {with_group(n, g): v for n, v in fps.items() if (g := groups[n]) is not False}
+        self._specs = {}
         mine = {"fps": fps, "seed": torch.initial_seed(), "seeded": self.seeded, "broadcast": self.broadcast}
 
         def verdicts(gathered: list[Any]) -> None:

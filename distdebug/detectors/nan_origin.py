@@ -47,6 +47,7 @@ from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.discovery import find_ddp, first_tensor, unwrap
+from distdebug.runtime.layout import ddp_params
 
 INF = float("inf")
 
@@ -106,6 +107,14 @@ class NanOrigin(Detector):
         # Bounded whatever the loop does (any number of forwards, buckets or all_reduces per step): one
         # value per module / parameter group, later ones folded in by max(|sum|) (fold_in).
         self.fwd: dict[str, torch.Tensor] = {}  # module -> |sum| of its outputs this step, in forward order
+        # Modules that communicate in their forward (tensor-parallel layers: their output is all-reduced
+        # or redistributed by hooks of torch's): |sum| of the local output before that communication;
+        # and a pipeline stage's input as received. What tells a NaN born here from one received.
+        self.fwd_local: dict[str, torch.Tensor] = {}
+        self.stage_input: dict[str, torch.Tensor] = {}
+        self.shards: dict[str, torch.Tensor] = {}  # FSDP2 module -> its local shards (before the all-gather)
+        self.gathered: dict[str, torch.Tensor] = {}  # FSDP2 module -> the parameters it gathered
+        self.stage: dict[str, Any] | None = None  # the layout's pipeline stage (runtime.layout)
         self.local: dict[tuple[str, ...], torch.Tensor] = {}  # param names -> |sum| of their local gradients
         self.local_source: str | None = None  # "ddp" | "all_reduce"
         self.sharded = False
@@ -114,6 +123,7 @@ class NanOrigin(Detector):
         self.first_step: int | None = None
         self.count = 0
         self._step_records: tuple[list[Any], list[Any]] = ([], [])  # (fwd, local) of the step being read
+        self._forward_records: tuple[dict[str, Any], ...] = ({}, {}, {}, {})  # fwd_local, stage_input, shards, gathered
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ wiring
@@ -124,19 +134,40 @@ class NanOrigin(Detector):
         for i, root in enumerate(roots):
             inner, chain, _ = unwrap(root)
             prefix = f"{type(inner).__name__}[{i}]." if many else ""
-            for name, p in inner.named_parameters():
+            ddp = find_ddp(root)
+            # TP inside DDP: DDP's own list (its TP parameters leave named_parameters(); runtime.layout)
+            for name, p in (ddp_params(ddp) if ddp is not None else None) or inner.named_parameters():
                 self.names[id(p)] = prefix + name
                 self.params.append((prefix + name, p))
             compiled = False
+            # TP layers: modules with parameters sharded by tensor parallelism (the layout's names: also those
+            # DDP localised, which after DDP's first forward are no longer listed as parameters; FSDP's
+            # own sharding is not TP)
+            tp_modules = {n.rsplit(".", 1)[0] if "." in n else "" for n in getattr(ctx.layout, "sharded", [])}
             for mod_name, mod in inner.named_modules():
                 leaf = next(mod.children(), None) is None
                 own = next(mod.parameters(recurse=False), None) is not None
                 if own or (leaf and not _finite_preserving(mod)):
                     label = prefix + (mod_name or type(inner).__name__)
-                    compiled |= self.hook(mod, "forward", self._forward_hook(label)) is None
+                    compiled |= self.hook(mod, "forward", self._forward_hook(label, self.fwd)) is None
+                    if mod_name in tp_modules:
+                        # Runs before torch's own output hooks (the TP all-reduce / redistribution): the
+                        # rank's local result, before anything of its peers' came in.
+                        self.hook(mod, "forward", self._forward_hook(label, self.fwd_local), prepend=True)
+            if "fsdp2" in chain:
+                for mod_name, mod in inner.named_modules():
+                    params = _fsdp_params(mod)
+                    if params:  # its shards before the all-gather, and the parameters it gathered
+                        self.hook(mod, "forward_pre", self._shard_hook(prefix + mod_name, params, True), prepend=True)
+                        self.hook(mod, "forward_pre", self._shard_hook(prefix + mod_name, params, False))
+            layout = ctx.layout
+            self.stage = getattr(layout, "stage", None)
+            if self.stage is not None and self.stage.get("index", 0) > 0:
+                # A later pipeline stage's input is what the previous stage sent (a P2P receive).
+                self.hook(inner, "forward_pre", self._input_hook(prefix + type(inner).__name__))
             if compiled:  # modules inside a compiled region get no hook: the flag is the whole model's
                 # output, from the eager wrapper around it (a root compiled in place gets none)
-                self.hook(root, "forward", self._forward_hook(prefix + type(inner).__name__))
+                self.hook(root, "forward", self._forward_hook(prefix + type(inner).__name__, self.fwd))
         framework_reduces = self.framework_reduces = any({"fsdp2", "deepspeed"} & set(unwrap(r)[1]) for r in ctx.models)
         # Plain tensors are read as they are (no_grad); DTensors and others through their local shard.
         self.sharded = any(type(p) is not torch.nn.Parameter for _, p in self.params)
@@ -149,19 +180,47 @@ class NanOrigin(Detector):
                 self.patch(ctx, dist, "all_reduce", self._all_reduce_wrapper)
                 self.local_source = "all_reduce"
 
-    def _forward_hook(self, label: str) -> Any:
-        fwd = self.fwd
-
+    def _forward_hook(self, label: str, fwd: dict[str, torch.Tensor]) -> Any:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
             if not torch.is_grad_enabled():
                 return  # evaluation and inference forwards: not training, and never kept (memory stays flat)
             t = out if type(out) is torch.Tensor else first_tensor(out)
+            t = getattr(t, "_local_tensor", t)  # a DTensor's local part: summing a DTensor may communicate
             if t is not None and t.is_floating_point():
                 # One pass, no temporary: NaN and Inf survive a sum (accumulated in fp32, so that
                 # finite fp16/bf16 activations cannot overflow it). One value per module per step,
                 # whatever the number of forwards: later ones fold in by max(|sum|), which keeps a
                 # NaN or Inf and never overflows a finite one. Forward order is first-call order.
                 fold_in(fwd, label, t.detach().sum(dtype=torch.float32))
+        return hook
+
+    def _shard_hook(self, label: str, params: list[Any], sharded: bool) -> Any:
+        """FSDP2: whether this rank's shards of the module's parameters are finite (before its all-gather)
+        and whether the gathered parameters are (after it): a NaN in another rank's shard reaches every
+        rank of the group through the all-gather, and only the rank holding it is its origin."""
+        acc = self.shards if sharded else self.gathered
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            ts = []
+            for fp in params:
+                t = fp.sharded_param if sharded else getattr(fp._module_info.module, fp._module_info.param_name, None)
+                t = getattr(t, "_local_tensor", t)
+                if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point():
+                    ts.append(t.detach())
+            if ts:
+                fold_in(acc, label, torch.stack(torch._foreach_norm(ts, INF)).sum(dtype=torch.float32))
+        return hook
+
+    def _input_hook(self, label: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            t = first_tensor(args)
+            t = getattr(t, "_local_tensor", t)
+            if t is not None and t.is_floating_point():
+                fold_in(self.stage_input, label, t.detach().sum(dtype=torch.float32))
         return hook
 
     # ------------------------------------------------------------------ DDP: local gradients
@@ -218,6 +277,9 @@ class NanOrigin(Detector):
         local = list(self.local.items())
         self.local = {}
         self._step_records = (fwd, local)
+        self._forward_records = (dict(self.fwd_local), dict(self.stage_input), dict(self.shards), dict(self.gathered))
+        for acc in (self.fwd_local, self.stage_input, self.shards, self.gathered):
+            acc.clear()
         tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
         tensors += [local_view(p.grad) if self.sharded else p.grad for _, p in self.params if p.grad is not None]
         tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
@@ -239,6 +301,8 @@ class NanOrigin(Detector):
             return ()
         fwd, local = self._step_records
         self._step_records = ([], [])
+        fwd_local, stage_input, shards, gathered = self._forward_records
+        self._forward_records = ({}, {}, {}, {})
         values = self.values(event)
         total = values.get("total")
         finite = total is None or math.isfinite(total)
@@ -255,11 +319,62 @@ class NanOrigin(Detector):
         if self.first_step is not None:
             return ()
         self.first_step = event.step
-        finding = self._explain(event, fwd, local)
+        finding = (self._received(event, fwd, fwd_local, stage_input, shards, gathered)
+                   or self._explain(event, fwd, local))
         if self.stop:
             self.ctx.report(finding)
             raise SystemExit(EXIT_NAN)
         return (finding,)
+
+    def _received(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]], fwd_local: dict[str, torch.Tensor],
+                  stage_input: dict[str, torch.Tensor], shards: dict[str, torch.Tensor],
+                  gathered: dict[str, torch.Tensor]) -> Finding | None:
+        """A NaN that came into this rank in the forward, through communication: a pipeline stage's input
+        from the previous stage, or a tensor-parallel layer whose local result was finite and whose output
+        after torch's all-reduce / redistribution was not. Not an origin: a warning naming how it came.
+        (Read only on the rare path, after the step's one read said something is non-finite.)"""
+        rank, step = event.rank, event.step
+        bad_input = next((n for n, v in stage_input.items() if not math.isfinite(float(v))), None)
+        stage = self.stage or {}
+        if bad_input is not None:
+            prev = stage.get("index", 1) - 1
+            ranks = stage.get("ranks") or []
+            src = f" (rank {ranks[prev % len(ranks)]})" if ranks else ""
+            return Finding(
+                severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject=bad_input,
+                message=f"NaN/Inf reached rank {rank} (pipeline stage {stage.get('index')}) at step {step} in its "
+                        f"input, received from pipeline stage {prev}{src}: not born here; the origin is the "
+                        "rank whose nan_origin finding says 'started on'",
+                evidence={"origin": "another rank", "received_through": "pipeline receive",
+                          "from_stage": prev, "first_nonfinite_module_output": None},
+            )
+        bad_module = next((name for name, total in fwd if not math.isfinite(float(total))), None)
+        if bad_module is None:
+            return None
+        bad_gather = next((lbl for lbl, v in gathered.items() if not math.isfinite(float(v))
+                           and (not lbl or bad_module == lbl or bad_module.startswith(lbl + "."))
+                           and lbl in shards and math.isfinite(float(shards[lbl]))), None)
+        if bad_gather is not None:
+            return Finding(
+                severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject=bad_module,
+                message=f"NaN/Inf reached rank {rank} at step {step} through FSDP's parameter all-gather of "
+                        f"{bad_gather or 'the root module'}: this rank's shards were finite and the gathered "
+                        "parameters were not (another rank's shard is non-finite): not born here; the origin is "
+                        "the rank whose nan_origin finding says 'started on'",
+                evidence={"origin": "another rank", "received_through": "FSDP parameter all-gather",
+                          "first_nonfinite_module_output": bad_module},
+            )
+        if bad_module not in fwd_local or not math.isfinite(float(fwd_local[bad_module])):
+            return None
+        return Finding(
+            severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject=bad_module,
+            message=f"NaN/Inf reached rank {rank} at step {step} through the forward communication of "
+                    f"tensor-parallel module {bad_module}: its local result was finite and its output after the "
+                    "all-reduce / redistribution with its TP peers was not: not born here; the origin is the rank "
+                    "whose nan_origin finding says 'started on'",
+            evidence={"origin": "another rank", "received_through": "tensor-parallel forward communication",
+                      "first_nonfinite_module_output": bad_module},
+        )
 
     def _explain(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]],
                  local: list[tuple[tuple[str, ...], torch.Tensor]]) -> Finding:
@@ -294,7 +409,8 @@ class NanOrigin(Detector):
             where.insert(0, f"first parameter in backward order with a non-finite local gradient (before "
                             f"all-reduce): {bad_local[0]}")
             return Finding(
-                severity=Severity.ERROR, detector=self.name, ranks=[rank], step=step, subject=bad_local[0],
+                severity=Severity.ERROR, detector=self.name, ranks=[rank], step=step,
+                subject=bad_module or bad_local[0],  # where it was born: the forward's module, else the gradient
                 message=f"NaN/Inf started on rank {rank} at step {step}: " + "; ".join(where),
                 evidence={**evidence, "origin": "this rank"}, fix=fix,
             )
@@ -354,3 +470,14 @@ class NanOrigin(Detector):
                                                      f"{self.first_step} on", evidence={"nonfinite_steps": self.count},
             ),)
         return ()
+
+
+def _fsdp_params(module: Any) -> list[Any]:
+    """The parameters an FSDP2 module shards and gathers itself (its FSDPParams), or []."""
+    get = getattr(module, "_get_fsdp_state", None)
+    if get is None:
+        return []
+    group = getattr(get(), "_fsdp_param_group", None)
+    params = list(getattr(group, "fsdp_params", None) or [])
+    return [p for p in params if hasattr(p, "sharded_param") and hasattr(p, "_module_info")]
+

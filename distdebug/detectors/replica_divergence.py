@@ -43,6 +43,7 @@ from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, root
 from distdebug.fingerprint.snapshots import SnapshotWriter
 from distdebug.runtime.discovery import ddp_exists, find_ddp
 from distdebug.runtime.exchange import CAPACITY, ExchangeUser
+from distdebug.runtime.layout import Layout
 
 BATCH = 4
 """Checked steps per exchange: one all_gather carries BATCH records, so the harness's collectives
@@ -84,7 +85,7 @@ class ReplicaDivergence(ExchangeUser, Detector):
 
         self.ctx = ctx
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.replicas = ReplicaSet(ctx.models, ctx.optimizers, world)
+        self.replicas = ReplicaSet(ctx.models, ctx.optimizers, ctx.layout or Layout(rank=ctx.rank, world=world))
         if ctx.rank_dir is not None:
             self.snapshots = SnapshotWriter(ctx.rank_dir)
         if world > 1:
@@ -101,10 +102,10 @@ class ReplicaDivergence(ExchangeUser, Detector):
 
     def _forward_hook(self, prefix: str, names: list[str]) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.armed and prefix not in self.forward_seen:  # first forward of the step
+            if self.armed and self.replicas is not None and prefix not in self.forward_seen:  # first forward
                 self.forward_seen.add(prefix)
                 # Launched now, while the parameters are gathered; read at the boundary with the rest.
-                self.forward_pending.append(PendingFingerprints(ReplicaSet.unsharded(prefix, module, names)))
+                self.forward_pending.append(PendingFingerprints(self.replicas.unsharded(prefix, module, names)))
         return hook
 
     def _capture_synced_buffers(self, module: torch.nn.Module, args: Any) -> None:

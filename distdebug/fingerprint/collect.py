@@ -12,6 +12,10 @@
   compared. What is truly replicated is the unsharded parameter each rank sees in forward; it is
   fingerprinted by a forward pre-hook that runs after the framework's own unshard/gather hook.
 - Buffers are replicated under every wrapper.
+- Which ranks must agree on a tensor is the rank's layout's answer (``runtime.layout``): every rank in
+  plain data parallelism; the data-parallel group when model parallelism splits the model (DDP over
+  the "dp" dimension of a TP mesh: a TP shard is compared with its dp peers, never its TP peers); no
+  rank when nobody else holds it (a pipeline stage's layers with no data-parallel replica).
 
 Names carry no wrapper prefixes (``module.``, ``_orig_mod.``): ``features.0.weight``,
 ``features.0.weight.grad``, ``features.1.running_mean``, ``optimizer.features.0.weight.momentum_buffer``.
@@ -23,12 +27,13 @@ tensors it recorded (and ``.grad``, which the training may replace every step).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from distdebug.fingerprint.compare import split_group, with_group
-from distdebug.runtime.discovery import unwrap
+from distdebug.runtime.discovery import find_ddp, unwrap
+from distdebug.runtime.layout import Layout, ddp_params
 
 
 def model_layout(root: torch.nn.Module) -> tuple[torch.nn.Module, bool, bool]:
@@ -39,26 +44,6 @@ def model_layout(root: torch.nn.Module) -> tuple[torch.nn.Module, bool, bool]:
     return inner, sharded, ddp_sync
 
 
-def replica_group(t: Any, world: int) -> list[int] | Literal[False] | None:
-    """For a DTensor: the global ranks holding the same local shard, None if that is every rank, or
-    False if it is replicated nowhere (fully sharded). Plain tensors: None (every rank)."""
-    placements = getattr(t, "placements", None)
-    mesh = getattr(t, "device_mesh", None)
-    if placements is None or mesh is None:
-        return None
-    replicated = [i for i, p in enumerate(placements) if p.is_replicate()]
-    if not replicated:
-        return False
-    coord = mesh.get_coordinate()
-    if coord is None:  # this rank is not in the mesh
-        return False
-    index = tuple(slice(None) if i in replicated else coord[i] for i in range(mesh.ndim))
-    ranks = sorted(int(r) for r in mesh.mesh[index].flatten().tolist())
-    if len(ranks) == 1:
-        return False  # a replicate dimension of size 1 (full shard written as HSDP): nobody to compare with
-    return None if len(ranks) == world else ranks
-
-
 def _is_zero3_param(p: Any) -> bool:
     return hasattr(p, "ds_id")
 
@@ -66,8 +51,8 @@ def _is_zero3_param(p: Any) -> bool:
 class ReplicaSet:
     """The replicated tensors of a rank's models and optimizers, found once and read at every check."""
 
-    def __init__(self, roots: list[torch.nn.Module], optimizers: list[Any], world: int) -> None:
-        self.world = world
+    def __init__(self, roots: list[torch.nn.Module], optimizers: list[Any], layout: Layout) -> None:
+        self.layout = layout
         self.params: list[tuple[str, torch.nn.Parameter]] = []  # compared with .grad, named with group suffix
         self.buffers: list[tuple[str, torch.Tensor]] = []
         self.forward_modules: list[tuple[str, torch.nn.Module, list[str]]] = []  # (prefix, module, param names)
@@ -81,15 +66,30 @@ class ReplicaSet:
             self.ddp_sync |= ddp_sync
             deepspeed |= "deepspeed" in unwrap(root)[1]
             prefix = f"{type(inner).__name__}[{i}]." if many else ""
-            self.buffers.extend((prefix + n, b) for n, b in inner.named_buffers())
+            for n, b in inner.named_buffers():
+                group = layout.replicas(b)
+                if group is not False:
+                    self.buffers.append((with_group(prefix + n, group), b))
+            ddp = find_ddp(root)
+            # TP inside DDP: the parameters DDP reduces, as noted at its construction (runtime.layout)
+            hidden = {n: p for n, p in (ddp_params(ddp) or [])} if ddp is not None else {}
+            listed = {n for n, _ in inner.named_parameters()}
+            for name, p in hidden.items():
+                if name not in listed and isinstance(p, torch.nn.Parameter):
+                    group = layout.replicas(p)
+                    if group is not False:
+                        self.params.append((with_group(prefix + name, group), p))
+                        self._opt_names[id(p)] = prefix + name
             for mod_name, mod in inner.named_modules():
                 direct = []
                 for pname, p in mod.named_parameters(recurse=False):
                     name = prefix + (f"{mod_name}.{pname}" if mod_name else pname)
-                    group = replica_group(p, world)
-                    if group is False or (sharded and _is_zero3_param(p)):
+                    group = layout.replicas(p)
+                    if sharded and (group is False or _is_zero3_param(p)):
                         direct.append(pname)  # fully sharded: compared unsharded, in forward
                         continue
+                    if group is False:
+                        continue  # no other rank holds it (a TP shard, a pipeline stage's own layer)
                     if sharded and not hasattr(p, "placements") and not _is_zero3_param(p):
                         continue  # a sharded model's odd plain parameter: nothing known about it
                     self.params.append((with_group(name, group), p))
@@ -118,23 +118,24 @@ class ReplicaSet:
                     continue
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        value_group = replica_group(value, self.world)
+                        value_group = self.layout.replicas(value)
                         if value_group is not False:
                             out.append((with_group(f"optimizer.{pname}.{key}", value_group), value))
         return out
 
-    @staticmethod
-    def unsharded(prefix: str, module: torch.nn.Module, names: list[str]) -> list[tuple[str, torch.Tensor]]:
-        """A fully sharded module's parameters as the forward sees them (gathered), or [] if they are not."""
+    def unsharded(self, prefix: str, module: torch.nn.Module, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """A fully sharded module's parameters as the forward sees them (gathered), or [] if they are not.
+        Under FSDP2 x TP a gathered parameter is still its TP shard: compared within its replica group."""
         out = []
         for pname in names:
             p = module._parameters.get(pname)
-            if p is None or replica_group(p, 0) is False:
+            group = self.layout.replicas(p) if p is not None else False
+            if p is None or group is False:
                 continue  # still a shard: the framework has not gathered it (yet)
             numel = getattr(p, "ds_numel", None)
             data = p.data
             if numel is not None and data.numel() != numel:
                 continue  # ZeRO-3 partition, not gathered
-            out.append((prefix + pname, data))
+            out.append((with_group(prefix + pname, group), data))
         return out
 

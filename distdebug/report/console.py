@@ -35,6 +35,9 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
     if disc.get("step_source"):
         parts.append(f"steps from {disc['step_source']}")
     console.print(esc("; ".join(parts)))
+    layout = disc.get("layout") or {}
+    if layout.get("label") and not str(layout["label"]).startswith("data parallel over"):
+        console.print(f"layout: {esc(layout['label'])}")
     for inj in summary.injected:
         what = ", ".join(f"{k} {v}" for k, v in inj.items() if k not in ("v", "kind", "rank", "time", "fault", "step"))
         console.print(f"[magenta]fault injected on purpose[/magenta]: {esc(str(inj.get('fault')))} on rank "

@@ -37,6 +37,7 @@ from distdebug.context import RankContext, RankIdentity, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.runtime import discovery
+from distdebug.runtime import layout as layout_mod
 from distdebug.runtime.exchange import Exchange
 from distdebug.runtime.patches import TorchPatches
 from distdebug.runtime.progress import Progress
@@ -525,8 +526,15 @@ class Session:
                 optimizers.append(discovery.describe_optimizer(opt))
             except Exception as e:
                 optimizers.append({"class": type(opt).__name__, "error": repr(e)})
+        try:
+            self.ctx.layout = layout_mod.find_layout(roots, self.identity.rank, self.identity.world_size)
+            described = self.ctx.layout.describe()
+        except Exception as e:  # an unknown layout: checks compare as in plain data parallelism
+            self.ctx.layout = layout_mod.Layout(rank=self.identity.rank, world=self.identity.world_size)
+            described = {"label": None, "error": repr(e)}
         info = {
             "models": models,
+            "layout": described,
             "optimizers": optimizers,
             "loss_modules": self._loss_modules,
             "process_group": discovery.describe_process_group(),

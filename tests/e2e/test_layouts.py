@@ -1,0 +1,110 @@
+"""Tier 3 (CLI): parallel layouts where ranks are not replicas of each other (issue 21).
+
+Tensor parallelism as torchtitan writes it (``parallelize_module`` with Colwise/Rowwise layers) on a
+1-D TP mesh (2 ranks), DDP over the "dp" dimension of a ("dp", "tp") mesh and FSDP2 over it (4 ranks),
+and pipeline schedules (2 stages). Each layout: a clean run gives no finding and the final parameters
+of torchrun's run; the layout is discovered and shown; a NaN born on one rank is one ERROR there and
+a warning, "received", on every rank it reached; a bit flip in one data-parallel replica of a TP shard
+names the step, the tensor, the rank and its replica peer.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.e2e.test_attach import kinds
+from tests.helpers import DATA, distdebug, read_digests, run
+
+TP = str(DATA / "scripts" / "tp_train.py")
+PP = str(DATA / "scripts" / "pp_train.py")
+WORLD = {"tp": 2, "ddp_tp": 4, "fsdp_tp": 4}
+LABEL = {"tp": "tp=2, TP on w1,w2", "ddp_tp": "dp=2 x tp=2, DDP over dp, TP on w1,w2",
+         "fsdp_tp": "dp=2 x tp=2, FSDP2 over dp, TP on w1,w2"}
+
+
+def torchrun_n(n: int, *args: str):
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), *args], timeout=240)
+
+
+def findings(run_dir, world):
+    return [f for r in range(world) for f in kinds(run_dir, r, "finding")]
+
+
+@pytest.mark.parametrize("layout", ["tp", "ddp_tp", "fsdp_tp"])
+def test_tensor_parallel_layouts_run_clean_bitwise_and_discovered(tmp_path, layout):
+    n = WORLD[layout]
+    r = torchrun_n(n, TP, "--layout", layout, "--digest-out", str(tmp_path / "bare"))
+    assert r.returncode == 0, r.stderr
+    r = distdebug("attach", "--nproc-per-node", str(n), "--run-dir", str(tmp_path / "run"), TP, "--layout", layout,
+                  "--digest-out", str(tmp_path / "attached"), timeout=300)
+    assert r.returncode == 0, r.output
+    assert read_digests(tmp_path / "attached") == read_digests(tmp_path / "bare")
+    # TP peers share a batch by design, hold different shards by design: nothing to say
+    assert findings(tmp_path / "run", n) == []
+    groups = {0: None, 1: None} if layout == "tp" else {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    for rank, group in groups.items():
+        (disc,) = kinds(tmp_path / "run", rank, "discovery")
+        assert disc["layout"]["label"] == LABEL[layout]
+        assert disc["layout"]["data_parallel_group"] == group
+        assert disc["layout"]["tensor_parallel"] == ["w1.weight", "w1.bias", "w2.weight"]
+    report = distdebug("report", str(tmp_path / "run"))
+    assert f"layout: {LABEL[layout]}" in report.stdout
+
+
+@pytest.mark.parametrize("layout", ["tp", "ddp_tp", "fsdp_tp"])
+def test_a_nan_born_on_one_tp_rank_is_one_error_there_and_received_elsewhere(tmp_path, layout):
+    n = WORLD[layout]
+    r = distdebug("attach", "--nproc-per-node", str(n), "--run-dir", str(tmp_path / "run"), TP, "--layout", layout,
+                  "--nan-rank", "1", "--nan-step", "3", timeout=300)
+    assert r.returncode == 0, r.output
+    nan = [f for f in findings(tmp_path / "run", n) if f["detector"] == "nan_origin" and f["severity"] != "info"]
+    errors = [(f["ranks"], f["step"], f["subject"]) for f in nan if f["severity"] == "error"]
+    assert errors == [([1], 3, "w1")]  # born in rank 1's shard of the column-parallel w1
+    received = {f["ranks"][0]: f for f in nan if f["severity"] == "warning"}
+    assert set(received) >= ({0} if n == 2 else {0, 2, 3})
+    assert all(f["step"] == 3 and f["evidence"]["origin"] == "another rank" for f in received.values())
+    # rank 0, its TP peer, received it in the forward through w2's (row-parallel) all-reduce
+    assert received[0]["subject"] == "w2"
+    assert received[0]["evidence"]["received_through"] == "tensor-parallel forward communication"
+    if layout == "fsdp_tp":  # rank 3, rank 1's FSDP peer, through the all-gather of rank 1's shard
+        assert received[3]["evidence"]["received_through"] == "FSDP parameter all-gather"
+
+
+def test_a_bit_flip_in_one_dp_replica_of_a_tp_shard_names_the_rank_and_its_peer(tmp_path):
+    r = distdebug("attach", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "run"), TP, "--layout", "ddp_tp",
+                  "--flip-rank", "2", "--flip-step", "3", timeout=300)
+    assert r.returncode == 0, r.output
+    (f,) = [f for f in findings(tmp_path / "run", 4) if f["severity"] != "info"]
+    # flipped after step 3's update: step 4's check is the first to see it
+    assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [0, 2], 4, "w2.weight")
+    (t,) = f["evidence"]["tensors"]
+    assert t["replica_group"] == [0, 2] and t["groups"] == [[0], [2]]
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_pipeline_schedules_run_clean_and_bitwise(tmp_path, schedule):
+    r = torchrun_n(2, PP, "--schedule", schedule, "--digest-out", str(tmp_path / "bare"))
+    assert r.returncode == 0, r.stderr
+    r = distdebug("attach", "--run-dir", str(tmp_path / "run"), PP, "--schedule", schedule,
+                  "--digest-out", str(tmp_path / "attached"), timeout=300)
+    assert r.returncode == 0, r.output
+    assert read_digests(tmp_path / "attached") == read_digests(tmp_path / "bare")
+    assert findings(tmp_path / "run", 2) == []
+    for rank in (0, 1):
+        (disc,) = kinds(tmp_path / "run", rank, "discovery")
+        assert disc["layout"]["pipeline"] == {"index": rank, "stages": 2, "ranks": [0, 1]}
+        assert [s["step"] for s in kinds(tmp_path / "run", rank, "step")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_nan_born_in_pipeline_stage_0_is_received_by_stage_1(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path / "run"), PP, "--nan-step", "3", timeout=300)
+    assert r.returncode == 0, r.output
+    nan = {f["ranks"][0]: f for f in findings(tmp_path / "run", 2)
+           if f["detector"] == "nan_origin" and f["severity"] != "info"}
+    assert (nan[0]["severity"], nan[0]["step"], nan[0]["subject"]) == ("error", 3, "0")
+    assert (nan[1]["severity"], nan[1]["step"]) == ("warning", 3)
+    evidence = nan[1]["evidence"]
+    assert (evidence["origin"], evidence["received_through"], evidence["from_stage"]) == \
+        ("another rank", "pipeline receive", 0)
