@@ -263,6 +263,9 @@ def flight_recorder_verdict(run: Run, world_size: int) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------- verdicts
+P2P_OPS = ("send", "recv", "isend", "irecv")
+
+
 def _describe(st: RankState) -> str:
     if st.status == Status.EXITED:
         return f"rank {st.rank} exited with code {st.exit_code} after step {st.step}"
@@ -274,7 +277,11 @@ def _describe(st: RankState) -> str:
         return f"rank {st.rank} died by a fatal signal at step {st.current_step} in {where(st.stack)}"
     inside = st.inflight if st.inflight_state == "inside" else None
     if inside:
-        return f"rank {st.rank} is inside {inside['op']} #{inside['seq']} at step {st.current_step}"
+        peer = ""
+        if inside.get("peer") is not None:  # a point-to-point operation: which peer this side waits for
+            peer = f" {'to' if inside['op'] in ('send', 'isend') else 'from'} rank {inside['peer']}" + \
+                   (f" (tag {inside['tag']})" if inside.get("tag") else "")
+        return f"rank {st.rank} is inside {inside['op']}{peer} #{inside['seq']} at step {st.current_step}"
     if st.status == Status.RUNNING and st.killed_by:
         return (f"rank {st.rank} was killed by {st.killed_by} during step {st.current_step} "
                 f"(no record after step {st.step})")
@@ -489,6 +496,8 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         by_seq.setdefault(int(info["seq"]), {})[r] = info
     for n, infos in sorted(by_seq.items()):
         kinds = {(i["op"], str(i.get("shapes"))) for i in infos.values()}
+        if any(i["op"] in P2P_OPS for i in infos.values()):
+            continue  # sends meet receives, and pipeline stages issue different numbers of them: not a mismatch
         if len(infos) > 1 and len(kinds) > 1:
             desc = ", ".join(f"rank {r} {i['op']} {i.get('shapes')}" for r, i in sorted(infos.items()))
             first_step = min(i["step"] for i in infos.values())
@@ -556,11 +565,17 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
               f"{count_diff['collectives_per_rank']})" if count_diff else ""
     head = f"ranks {waiters} wait in {op} #{seq} (sizes {sizes}, called at {at}); " if waiters else \
         f"{op} #{seq} (sizes {sizes}, called at {at}) never completed; "
+    described = [r for r in culprits if r in states]
+    p2p = [r for r in waiters if (waiting.get(r) or {}).get("op") in P2P_OPS]
+    if p2p:
+        # Point-to-point (pipeline stages, hand-written send/recv): each side waits for its own peer in its
+        # own operation; one "ranks wait in send" would say the receivers send.
+        head = "ranks wait in point-to-point operations: " + "; ".join(_describe(states[r]) for r in p2p) + "; "
+        described = [r for r in described if r not in p2p]
     return [Finding(
         severity=Severity.CRITICAL, detector=DETECTOR, ranks=list(culprits), step=step,
         subject=f"{op} #{seq}",
-        message=head
-                + "; ".join(_describe(states[r]) for r in culprits if r in states) + located,
+        message=(head + "; ".join(_describe(states[r]) for r in described)).rstrip("; ") + located,
         evidence={**evidence_common, "flight_recorder": fr,
                   "stacks": {r: states[r].stack[-8:] for r in culprits if r in states}},
         fix=_fix("killed" if killed is not None and killed.rank in culprits else "missing"),

@@ -141,7 +141,11 @@ class Memory(Detector):
         from distdebug.runtime.discovery import unwrap
 
         self.ctx = ctx
+        # The model's parameters and every one its optimizers update (each storage is counted once):
+        # under DDP x TP the TP parameters leave the module's parameters() after DDP's first forward, and
+        # counting the optimizer's state for them against parameters not counted made it look 18x too big.
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
+        self.params += [p for opt in ctx.optimizers for g in getattr(opt, "param_groups", []) for p in g["params"]]
         from distdebug.fingerprint.hashing import local_view
 
         self.param_keys = set()

@@ -297,6 +297,8 @@ class TorchPatches:
             info = {"op": name, "seq": progress.collective_seq, "step": progress.step + 1,
                     "shapes": _call_shapes(args, kwargs),
                     "site": _call_site(3)}  # enter <- _quietly <- collective <- its caller
+            if name in P2P:
+                info.update(_p2p_peer(name, args, kwargs))
             slot = session.inflight
             if slot is not None:
                 slot.enter(info)
@@ -333,6 +335,24 @@ def _deepspeed_scale(engine: Any) -> float | None:
 def _deepspeed_overflow(engine: Any) -> bool:
     """Whether DeepSpeed's fp16 loss scaler skipped the step just taken (its optimizer's host flag)."""
     return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
+
+
+P2P = ("send", "recv", "isend", "irecv")
+"""Point-to-point operations: recorded with their peer and tag (pipeline stages, Megatron's P2P), so a
+hang names which peer each side waits for."""
+
+
+def _p2p_peer(name: str, args: Any, kwargs: Any) -> dict[str, Any]:
+    """``{"peer": global rank, "tag": tag}`` of a send/recv call however it was written (``dst``/``src``
+    or ``group_dst``/``group_src`` keywords, or positional), None where not given."""
+    side = "dst" if name in ("send", "isend") else "src"
+    peer = kwargs.get(side, args[1] if len(args) > 1 else None)
+    out: dict[str, Any] = {"peer": peer if isinstance(peer, int) else None}
+    if out["peer"] is None and isinstance(kwargs.get(f"group_{side}"), int):
+        out["group_peer"] = kwargs[f"group_{side}"]
+    tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
+    out["tag"] = tag if isinstance(tag, int) else 0
+    return out
 
 
 TENSOR_ARGS = ("tensor", "output", "input", "output_tensor", "input_tensor", "tensor_list", "output_tensor_list",

@@ -165,9 +165,10 @@ def test_rank_killed_from_outside_is_named_from_the_launcher_whatever_the_others
     assert diagnose(load_run(tmp_path), first_failure=(1, -9)) == []
 
 
-def _stalled(run_dir, rank, counts, inflight=None):
+def _stalled(run_dir, rank, counts, inflight=None, world=3):
     write(run_dir, rank, steps(counts) + [schema.record(schema.STALL, step=len(counts), phase="training",
-                                                        main_stack=[USER, TORCH] if inflight else [USER])])
+                                                        main_stack=[USER, TORCH] if inflight else [USER])],
+          world=world)
     if inflight:
         InflightSlot(layout.inflight_path(run_dir, rank)).enter(inflight)
 
@@ -208,3 +209,21 @@ def test_collective_shapes_are_read_however_the_collective_was_called():
     assert _call_shapes((t,), {"scatter_list": [t, t]}) == [[3, 2], [3, 2], [3, 2]]
     assert _call_shapes(([None, None], {"a": 1}), {}) is None  # all_gather_object: no tensor
     assert _call_shapes((t, None, True), {}) == [[3, 2]]  # a flag in third place is not a split
+
+
+def test_a_send_meeting_a_receive_is_not_a_mismatch_and_each_side_names_its_peer(tmp_path):
+    # Pipeline stages: rank 0 sends its activations while rank 1 receives them, at the same sequence
+    # number; both stalled. Not "ranks disagree on collective #4": each side says whom it waits for.
+    import torch
+
+    from distdebug.runtime.patches import _p2p_peer
+
+    assert _p2p_peer("isend", (torch.ones(2), 1), {}) == {"peer": 1, "tag": 0}
+    assert _p2p_peer("irecv", (torch.ones(2),), {"src": 0, "tag": 7}) == {"peer": 0, "tag": 7}
+    assert _p2p_peer("recv", (torch.ones(2),), {"group_src": 1}) == {"peer": None, "group_peer": 1, "tag": 0}
+    _stalled(tmp_path, 0, [2, 2], {"op": "send", "seq": 5, "step": 3, "shapes": [[8]], "peer": 1, "tag": 0}, world=2)
+    _stalled(tmp_path, 1, [2, 2], {"op": "recv", "seq": 5, "step": 3, "shapes": [[4]], "peer": 0, "tag": 3}, world=2)
+    findings = diagnose(load_run(tmp_path))
+    assert not any(f.subject == "collective #5" for f in findings)
+    text = " ".join(f.message for f in findings)
+    assert "rank 0 is inside send to rank 1 #5" in text and "rank 1 is inside recv from rank 0 (tag 3) #5" in text
