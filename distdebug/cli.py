@@ -100,6 +100,9 @@ def main() -> None:
               show_default=str(option_default(ReplicaDivergenceConfig, "every")),
               help="Cross-rank fingerprint check of replicated tensors every K optimizer steps "
                    "(replica_divergence.every).")
+@click.option("--replica-groups", default=None, metavar="R,R;R,R",
+              help="The data-parallel groups (ranks holding replicas of the same part of the model), e.g. 0,2;1,3, "
+                   "for a layout distdebug cannot infer; every cross-rank check compares within them.")
 @click.option("--stop-on-nan", is_flag=True, default=None,
               help="End the job at the first NaN/Inf (exit code 123) after reporting where it started "
                    "(nan_origin.stop). Default: report and keep going.")

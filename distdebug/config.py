@@ -78,8 +78,13 @@ class AttachConfig:
     """TORCH_FR_BUFFER_SIZE given to ranks (when the environment does not set it); 0 leaves it off."""
     launcher_log_level: str = "CRITICAL"
     """Level for torch's elastic launcher logs: their failure lines repeat what distdebug reports."""
+    replica_groups: str | None = None
+    """``0,2;1,3``: the data-parallel groups (ranks holding replicas of the same part of the model), for a
+    layout the harness cannot infer; overrides what discovery found (runtime.layout)."""
 
     def __post_init__(self) -> None:
+        if self.replica_groups is not None:
+            parse_replica_groups(self.replica_groups)  # a UserError now, before any rank starts
         if not self.target:
             raise UserError("no script given: distdebug attach [OPTIONS] SCRIPT [ARGS]...", 2)
         if self.nproc_per_node is not None:
@@ -198,6 +203,26 @@ class ProfilerConfig:
             raise UserError(f"--profile-steps {self.steps}: {e}", 2) from None
         if self.on_finding < 0:
             raise UserError(f"--profile-on-finding must be 0 or more, got {self.on_finding}", 2)
+
+
+def parse_replica_groups(text: str) -> list[list[int]]:
+    """``"0,2;1,3"`` -> [[0, 2], [1, 3]]; a UserError (one line, what to write) on anything else."""
+    groups: list[list[int]] = []
+    seen: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        try:
+            ranks = sorted({int(r) for r in part.split(",") if r.strip()})
+        except ValueError:
+            raise UserError(f"--replica-groups '{text}': '{part}' is not a list of ranks; write groups of ranks "
+                            "separated by ';', e.g. 0,2;1,3", 2) from None
+        if not ranks or ranks[0] < 0 or seen & set(ranks):
+            raise UserError(f"--replica-groups '{text}': each rank (0 or more) may be in one group only, "
+                            "e.g. 0,2;1,3", 2)
+        seen |= set(ranks)
+        groups.append(ranks)
+    if not groups:
+        raise UserError(f"--replica-groups '{text}': no group given; write e.g. 0,2;1,3", 2)
+    return groups
 
 
 def parse_windows(text: str | None) -> list[tuple[int, int]]:

@@ -42,7 +42,11 @@ DEVICE_PATH = "DISTDEBUG_DEVICE_PATH"
 """``1``: CPU tensors take the fingerprint's device path too (the same values, computed with torch
 kernels and read in the step's one read): the tests count on CPU what a GPU run reads."""
 
-ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, DETERMINISTIC, INJECT)
+REPLICA_GROUPS = "DISTDEBUG_REPLICA_GROUPS"
+"""``attach --replica-groups``: ``0,2;1,3``, the data-parallel groups, overriding the inferred layout."""
+
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, DETERMINISTIC, INJECT,
+       REPLICA_GROUPS)
 
 
 def device_path_forced() -> bool:

@@ -104,6 +104,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
     os.environ[envvars.INJECT] = json.dumps(cfg.inject)
+    os.environ[envvars.REPLICA_GROUPS] = cfg.replica_groups or ""  # empty: the layout as discovered
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))

@@ -99,6 +99,7 @@ class Layout:
     placements: dict[str, list[str]] = field(default_factory=dict)  # parameter -> placements per mesh dim
     sharded: list[str] = field(default_factory=list)  # parameters sharded by model parallelism (TP)
     stage: dict[str, Any] | None = None  # pipeline: {"index", "stages", "ranks"}
+    model_parallel_by_hand: list[list[int]] = field(default_factory=list)  # forward all-reduce groups, unknown dp
     _root_dims: dict[str, int] = field(default_factory=dict)  # dim name -> index in the root mesh
     _root: Any = None  # weakref to the root DeviceMesh (for products of groups)
     _dp_dims: set[str] = field(default_factory=set)  # root-mesh dim names the data-parallel group spans
@@ -153,27 +154,38 @@ class Layout:
         if self.stage is not None:
             parts.append(f"pipeline stage {self.stage['index']} of {self.stage['stages']}")
         dp = self.data_group()
-        if self.dp_wrapper:
+        if self.dp_wrapper == "manual":
+            parts.append(f"gradients all-reduced by hand over ranks {dp}")
+        elif self.dp_wrapper:
             over = "+".join(sorted(self._dp_dims)) if self._dp_dims else f"ranks {dp}" if dp else "every rank"
             wrapper = self.dp_wrapper.upper() if self.dp_wrapper in ("ddp", "fsdp2") else self.dp_wrapper
             parts.append(f"{wrapper} over {over}")
         if self.sharded:
             shown = sorted({n.rsplit(".", 1)[0] for n in self.sharded})
             parts.append("TP on " + ",".join(shown[:6]) + (" ..." if len(shown) > 6 else ""))
+        if self.dp_source == "unknown":
+            parts.append(f"model parallelism by hand (forward all-reduce over ranks {self.model_parallel_by_hand}); "
+                         "data-parallel groups unknown: cross-rank checks off (give --replica-groups)")
         if not parts:
             return f"data parallel over {self.world} ranks"
         return ", ".join(parts)
 
+    def _explicit(self, group: Group) -> list[int]:
+        return list(range(self.world)) if group is None else [self.rank] if group is False else group
+
     def describe(self) -> dict[str, Any]:
         return {
             "label": self.label(),
-            "data_parallel_group": self.data_group() or None,
+            # the ranks, this one included: all of them in plain data parallelism, only itself when no
+            # other rank holds its part of the model
+            "data_parallel_group": self._explicit(self.data_group()),
             "data_parallel_wrapper": self.dp_wrapper,
             "data_parallel_source": self.dp_source,
             "meshes": self.meshes,
             "tensor_parallel": self.sharded[:200],
             "placements": dict(list(self.placements.items())[:200]),
             "pipeline": self.stage,
+            "model_parallel_by_hand": self.model_parallel_by_hand,
         }
 
 
@@ -182,8 +194,12 @@ def _mesh_record(mesh: Any) -> dict[str, Any]:
     return {"dims": names, "shape": list(mesh.mesh.shape), "ranks": _ranks(mesh)}
 
 
-def find_layout(roots: list[Any], rank: int, world: int) -> Layout:
-    """The layout of this rank's models (live objects in, plain data out)."""
+def find_layout(roots: list[Any], rank: int, world: int, grad_groups: dict[Any, int] | None = None,
+                forward_groups: set[Any] | None = None) -> Layout:
+    """The layout of this rank's models (live objects in, plain data out). ``grad_groups``: the process
+    groups the script all-reduced gradients over by hand in step 1 (None: the default group), with how
+    many gradients each: a hand-written layout's data-parallel group is where its gradients are reduced.
+    ``forward_groups``: sub-groups all-reduced over inside a forward (model parallelism by hand)."""
     from distdebug.runtime.discovery import find_ddp, is_deepspeed_engine, unwrap
 
     lay = Layout(rank=rank, world=world)
@@ -234,9 +250,36 @@ def find_layout(roots: list[Any], rank: int, world: int) -> Layout:
         lay._root = weakref.ref(root_mesh)
         lay._root_dims = {n: i for i, n in enumerate(getattr(root_mesh, "mesh_dim_names", None) or ())}
         lay.meshes = [_mesh_record(root_mesh)] + [_mesh_record(m) for m in meshes.values() if m is not root_mesh]
+    if lay.dp_wrapper is None and grad_groups:
+        # Hand-written data parallelism (Megatron-style layers, groups from new_group): the group most of
+        # the gradients were all-reduced over (a TP layer's replicated parameters may also be reduced over
+        # the TP group).
+        group = max(grad_groups, key=lambda g: grad_groups[g])
+        ranks = _group_ranks(group) if group is not None else None
+        if ranks is not None and len(ranks) < world:
+            lay.dp_wrapper, lay.dp_source, lay.dp = "manual", "gradient all-reduce", ranks
     if lay.dp_wrapper is None:
         _infer_dp(lay)
+    if lay.dp_source == "default" and forward_groups:
+        # Model parallelism by hand (a forward all-reduce over a sub-group) and no gradient reduction seen
+        # per tensor (a flattened buffer): which ranks hold replicas is unknown. Compared with nobody,
+        # never with the model-parallel peers by mistake (the report says so: --replica-groups).
+        lay.dp, lay.dp_source = [rank], "unknown"
+        lay.model_parallel_by_hand = sorted(filter(None, (_group_ranks(g) for g in forward_groups)))[:8]
+    _override(lay)
     return lay
+
+
+def _override(lay: Layout) -> None:
+    """``attach --replica-groups 0,2;1,3``: the user's data-parallel groups, over whatever was inferred."""
+    from distdebug.config import parse_replica_groups
+    from distdebug.envvars import REPLICA_GROUPS, get
+
+    text = get(REPLICA_GROUPS)
+    if not text:
+        return
+    group = next((g for g in parse_replica_groups(text) if lay.rank in g), [lay.rank])
+    lay.dp, lay.dp_source = group, "--replica-groups"
 
 
 def _infer_dp(lay: Layout) -> None:

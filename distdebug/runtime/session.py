@@ -115,7 +115,8 @@ class Session:
         self._after_backward: list[Detector] = []  # discovery is over but its hooks stay (a compiled model: see below)
         self._root_refs: list[weakref.ref[torch.nn.Module]] = []  # weak: see RankContext
         self._loss_modules: list[str] = []
-        self._reduced_ptrs: set[int] = set()
+        self._reduced_ptrs: dict[int, Any] = {}  # data_ptr -> the process group (None: the default one)
+        self._forward_groups: set[Any] = set()  # groups all-reduced over inside a forward in step 1
         self._handles: list[Any] = []
         self._discovery_handles: list[Any] = []
         self.progress = Progress()
@@ -273,10 +274,13 @@ class Session:
     def _primary(self) -> Any:
         return self._primary_ref() if self._primary_ref is not None else None
 
-    def note_all_reduce(self, tensor: torch.Tensor) -> None:
-        """An all_reduce the script called: during discovery, tells hand-written gradient sync apart."""
-        if self._discovering:
-            self._reduced_ptrs.add(tensor.data_ptr())
+    def note_all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
+        """An all_reduce the script called: during discovery, tells hand-written gradient sync apart, and
+        over which group each tensor was reduced (a hand-written layout's data-parallel group)."""
+        if self._discovering and len(self._reduced_ptrs) < 100_000:
+            self._reduced_ptrs[tensor.data_ptr()] = group
+            if self._depth > 0 and group is not None:
+                self._forward_groups.add(group)  # inside a forward, over a sub-group: model parallelism by hand
 
     def note_loss(self, tensors: Any) -> None:
         """What backward runs on (the loss): called by the backward and DeepSpeed engine patches."""
@@ -511,7 +515,13 @@ class Session:
             for p in root.parameters():
                 if p.grad is not None:
                     grad_ptrs.add(p.grad.data_ptr())
-        manual = bool(self._reduced_ptrs & grad_ptrs)
+        manual = bool(self._reduced_ptrs.keys() & grad_ptrs)
+        # The groups the script all-reduced gradients over by hand, with how many gradients each
+        grad_groups: dict[Any, int] = {}
+        for ptr in self._reduced_ptrs.keys() & grad_ptrs:
+            group = self._reduced_ptrs[ptr]
+            grad_groups[group] = grad_groups.get(group, 0) + 1
+        self._reduced_ptrs = {}
         models = []
         self.ctx.models = roots
         discovery.mark_compiled(roots)
@@ -527,7 +537,9 @@ class Session:
             except Exception as e:
                 optimizers.append({"class": type(opt).__name__, "error": repr(e)})
         try:
-            self.ctx.layout = layout_mod.find_layout(roots, self.identity.rank, self.identity.world_size)
+            self.ctx.layout = layout_mod.find_layout(roots, self.identity.rank, self.identity.world_size,
+                                                     grad_groups=grad_groups, forward_groups=self._forward_groups)
+            self._forward_groups = set()
             described = self.ctx.layout.describe()
         except Exception as e:  # an unknown layout: checks compare as in plain data parallelism
             self.ctx.layout = layout_mod.Layout(rank=self.identity.rank, world=self.identity.world_size)

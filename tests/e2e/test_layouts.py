@@ -19,6 +19,7 @@ from tests.helpers import DATA, distdebug, read_digests, run
 
 TP = str(DATA / "scripts" / "tp_train.py")
 PP = str(DATA / "scripts" / "pp_train.py")
+MANUAL_TP = str(DATA / "scripts" / "manual_tp.py")
 WORLD = {"tp": 2, "ddp_tp": 4, "fsdp_tp": 4}
 LABEL = {"tp": "tp=2, TP on w1,w2", "ddp_tp": "dp=2 x tp=2, DDP over dp, TP on w1,w2",
          "fsdp_tp": "dp=2 x tp=2, FSDP2 over dp, TP on w1,w2"}
@@ -43,7 +44,7 @@ def test_tensor_parallel_layouts_run_clean_bitwise_and_discovered(tmp_path, layo
     assert read_digests(tmp_path / "attached") == read_digests(tmp_path / "bare")
     # TP peers share a batch by design, hold different shards by design: nothing to say
     assert findings(tmp_path / "run", n) == []
-    groups = {0: None, 1: None} if layout == "tp" else {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    groups = {0: [0], 1: [1]} if layout == "tp" else {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
     for rank, group in groups.items():
         (disc,) = kinds(tmp_path / "run", rank, "discovery")
         assert disc["layout"]["label"] == LABEL[layout]
@@ -95,6 +96,7 @@ def test_pipeline_schedules_run_clean_and_bitwise(tmp_path, schedule):
     for rank in (0, 1):
         (disc,) = kinds(tmp_path / "run", rank, "discovery")
         assert disc["layout"]["pipeline"] == {"index": rank, "stages": 2, "ranks": [0, 1]}
+        assert disc["layout"]["data_parallel_group"] == [rank]  # no other rank holds this stage's layers
         assert [s["step"] for s in kinds(tmp_path / "run", rank, "step")] == [1, 2, 3, 4, 5, 6]
 
 
@@ -108,3 +110,43 @@ def test_a_nan_born_in_pipeline_stage_0_is_received_by_stage_1(tmp_path):
     evidence = nan[1]["evidence"]
     assert (evidence["origin"], evidence["received_through"], evidence["from_stage"]) == \
         ("another rank", "pipeline receive", 0)
+
+
+def test_a_hand_written_layout_is_learned_from_the_gradients_all_reduce(tmp_path):
+    # Megatron-style: TP groups (0, 1), (2, 3) and data-parallel groups (0, 2), (1, 3) from new_group,
+    # no DTensor, no wrapper. The data-parallel group is the one the gradients were all-reduced over.
+    r = distdebug("attach", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "clean"), MANUAL_TP, timeout=300)
+    assert r.returncode == 0, r.output
+    assert findings(tmp_path / "clean", 4) == []
+    for rank in range(4):
+        (disc,) = kinds(tmp_path / "clean", rank, "discovery")
+        assert disc["layout"]["data_parallel_group"] == [rank % 2, rank % 2 + 2]
+        assert disc["layout"]["data_parallel_source"] == "gradient all-reduce"
+    r = distdebug("attach", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "flip"), MANUAL_TP,
+                  "--flip-rank", "3", "--flip-step", "2", timeout=300)
+    assert r.returncode == 0, r.output
+    (f,) = [f for f in findings(tmp_path / "flip", 4) if f["severity"] != "info"]
+    assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [1, 3], 3, "w2.weight")
+
+
+def test_a_layout_that_cannot_be_inferred_is_said_and_replica_groups_gives_it(tmp_path):
+    # The gradients are all-reduced as one flattened buffer: no gradient names its group. The forward's
+    # all-reduce over the TP group shows model parallelism by hand: compared with nobody (never with the
+    # TP peers by mistake), and said; --replica-groups gives the groups, and a bit flip is caught again.
+    r = distdebug("attach", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "unknown"), MANUAL_TP, "--flat",
+                  timeout=300)
+    assert r.returncode == 0, r.output
+    assert findings(tmp_path / "unknown", 4) == []
+    (disc,) = kinds(tmp_path / "unknown", 0, "discovery")
+    assert disc["layout"]["data_parallel_source"] == "unknown"
+    assert disc["layout"]["model_parallel_by_hand"] == [[0, 1]]
+    assert "give --replica-groups" in " ".join(distdebug("report", str(tmp_path / "unknown")).stdout.split())
+    r = distdebug("attach", "--nproc-per-node", "4", "--replica-groups", "0,2;1,3", "--run-dir",
+                  str(tmp_path / "given"), MANUAL_TP, "--flat", "--flip-rank", "0", "--flip-step", "2", timeout=300)
+    assert r.returncode == 0, r.output
+    for rank in range(4):
+        (disc,) = kinds(tmp_path / "given", rank, "discovery")
+        assert (disc["layout"]["data_parallel_group"], disc["layout"]["data_parallel_source"]) == \
+            ([rank % 2, rank % 2 + 2], "--replica-groups")
+    (f,) = [f for f in findings(tmp_path / "given", 4) if f["severity"] != "info"]
+    assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [0, 2], 3, "w2.weight")

@@ -45,12 +45,22 @@ def test_torchrun_argv_runs_the_bootstrap_with_the_script_and_its_args(script):
         ({"max_restarts": -1}, "--max-restarts"),
         ({"master_port": 70000}, "--master-port"),
         ({"rdzv_endpoint": "nohostport"}, "HOST:PORT"),
+        ({"replica_groups": "0,1;1,2"}, "each rank .0 or more. may be in one group only"),
+        ({"replica_groups": "0,a"}, "'0,a' is not a list of ranks"),
+        ({"replica_groups": ";"}, "no group given"),
     ],
 )
 def test_bad_launcher_options_are_one_line_user_errors(script, kwargs, message):
     with pytest.raises(UserError, match=message) as e:
         AttachConfig(target=script, **kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_replica_groups_parse():
+    from distdebug.config import parse_replica_groups
+
+    assert parse_replica_groups("0,2;1,3") == [[0, 2], [1, 3]]
+    assert parse_replica_groups(" 3, 1 ;0,2;") == [[1, 3], [0, 2]]
 
 
 def test_missing_script(tmp_path):
