@@ -31,6 +31,7 @@ from distdebug.findings import Finding, Severity
 from distdebug.runtime.discovery import unwrap
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
+from distdebug.runtime.layout import partition
 
 BATCH_MEAN_SPREAD = 0.3
 """Plain BatchNorm is flagged when, for some channel, the standard deviation of the ranks' batch means
@@ -129,14 +130,21 @@ class BatchNormDivergence(ExchangeUser, Detector):
             seen[label] = stats
         step = event.step
 
+        layout = self.ctx.layout if self.ctx is not None else None
+        group = layout.data_group() if layout is not None else None
+
         def verdict(gathered: list[Any]) -> None:
             ctx = self.ctx
             assert ctx is not None  # set in setup()/attach(), which the session calls first
-            if ctx.rank == 0:  # every rank has the same view; one writes the verdict
-                for f in self._compare(step, dict(enumerate(gathered))):
+            if ctx.rank != 0:  # every rank has the same view; one writes the verdict
+                return
+            per_rank = {r: (g or {}).get("stats", {}) for r, g in enumerate(gathered)}
+            # compared within data-parallel groups only (runtime.layout): TP and pipeline peers are not replicas
+            for ranks in partition({r: (g or {}).get("group") for r, g in enumerate(gathered)}):
+                for f in self._compare(step, {r: per_rank[r] for r in ranks}):
                     ctx.report(f)
 
-        self.exchange.post(seen, verdict)
+        self.exchange.post({"stats": seen, "group": group}, verdict)
         return ()
 
     def _compare(self, step: int, per_rank: dict[int, dict[str, dict[str, Any]]]) -> list[Finding]:
@@ -155,7 +163,8 @@ class BatchNormDivergence(ExchangeUser, Detector):
             if any(diffs.values()) or len(set(counts.values())) > 1:
                 if (label, "running") not in self.reported:
                     self.reported.add((label, "running"))
-                    odd = [r for r in sorted(stats) if stats[r].get("running_mean") != stats[0].get("running_mean")]
+                    first = min(stats)
+                    odd = [r for r in sorted(stats) if stats[r].get("running_mean") != stats[first].get("running_mean")]
                     out.append(Finding(
                         severity=Severity.ERROR, detector=self.name, ranks=sorted(stats), step=step, subject=label,
                         message=f"BatchNorm running statistics of {label} differ across ranks at step {step}: "

@@ -30,6 +30,7 @@ from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
+from distdebug.runtime.layout import partition
 
 MIN_STEPS = 3
 LOSS_RTOL = 1e-5
@@ -192,19 +193,11 @@ class DataOrder(ExchangeUser, Detector):
         self.exchange.post(mine, verdicts)
         return ()
 
-    def _partition(self) -> list[list[int]]:
-        """The data-parallel groups among the ranks (TP, pipeline and context-parallel peers share a
-        batch by design and are never compared); groups of one rank have nothing to compare."""
-        parts: dict[Any, list[int]] = {}
-        for rank in sorted(self.history):
-            group = self.groups.get(rank)
-            key = "all" if group is None else ("alone", rank) if group is False else tuple(group)
-            parts.setdefault(key, []).append(rank)
-        return [ranks for ranks in parts.values() if len(ranks) > 1]
-
     def _verdicts(self) -> list[Finding]:
         out: list[Finding] = []
-        for ranks in self._partition():
+        # TP, pipeline and context-parallel peers share a batch by design: compared within data-parallel
+        # groups only (runtime.layout)
+        for ranks in partition({r: self.groups.get(r) for r in self.history}):
             out += self._verdicts_among(ranks)
         return out
 

@@ -189,6 +189,17 @@ class Layout:
         }
 
 
+def partition(groups: dict[int, Group]) -> list[list[int]]:
+    """Ranks split by their data-parallel groups as each rank stated its own (None: every rank; False:
+    nobody else), keeping only parts of two or more ranks: what a cross-rank check compares."""
+    parts: dict[Any, list[int]] = {}
+    for rank in sorted(groups):
+        group = groups[rank]
+        key = "all" if group is None else ("alone", rank) if group is False else tuple(group)
+        parts.setdefault(key, []).append(rank)
+    return [ranks for ranks in parts.values() if len(ranks) > 1]
+
+
 def _mesh_record(mesh: Any) -> dict[str, Any]:
     names = list(getattr(mesh, "mesh_dim_names", None) or [f"dim{i}" for i in range(mesh.ndim)])
     return {"dims": names, "shape": list(mesh.mesh.shape), "ranks": _ranks(mesh)}
