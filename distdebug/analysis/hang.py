@@ -87,6 +87,8 @@ class RankState:
     """The signal that ended it, when the launcher saw it die by one without an end record."""
     idle_s: float | None = None
     """Seconds without progress, from its last stall record."""
+    stage: int | None = None
+    """Its pipeline stage, from discovery's layout (None: not a pipeline)."""
 
     @property
     def in_progress_collectives(self) -> int | None:
@@ -171,6 +173,8 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
                     st.entered_total = int(r["collectives_entered"])
             elif kind == schema.STALL_CLEARED:
                 st.status = Status.RUNNING
+            elif kind == schema.DISCOVERY and isinstance((r.get("layout") or {}).get("pipeline"), dict):
+                st.stage = r["layout"]["pipeline"].get("index")
             elif kind == schema.SCRIPT_ERROR:
                 st.status, st.exception, st.message = Status.RAISED, r.get("exception"), r.get("message")
                 st.collective_error, st.stack = r.get("collective"), r.get("stack") or []
@@ -263,10 +267,24 @@ def flight_recorder_verdict(run: Run, world_size: int) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------- verdicts
-P2P_OPS = ("send", "recv", "isend", "irecv")
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def _p2p_text(info: dict[str, Any], named: bool = False) -> str:
+    """``to rank 1`` / ``from rank 0 (tag 3)``; ``named``: with the operation (``isend to rank 1``)."""
+    to = info.get("op") in ("send", "isend")
+    text = f"{'to' if to else 'from'} rank {info.get('peer')}" + (f" (tag {info['tag']})" if info.get("tag") else "")
+    return f"{info.get('op')} {text}" if named else text
 
 
 def _describe(st: RankState) -> str:
+    text = _describe_rank(st)
+    if st.stage is not None:  # "rank 1 (pipeline stage 1) is ..."
+        text = text.replace(f"rank {st.rank} ", f"rank {st.rank} (pipeline stage {st.stage}) ", 1)
+    return text
+
+
+def _describe_rank(st: RankState) -> str:
     if st.status == Status.EXITED:
         return f"rank {st.rank} exited with code {st.exit_code} after step {st.step}"
     if st.status == Status.ABSENT:
@@ -279,9 +297,11 @@ def _describe(st: RankState) -> str:
     if inside:
         peer = ""
         if inside.get("peer") is not None:  # a point-to-point operation: which peer this side waits for
-            peer = f" {'to' if inside['op'] in ('send', 'isend') else 'from'} rank {inside['peer']}" + \
-                   (f" (tag {inside['tag']})" if inside.get("tag") else "")
-        return f"rank {st.rank} is inside {inside['op']}{peer} #{inside['seq']} at step {st.current_step}"
+            peer = " " + _p2p_text(inside)
+        elif inside.get("ops"):  # batch_isend_irecv: each operation of the batch
+            peer = " (" + ", ".join(_p2p_text(o, named=True) for o in inside["ops"]) + ")"
+        waiting = " (waiting in Work.wait())" if inside.get("waiting") else ""
+        return f"rank {st.rank} is inside {inside['op']}{peer} #{inside['seq']}{waiting} at step {st.current_step}"
     if st.status == Status.RUNNING and st.killed_by:
         return (f"rank {st.rank} was killed by {st.killed_by} during step {st.current_step} "
                 f"(no record after step {st.step})")

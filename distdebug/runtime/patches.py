@@ -99,6 +99,12 @@ class TorchPatches:
         """torch.distributed's collectives as they were before they were wrapped (the harness's own use)."""
         self._restore: list[tuple[Any, str, Any]] = []
         self._in_engine_backward = False
+        import weakref
+
+        # Async works the script holds, with the operation that made them (weak: a work dropped unwaited
+        # leaves nothing behind)
+        self._works: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._last_info: dict[str, Any] | None = None
 
     def patch(self, obj: Any, name: str, replacement: Any) -> None:
         """Replace ``obj.name`` until ``restore()``."""
@@ -109,6 +115,75 @@ class TorchPatches:
         for obj, name, original in reversed(self._restore):
             setattr(obj, name, original)
         self._restore.clear()
+
+    def _note_work(self, work: Any, info: dict[str, Any] | None) -> None:
+        if info is not None:
+            self._works[work] = info
+
+    def _wrap_batch(self, original: Any) -> Any:
+        """``batch_isend_irecv``: its operations are counted one by one (P2POp calls the wrapped isend and
+        irecv); the works it returns are noted with the whole batch, for their wait()."""
+        patches = self
+
+        @functools.wraps(original)
+        def batch_isend_irecv(p2p_op_list: Any) -> Any:
+            before = patches.session.progress.collective_seq
+            works = original(p2p_op_list)
+            _quietly(patches._note_batch, works, p2p_op_list, before)
+            return works
+
+        return batch_isend_irecv
+
+    def _note_batch(self, works: Any, ops: Any, before: int) -> None:
+        parts = []
+        for op in list(ops)[:8]:
+            name = getattr(getattr(op, "op", None), "__name__", "?")
+            parts.append({"op": name, "peer": getattr(op, "peer", None), "tag": getattr(op, "tag", 0) or 0})
+        progress = self.session.progress
+        info = {"op": "batch_isend_irecv", "seq": progress.collective_seq, "first_seq": before + 1,
+                "step": progress.step + 1, "ops": parts, "site": _call_site(4)}
+        for w in works or []:
+            if hasattr(w, "wait"):
+                self._works[w] = info
+
+    def _wrap_wait(self, original: Any) -> Any:
+        """``Work.wait()`` of an async operation the script issued (isend/irecv, a batch of them, an
+        async_op collective): where the rank really blocks. Marked in flight like the operation, so a
+        hang names it (and its peer) rather than the script's line."""
+        patches = self
+        session = self.session
+        progress = session.progress
+
+        def enter(work: Any) -> Any:
+            info = patches._works.pop(work, None)
+            if info is None:
+                return None
+            info = {**info, "waiting": True}
+            slot = session.inflight
+            if slot is not None:
+                slot.enter(info)
+            progress.in_collective = {**info, "since": time.monotonic()}
+            return slot if slot is not None else False
+
+        @functools.wraps(original)
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            slot = _quietly(enter, work) if patches._works else None
+            if slot is None:
+                return original(work, *args, **kwargs)
+            try:
+                out = original(work, *args, **kwargs)
+            except BaseException:
+                if slot:
+                    _quietly(slot.fail)
+                raise
+            finally:
+                progress.in_collective = None
+                progress.touch()
+            if slot:
+                _quietly(slot.leave)
+            return out
+
+        return wait
 
     def install(self) -> None:
         self.patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
@@ -136,6 +211,12 @@ class TorchPatches:
                         # The same wrapper in c10d's own namespace: P2POp and batch_isend_irecv check the
                         # op by identity against these globals (``op in [isend, irecv]``, ``op is isend``).
                         self.patch(c10d, name, wrapper)
+            batch = getattr(dist, "batch_isend_irecv", None)
+            if callable(batch):
+                self.patch(dist, "batch_isend_irecv", self._wrap_batch(batch))
+            work = getattr(dist, "Work", None)
+            if work is not None and callable(getattr(work, "wait", None)):
+                self.patch(work, "wait", self._wrap_wait(work.wait))
 
     # ------------------------------------------------------------------ autograd and DeepSpeed
     def _wrap_backward(self, original: Any) -> Any:
@@ -303,13 +384,18 @@ class TorchPatches:
             if slot is not None:
                 slot.enter(info)
             progress.in_collective = {**info, "since": time.monotonic()}
+            patches._last_info = info
             return slot
+
+        patches = self
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
             slot = _quietly(enter, args, kwargs)
             try:
                 out = fn(*args, **kwargs)
+                if out is not None and hasattr(out, "wait"):  # an async op: its wait() is where it blocks
+                    _quietly(patches._note_work, out, patches._last_info)
             except BaseException:
                 if slot is not None:
                     _quietly(slot.fail)
@@ -348,8 +434,17 @@ def _p2p_peer(name: str, args: Any, kwargs: Any) -> dict[str, Any]:
     side = "dst" if name in ("send", "isend") else "src"
     peer = kwargs.get(side, args[1] if len(args) > 1 else None)
     out: dict[str, Any] = {"peer": peer if isinstance(peer, int) else None}
-    if out["peer"] is None and isinstance(kwargs.get(f"group_{side}"), int):
-        out["group_peer"] = kwargs[f"group_{side}"]
+    group_peer = kwargs.get(f"group_{side}")
+    if out["peer"] is None and isinstance(group_peer, int):
+        # a rank within the group (how torch.distributed.pipelining calls them): its global rank
+        out["group_peer"] = group_peer
+        group = kwargs.get("group", args[2] if len(args) > 2 else None)
+        try:
+            import torch.distributed as dist
+
+            out["peer"] = group_peer if group is None else int(dist.get_global_rank(group, group_peer))
+        except Exception:  # a group this rank cannot resolve: the group rank alone is kept
+            pass
     tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
     out["tag"] = tag if isinstance(tag, int) else 0
     return out

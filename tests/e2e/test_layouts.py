@@ -98,6 +98,8 @@ def test_pipeline_schedules_run_clean_and_bitwise(tmp_path, schedule):
         assert disc["layout"]["pipeline"] == {"index": rank, "stages": 2, "ranks": [0, 1]}
         assert disc["layout"]["data_parallel_group"] == [rank]  # no other rank holds this stage's layers
         assert [s["step"] for s in kinds(tmp_path / "run", rank, "step")] == [1, 2, 3, 4, 5, 6]
+    report = distdebug("report", str(tmp_path / "run"))
+    assert "layout: pipeline of 2 stages (rank 0: stage 0, rank 1: stage 1)" in report.stdout
 
 
 def test_a_nan_born_in_pipeline_stage_0_is_received_by_stage_1(tmp_path):
@@ -150,3 +152,23 @@ def test_a_layout_that_cannot_be_inferred_is_said_and_replica_groups_gives_it(tm
             ([rank % 2, rank % 2 + 2], "--replica-groups")
     (f,) = [f for f in findings(tmp_path / "given", 4) if f["severity"] != "info"]
     assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [0, 2], 3, "w2.weight")
+
+
+def test_a_stalled_pipeline_stage_is_named_with_the_p2p_operation_its_peer_waits_in(tmp_path):
+    # Stage 1 stops at the start of step 3; stage 0 blocks in the Work.wait() of its activation send
+    # (gloo's isend returns at once: the wait is where it blocks, and is tracked like the operation).
+    r = distdebug("attach", "--stall-timeout", "5", "--run-dir", str(tmp_path / "run"), PP,
+                  "--stall-rank", "1", "--stall-step", "3", timeout=300)
+    assert r.returncode == 124, r.output
+    (f,) = [f for f in _all_findings(tmp_path / "run") if f["detector"] == "hang"]  # the launcher's verdict
+    assert (f["severity"], f["ranks"], f["step"]) == ("critical", [1], 3)
+    assert "rank 0 (pipeline stage 0) is inside isend to rank 1" in f["message"]
+    assert "rank 1 (pipeline stage 1) is stuck at step 3 in pp_train.py" in f["message"]
+    assert "disagree" not in f["message"]  # a send meeting a receive is no mismatch
+
+
+def _all_findings(run_dir):
+    import json
+
+    report = distdebug("report", "--json", str(run_dir))
+    return json.loads(report.stdout)["findings"]

@@ -220,7 +220,7 @@ def test_a_send_meeting_a_receive_is_not_a_mismatch_and_each_side_names_its_peer
 
     assert _p2p_peer("isend", (torch.ones(2), 1), {}) == {"peer": 1, "tag": 0}
     assert _p2p_peer("irecv", (torch.ones(2),), {"src": 0, "tag": 7}) == {"peer": 0, "tag": 7}
-    assert _p2p_peer("recv", (torch.ones(2),), {"group_src": 1}) == {"peer": None, "group_peer": 1, "tag": 0}
+    assert _p2p_peer("recv", (torch.ones(2),), {"group_src": 1}) == {"peer": 1, "group_peer": 1, "tag": 0}
     _stalled(tmp_path, 0, [2, 2], {"op": "send", "seq": 5, "step": 3, "shapes": [[8]], "peer": 1, "tag": 0}, world=2)
     _stalled(tmp_path, 1, [2, 2], {"op": "recv", "seq": 5, "step": 3, "shapes": [[4]], "peer": 0, "tag": 3}, world=2)
     findings = diagnose(load_run(tmp_path))

@@ -3,10 +3,12 @@
 --schedule ScheduleGPipe | Schedule1F1B    one stage per rank, 4 micro-batches per step
 Faults, for the tests (off by default):
 --nan-step S   stage 0's first layer's weight becomes NaN at step S (before its forward): stage 1 receives it
+--stall-rank R --stall-step S   rank R stops (sleeps) at the start of step S: its peer waits for it
 """
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,8 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--schedule", default="ScheduleGPipe")
     p.add_argument("--nan-step", type=int, default=-1)
+    p.add_argument("--stall-rank", type=int, default=-1)
+    p.add_argument("--stall-step", type=int, default=-1)
     p.set_defaults(steps=6, lr=0.05)
     args = p.parse_args()
     setup(args.seed)
@@ -38,6 +42,8 @@ def main() -> None:
         if rank == 0 and step == args.nan_step:
             with torch.no_grad():
                 module[0].weight.fill_(float("nan"))
+        if rank == args.stall_rank and step == args.stall_step:
+            time.sleep(600)
         if rank == 0:
             schedule.step(x)
         elif last:
