@@ -127,7 +127,7 @@ class TorchPatches:
 
         @functools.wraps(original)
         def batch_isend_irecv(p2p_op_list: Any) -> Any:
-            before = patches.session.progress.collective_seq
+            before = patches.session.progress.p2p_seq
             works = original(p2p_op_list)
             _quietly(patches._note_batch, works, p2p_op_list, before)
             return works
@@ -140,7 +140,7 @@ class TorchPatches:
             name = getattr(getattr(op, "op", None), "__name__", "?")
             parts.append({"op": name, "peer": getattr(op, "peer", None), "tag": getattr(op, "tag", 0) or 0})
         progress = self.session.progress
-        info = {"op": "batch_isend_irecv", "seq": progress.collective_seq, "first_seq": before + 1,
+        info = {"op": "batch_isend_irecv", "seq": progress.p2p_seq, "first_seq": before + 1,
                 "step": progress.step + 1, "ops": parts, "site": _call_site(4)}
         for w in works or []:
             if hasattr(w, "wait"):
@@ -371,11 +371,19 @@ class TorchPatches:
         progress = session.progress
 
         def enter(args: Any, kwargs: Any) -> Any:
-            progress.collective_seq += 1
+            # Point-to-point operations are numbered apart: pipeline stages issue different numbers of
+            # them (a middle stage twice an end stage's), and the per-step collective counts and sequence
+            # numbers the hang analysis compares across ranks must not differ by design.
+            if name in P2P:
+                progress.p2p_seq += 1
+                seq = progress.p2p_seq
+            else:
+                progress.collective_seq += 1
+                seq = progress.collective_seq
             t = args[0] if args else kwargs.get("tensor")
             if name == "all_reduce" and isinstance(t, torch.Tensor):
                 session.note_all_reduce(t, kwargs.get("group", args[2] if len(args) > 2 else None))
-            info = {"op": name, "seq": progress.collective_seq, "step": progress.step + 1,
+            info = {"op": name, "seq": seq, "step": progress.step + 1,
                     "shapes": _call_shapes(args, kwargs),
                     "site": _call_site(3)}  # enter <- _quietly <- collective <- its caller
             if name in P2P:

@@ -22,7 +22,10 @@ class Progress:
     step: int = 0
     """Optimizer steps completed on this rank."""
     collective_seq: int = 0
-    """Python-level collectives this rank has entered."""
+    """Python-level collectives this rank has entered (point-to-point operations apart)."""
+    p2p_seq: int = 0
+    """Point-to-point operations (send, recv, isend, irecv) this rank has entered: numbered apart, since
+    pipeline stages issue different numbers of them by design."""
     in_collective: dict[str, Any] | None = None
     """The collective the training thread is inside now (op, seq, step, shapes, since), or None."""
 
