@@ -333,21 +333,16 @@ class NanOrigin(Detector):
         from the previous stage, or a tensor-parallel layer whose local result was finite and whose output
         after torch's all-reduce / redistribution was not. Not an origin: a warning naming how it came.
         (Read only on the rare path, after the step's one read said something is non-finite.)"""
-        rank, step = event.rank, event.step
+        step = event.step
         bad_input = next((n for n, v in stage_input.items() if not math.isfinite(float(v))), None)
         stage = self.stage or {}
         if bad_input is not None:
             prev = stage.get("index", 1) - 1
             ranks = stage.get("ranks") or []
             src = f" (rank {ranks[prev % len(ranks)]})" if ranks else ""
-            return Finding(
-                severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject=bad_input,
-                message=f"NaN/Inf reached rank {rank} (pipeline stage {stage.get('index')}) at step {step} in its "
-                        f"input, received from pipeline stage {prev}{src}: not born here; the origin is the "
-                        "rank whose nan_origin finding says 'started on'",
-                evidence={"origin": "another rank", "received_through": "pipeline receive",
-                          "from_stage": prev, "first_nonfinite_module_output": None},
-            )
+            return self._received_finding(
+                event, bad_input, f"(pipeline stage {stage.get('index')}) at step {step} in its input, received "
+                f"from pipeline stage {prev}{src}", "pipeline receive", None, from_stage=prev)
         bad_module = next((name for name, total in fwd if not math.isfinite(float(total))), None)
         if bad_module is None:
             return None
@@ -355,25 +350,25 @@ class NanOrigin(Detector):
                            and (not lbl or bad_module == lbl or bad_module.startswith(lbl + "."))
                            and lbl in shards and math.isfinite(float(shards[lbl]))), None)
         if bad_gather is not None:
-            return Finding(
-                severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject=bad_module,
-                message=f"NaN/Inf reached rank {rank} at step {step} through FSDP's parameter all-gather of "
-                        f"{bad_gather or 'the root module'}: this rank's shards were finite and the gathered "
-                        "parameters were not (another rank's shard is non-finite): not born here; the origin is "
-                        "the rank whose nan_origin finding says 'started on'",
-                evidence={"origin": "another rank", "received_through": "FSDP parameter all-gather",
-                          "first_nonfinite_module_output": bad_module},
-            )
+            return self._received_finding(
+                event, bad_module, f"at step {step} through FSDP's parameter all-gather of "
+                f"{bad_gather or 'the root module'}: this rank's shards were finite and the gathered parameters "
+                "were not (another rank's shard is non-finite)", "FSDP parameter all-gather", bad_module)
         if bad_module not in fwd_local or not math.isfinite(float(fwd_local[bad_module])):
             return None
+        return self._received_finding(
+            event, bad_module, f"at step {step} through the forward communication of tensor-parallel module "
+            f"{bad_module}: its local result was finite and its output after the all-reduce / redistribution "
+            "with its TP peers was not", "tensor-parallel forward communication", bad_module)
+
+    def _received_finding(self, event: StepEvent, subject: str, how: str, through: str, module: str | None,
+                          **evidence: Any) -> Finding:
         return Finding(
-            severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step, subject=bad_module,
-            message=f"NaN/Inf reached rank {rank} at step {step} through the forward communication of "
-                    f"tensor-parallel module {bad_module}: its local result was finite and its output after the "
-                    "all-reduce / redistribution with its TP peers was not: not born here; the origin is the rank "
-                    "whose nan_origin finding says 'started on'",
-            evidence={"origin": "another rank", "received_through": "tensor-parallel forward communication",
-                      "first_nonfinite_module_output": bad_module},
+            severity=Severity.WARNING, detector=self.name, ranks=[event.rank], step=event.step, subject=subject,
+            message=f"NaN/Inf reached rank {event.rank} {how}: not born here; the origin is the rank whose "
+                    "nan_origin finding says 'started on'",
+            evidence={"origin": "another rank", "received_through": through,
+                      "first_nonfinite_module_output": module, **evidence},
         )
 
     def _explain(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]],
