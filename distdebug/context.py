@@ -103,6 +103,9 @@ class RankContext:
     exchange: SharedExchange | None = None
     """The rank's one background exchange with its peers (None without peers, or before discovery):
     detectors take a channel of it (runtime.exchange.ExchangeUser.open_exchange)."""
+    communication_observers: list[Callable[[Any, Any], None]] = field(default_factory=list)
+    """Callables(input, output) told of each of torch's functional collectives (what DTensor and TP
+    layers communicate with), on the training thread; they must not read device values."""
     layout: Any = None
     """The rank's parallel layout (``runtime.layout.Layout``), found at the end of discovery: which ranks
     every cross-rank check compares (data-parallel group, each tensor's replica group). None before."""

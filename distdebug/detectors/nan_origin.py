@@ -107,13 +107,15 @@ class NanOrigin(Detector):
         # Bounded whatever the loop does (any number of forwards, buckets or all_reduces per step): one
         # value per module / parameter group, later ones folded in by max(|sum|) (fold_in).
         self.fwd: dict[str, torch.Tensor] = {}  # module -> |sum| of its outputs this step, in forward order
-        # Modules that communicate in their forward (tensor-parallel layers: their output is all-reduced
-        # or redistributed by hooks of torch's): |sum| of the local output before that communication;
-        # and a pipeline stage's input as received. What tells a NaN born here from one received.
-        self.fwd_local: dict[str, torch.Tensor] = {}
+        # A pipeline stage's input as received: what tells a NaN born here from one received (as comm_in /
+        # comm_out below do for tensor-parallel layers).
         self.stage_input: dict[str, torch.Tensor] = {}
         self.shards: dict[str, torch.Tensor] = {}  # FSDP2 module -> its local shards (before the all-gather)
         self.gathered: dict[str, torch.Tensor] = {}  # FSDP2 module -> the parameters it gathered
+        self._tp = False  # the model has tensor-parallel layers (runtime.layout)
+        self._tp_current: str | None = None  # the TP module whose forward is running (its hooks set it)
+        self.comm_in: dict[str, torch.Tensor] = {}  # TP module -> |sum| of what its collectives were given
+        self.comm_out: dict[str, torch.Tensor] = {}  # ... and of what they returned
         self.stage: dict[str, Any] | None = None  # the layout's pipeline stage (runtime.layout)
         self.local: dict[tuple[str, ...], torch.Tensor] = {}  # param names -> |sum| of their local gradients
         self.local_source: str | None = None  # "ddp" | "all_reduce"
@@ -123,7 +125,8 @@ class NanOrigin(Detector):
         self.first_step: int | None = None
         self.count = 0
         self._step_records: tuple[list[Any], list[Any]] = ([], [])  # (fwd, local) of the step being read
-        self._forward_records: tuple[dict[str, Any], ...] = ({}, {}, {}, {})  # fwd_local, stage_input, shards, gathered
+        # comm_in, comm_out, stage_input, shards, gathered: of the step being read
+        self._forward_records: tuple[dict[str, Any], ...] = ({}, {}, {}, {}, {})
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ wiring
@@ -151,15 +154,21 @@ class NanOrigin(Detector):
                     label = prefix + (mod_name or type(inner).__name__)
                     compiled |= self.hook(mod, "forward", self._forward_hook(label, self.fwd)) is None
                     if mod_name in tp_modules:
-                        # Runs before torch's own output hooks (the TP all-reduce / redistribution): the
-                        # rank's local result, before anything of its peers' came in.
-                        self.hook(mod, "forward", self._forward_hook(label, self.fwd_local), prepend=True)
+                        # From before torch's own output hooks (the TP all-reduce / redistribution) to after
+                        # them, torch's functional collectives are watched for this module: a finite input
+                        # that came back non-finite was received from its TP peers.
+                        self.hook(mod, "forward_pre", self._tp_enter(label), prepend=True)
+                        self.hook(mod, "forward", self._tp_enter(label), prepend=True)
+                        self.hook(mod, "forward", self._tp_leave(label))
             if "fsdp2" in chain:
                 for mod_name, mod in inner.named_modules():
                     params = _fsdp_params(mod)
                     if params:  # its shards before the all-gather, and the parameters it gathered
                         self.hook(mod, "forward_pre", self._shard_hook(prefix + mod_name, params, True), prepend=True)
                         self.hook(mod, "forward_pre", self._shard_hook(prefix + mod_name, params, False))
+            self._tp |= bool(tp_modules)
+            if tp_modules and self._observe not in ctx.communication_observers:
+                ctx.communication_observers.append(self._observe)
             layout = ctx.layout
             self.stage = getattr(layout, "stage", None)
             if self.stage is not None and self.stage.get("index", 0) > 0:
@@ -179,6 +188,26 @@ class NanOrigin(Detector):
             if raw is not None and current is not None:
                 self.patch(ctx, dist, "all_reduce", self._all_reduce_wrapper)
                 self.local_source = "all_reduce"
+
+    def _tp_enter(self, label: str) -> Any:
+        def hook(module: torch.nn.Module, *args: Any) -> None:
+            self._tp_current = label if torch.is_grad_enabled() else None
+        return hook
+
+    def _tp_leave(self, label: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            self._tp_current = None
+        return hook
+
+    def _observe(self, inp: Any, out: Any) -> None:
+        """A functional collective inside a TP module's forward: its input and output, as device flags."""
+        label = self._tp_current  # set only in training forwards (the collective itself runs inside an autograd
+        if label is None:         # Function's forward, where grad mode is off)
+            return
+        for acc, t in ((self.comm_in, inp), (self.comm_out, out)):
+            t = getattr(t, "_local_tensor", t)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                fold_in(acc, label, t.detach().sum(dtype=torch.float32))
 
     def _forward_hook(self, label: str, fwd: dict[str, torch.Tensor]) -> Any:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -277,8 +306,9 @@ class NanOrigin(Detector):
         local = list(self.local.items())
         self.local = {}
         self._step_records = (fwd, local)
-        self._forward_records = (dict(self.fwd_local), dict(self.stage_input), dict(self.shards), dict(self.gathered))
-        for acc in (self.fwd_local, self.stage_input, self.shards, self.gathered):
+        self._forward_records = (dict(self.comm_in), dict(self.comm_out), dict(self.stage_input), dict(self.shards),
+                                 dict(self.gathered))
+        for acc in (self.comm_in, self.comm_out, self.stage_input, self.shards, self.gathered):
             acc.clear()
         tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
         tensors += [local_view(p.grad) if self.sharded else p.grad for _, p in self.params if p.grad is not None]
@@ -301,8 +331,8 @@ class NanOrigin(Detector):
             return ()
         fwd, local = self._step_records
         self._step_records = ([], [])
-        fwd_local, stage_input, shards, gathered = self._forward_records
-        self._forward_records = ({}, {}, {}, {})
+        comm_in, comm_out, stage_input, shards, gathered = self._forward_records
+        self._forward_records = ({}, {}, {}, {}, {})
         values = self.values(event)
         total = values.get("total")
         finite = total is None or math.isfinite(total)
@@ -319,16 +349,16 @@ class NanOrigin(Detector):
         if self.first_step is not None:
             return ()
         self.first_step = event.step
-        finding = (self._received(event, fwd, fwd_local, stage_input, shards, gathered)
+        finding = (self._received(event, fwd, comm_in, comm_out, stage_input, shards, gathered)
                    or self._explain(event, fwd, local))
         if self.stop:
             self.ctx.report(finding)
             raise SystemExit(EXIT_NAN)
         return (finding,)
 
-    def _received(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]], fwd_local: dict[str, torch.Tensor],
-                  stage_input: dict[str, torch.Tensor], shards: dict[str, torch.Tensor],
-                  gathered: dict[str, torch.Tensor]) -> Finding | None:
+    def _received(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]], comm_in: dict[str, torch.Tensor],
+                  comm_out: dict[str, torch.Tensor], stage_input: dict[str, torch.Tensor],
+                  shards: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> Finding | None:
         """A NaN that came into this rank in the forward, through communication: a pipeline stage's input
         from the previous stage, or a tensor-parallel layer whose local result was finite and whose output
         after torch's all-reduce / redistribution was not. Not an origin: a warning naming how it came.
@@ -354,12 +384,13 @@ class NanOrigin(Detector):
                 event, bad_module, f"at step {step} through FSDP's parameter all-gather of "
                 f"{bad_gather or 'the root module'}: this rank's shards were finite and the gathered parameters "
                 "were not (another rank's shard is non-finite)", "FSDP parameter all-gather", bad_module)
-        if bad_module not in fwd_local or not math.isfinite(float(fwd_local[bad_module])):
-            return None
+        sent, got = comm_in.get(bad_module), comm_out.get(bad_module)
+        if sent is None or got is None or not math.isfinite(float(sent)) or math.isfinite(float(got)):
+            return None  # born here (also when a forward hook of the module's own, not the communication, made it)
         return self._received_finding(
             event, bad_module, f"at step {step} through the forward communication of tensor-parallel module "
-            f"{bad_module}: its local result was finite and its output after the all-reduce / redistribution "
-            "with its TP peers was not", "tensor-parallel forward communication", bad_module)
+            f"{bad_module}: what this rank gave its all-reduce / redistribution was finite and what came back "
+            "from its TP peers was not", "tensor-parallel forward communication", bad_module)
 
     def _received_finding(self, event: StepEvent, subject: str, how: str, through: str, module: str | None,
                           **evidence: Any) -> Finding:
@@ -441,6 +472,13 @@ class NanOrigin(Detector):
                             "says 'started on' (if none does, a backward produced it)",
                     evidence={**evidence, "origin": "another rank"},
                 )
+        if self._tp and bad_module is None and loss_finite and (bad_grads or bad_params):
+            # Tensor parallel: the forward and the loss were finite here, the gradients were not. The TP
+            # layers' backward all-reduces the input gradients across the TP peers: it came from one of them.
+            return self._received_finding(
+                event, "gradients", f"at step {step} in the backward, through the tensor-parallel layers' gradient "
+                f"all-reduce with its TP peers: its forward outputs and loss were finite (first non-finite "
+                f"gradient: {bad_grads[0] if bad_grads else '-'})", "tensor-parallel backward communication", None)
         subject = bad_module or (bad_grads[0] if bad_grads else bad_params[0] if bad_params else "loss")
         if bad_grads:
             where.append(f"first non-finite gradient in backward order: {bad_grads[0]}")
@@ -455,6 +493,8 @@ class NanOrigin(Detector):
         )
 
     def on_end(self) -> Iterable[Finding]:
+        if self.ctx is not None and self._observe in self.ctx.communication_observers:
+            self.ctx.communication_observers.remove(self._observe)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -85,6 +85,27 @@ def _call_site(depth: int) -> dict[str, Any] | None:
     return None
 
 
+FUNCTIONAL_COLLECTIVES = (
+    "all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all_single", "all_reduce_coalesced", "all_gather_tensor_autograd", "all_gather_single_autograd",
+    "reduce_scatter_tensor_autograd", "reduce_scatter_single_autograd", "all_to_all_single_autograd",
+    "all_gather_inplace", "all_reduce_inplace", "all_gather_tensor_inplace", "reduce_scatter_tensor_inplace",
+)
+"""Functions of ``torch.distributed._functional_collectives`` that communicate (those torch 2.13 has)."""
+
+
+def _observed(fn: Any, observers: list[Any]) -> Any:
+    @functools.wraps(fn)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced into a graph: nothing of ours runs there
+            return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        for observe in observers:  # what went in and what came out (detectors' device flags, no read)
+            _quietly(observe, args[0] if args else kwargs.get("self", kwargs.get("input")), out)
+        return out
+    return counted
+
+
 IDENTITY_CHECKED = ("isend", "irecv")
 """Collectives torch checks by identity (``dist.P2POp``, ``batch_isend_irecv``): every pipeline schedule
 (``torch.distributed.pipelining``) and Megatron's P2P communication build P2POps from them."""
@@ -105,6 +126,8 @@ class TorchPatches:
         # leaves nothing behind)
         self._works: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         self._last_info: dict[str, Any] | None = None
+        self.communication_observers: list[Any] = []
+        """Callables(input, output) told of each functional collective (DTensor's communication)."""
 
     def patch(self, obj: Any, name: str, replacement: Any) -> None:
         """Replace ``obj.name`` until ``restore()``."""
@@ -184,6 +207,20 @@ class TorchPatches:
             return out
 
         return wait
+
+    def patch_functional_collectives(self) -> None:
+        """Watch torch's functional collectives (``torch.distributed._functional_collectives``: what DTensor
+        redistribution, TP layers and context parallelism communicate with), once that module is in use:
+        observers see each call's input and output (a NaN received there is not born there). Called at
+        the end of discovery, never importing it; only while an observer is registered does it cost."""
+        mod = sys.modules.get("torch.distributed._functional_collectives")
+        if mod is None or getattr(self, "_funcol_patched", False):
+            return
+        self._funcol_patched = True
+        for name in FUNCTIONAL_COLLECTIVES:
+            fn = getattr(mod, name, None)
+            if callable(fn):
+                self.patch(mod, name, _observed(fn, self.communication_observers))
 
     def install(self) -> None:
         self.patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))

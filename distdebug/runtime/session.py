@@ -89,6 +89,7 @@ class Session:
         self.ctx.report = self.report
         self.ctx.patch = self.patches.patch
         self.ctx.raw_collectives = self.patches.raw_collectives
+        self.ctx.communication_observers = self.patches.communication_observers  # one list, shared
         self.ctx.emit = lambda kind, **fields: self.emit(schema.record(kind, rank=identity.rank, time=time.time(),
                                                                         **fields))
         self.echo = echo
@@ -553,6 +554,10 @@ class Session:
             "step_source": self.step_source,
         }
         self.ctx.discovery = info
+        try:
+            self.patches.patch_functional_collectives()
+        except Exception:  # unwatched: a NaN through TP communication is then not told from one born there
+            pass
         self.emit(schema.record(schema.DISCOVERY, rank=self.identity.rank, step=self.step, **info))
 
     # ------------------------------------------------------------------ findings

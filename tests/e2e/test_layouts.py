@@ -172,3 +172,17 @@ def _all_findings(run_dir):
 
     report = distdebug("report", "--json", str(run_dir))
     return json.loads(report.stdout)["findings"]
+
+
+def test_a_nan_made_after_the_tp_all_reduce_is_born_there_not_received(tmp_path):
+    # nan_activation poisons w2's output on rank 1 after torch's all-reduce hook (a forward hook of the
+    # module's own): what rank 1 gave the all-reduce and got back were finite, so it is born on rank 1;
+    # rank 0's forward stays finite and its gradients come back non-finite from the TP backward.
+    r = distdebug("attach", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+                  "--inject", "nan_activation:rank=1,step=3,module=w2", TP, "--layout", "tp", timeout=300)
+    assert r.returncode == 0, r.output
+    nan = {f["ranks"][0]: f for f in findings(tmp_path / "run", 2)
+           if f["detector"] == "nan_origin" and f["severity"] != "info"}
+    assert (nan[1]["severity"], nan[1]["step"], nan[1]["subject"]) == ("error", 3, "w2")
+    assert (nan[0]["severity"], nan[0]["step"], nan[0]["evidence"]["received_through"]) == \
+        ("warning", 3, "tensor-parallel backward communication")
