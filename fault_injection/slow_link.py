@@ -20,7 +20,8 @@ class SlowLink(Fault):
     b: int
     delay: float
     params = (Param("a", int, 0, "one end"), Param("b", int, 1, "the other end"),
-              Param("delay", float, 0.01, "seconds added to each send/recv between them"))
+              Param("delay", float, 0.05, "seconds added to each send/recv between them (50 ms: well above the "
+                    "scheduling noise of a loaded CPU host, so the pair stands out from every other link)"))
     catcher = "link_matrix"
     engines = ("doctor",)
     min_world = 3  # a slow pair is told from the median link only among several
