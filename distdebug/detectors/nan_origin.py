@@ -46,8 +46,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
-from distdebug.runtime.discovery import find_ddp, first_tensor, unwrap
-from distdebug.runtime.layout import ddp_params
+from distdebug.runtime.discovery import ddp_params, find_ddp, first_tensor, unwrap
 
 INF = float("inf")
 

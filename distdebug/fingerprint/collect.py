@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from distdebug.fingerprint.compare import split_group, with_group
-from distdebug.runtime.discovery import find_ddp, unwrap
-from distdebug.runtime.layout import Layout, ddp_params
+from distdebug.runtime.discovery import ddp_params, find_ddp, unwrap
+from distdebug.runtime.layout import Layout
 
 
 def model_layout(root: torch.nn.Module) -> tuple[torch.nn.Module, bool, bool]:

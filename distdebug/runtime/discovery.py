@@ -7,6 +7,7 @@ its class's module and methods, so a DeepSpeed-free environment pays nothing.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -80,9 +81,29 @@ _DDP_BUILT: list[Any] = []  # weakrefs to the DistributedDataParallel wrappers b
 
 def note_ddp(ddp: Any) -> None:
     """A DDP wrapper was built (runtime.patches watches its constructor): kept weakly, a few."""
-    import weakref
-
     _DDP_BUILT[:] = [r for r in _DDP_BUILT if r() is not None][-7:] + [weakref.ref(ddp)]
+
+
+_DDP_PARAMS: weakref.WeakKeyDictionary[Any, list[tuple[str, weakref.ref[Any]]]] = weakref.WeakKeyDictionary()
+"""Each DDP wrapper's parameters by name, noted at its construction: with TP inside DDP
+(``DDP(model, device_mesh=mesh["dp"])``) torch turns the DTensor parameters into local ones before
+wrapping and back around each forward, and after the first forward ``named_parameters()`` of the inner
+module no longer lists them (torch.distributed.tensor.parallel.ddp). Held weakly."""
+
+
+def note_ddp_params(ddp: Any) -> None:
+    """Right after DDP's constructor: the parameters it reduces, by the names the user wrote."""
+    module = getattr(ddp, "module", None)
+    if module is not None:
+        _DDP_PARAMS[ddp] = [(n, weakref.ref(p)) for n, p in module.named_parameters()]
+
+
+def ddp_params(ddp: Any) -> list[tuple[str, Any]] | None:
+    """The parameters noted at ``ddp``'s construction that are still alive, or None if none were noted."""
+    noted = _DDP_PARAMS.get(ddp)
+    if noted is None:
+        return None
+    return [(n, p) for n, ref in noted if (p := ref()) is not None]
 
 
 def ddp_exists() -> bool:
@@ -97,7 +118,6 @@ def mark_compiled(roots: list[Any]) -> None:
     (``m.compile()``, per-block compile). Hooks on them would be traced into the compiled graph,
     and adding, removing or flipping one (a flag it reads) recompiles it: the harness never hooks
     them (``runs_compiled``)."""
-    import weakref
 
     def mark(m: Any) -> None:
         for sub in m.modules():
@@ -143,12 +163,17 @@ def is_model(module: torch.nn.Module) -> bool:
     return is_deepspeed_engine(module) or next(module.parameters(), None) is not None
 
 
-def _param_count(module: torch.nn.Module) -> tuple[int, int]:
-    """(elements, bytes) of the full model, whatever the sharding (DTensor, ZeRO-3 partitions)."""
+def _param_count(params: Any) -> tuple[int, int]:
+    """(elements, bytes) of the full model, whatever the sharding (DTensor, ZeRO-3 partitions, TP
+    parameters DDP localised: their spec keeps the full shape)."""
+    import math
+
     n = 0
     nbytes = 0
-    for p in module.parameters():
-        numel = int(getattr(p, "ds_numel", 0) or p.numel())  # ZeRO-3 leaves p empty
+    for p in params:
+        spec = getattr(p, "_st_info", None)  # a TP parameter inside DDP (runtime.layout)
+        full = getattr(spec, "shape", None)
+        numel = int(getattr(p, "ds_numel", 0) or (math.prod(full) if full is not None else p.numel()))
         n += numel
         nbytes += numel * p.element_size()
     return n, nbytes
@@ -161,7 +186,9 @@ def describe_model(root: torch.nn.Module, manual_grad_collectives: bool = False)
         if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)
     ]
     sync_bn = [name for name, mod in inner.named_modules() if isinstance(mod, torch.nn.SyncBatchNorm)]
-    n, nbytes = _param_count(inner)
+    ddp = find_ddp(root)
+    noted = ddp_params(ddp) if ddp is not None else None
+    n, nbytes = _param_count([p for _, p in noted] if noted else inner.parameters())
     labels = [
         f"deepspeed-zero{options['deepspeed']['zero_stage']}" if w == "deepspeed" else w for w in chain
     ]

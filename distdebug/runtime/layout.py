@@ -27,28 +27,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from distdebug.runtime.discovery import ddp_params  # DDP's parameters, as noted at its constructor
+
 Group = list[int] | None | Literal[False]
-
-_DDP_PARAMS: weakref.WeakKeyDictionary[Any, list[tuple[str, weakref.ref[Any]]]] = weakref.WeakKeyDictionary()
-"""Each DDP wrapper's parameters by name, noted at its construction: with TP inside DDP
-(``DDP(model, device_mesh=mesh["dp"])``) torch turns the DTensor parameters into local ones before
-wrapping and back around each forward, and after the first forward ``named_parameters()`` of the inner
-module no longer lists them (torch.distributed.tensor.parallel.ddp). Held weakly."""
-
-
-def note_ddp_params(ddp: Any) -> None:
-    """Right after DDP's constructor: the parameters it reduces, by the names the user wrote."""
-    module = getattr(ddp, "module", None)
-    if module is not None:
-        _DDP_PARAMS[ddp] = [(n, weakref.ref(p)) for n, p in module.named_parameters()]
-
-
-def ddp_params(ddp: Any) -> list[tuple[str, Any]] | None:
-    """The parameters noted at ``ddp``'s construction that are still alive, or None if none were noted."""
-    noted = _DDP_PARAMS.get(ddp)
-    if noted is None:
-        return None
-    return [(n, p) for n, ref in noted if (p := ref()) is not None]
 
 
 def spec_of(t: Any) -> Any:

@@ -276,10 +276,10 @@ class TorchPatches:
         @functools.wraps(original)
         def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
             original(ddp, *args, **kwargs)
-            from distdebug.runtime import discovery, layout
+            from distdebug.runtime import discovery
 
             _quietly(discovery.note_ddp, ddp)
-            _quietly(layout.note_ddp_params, ddp)  # by name, before TP parameters leave named_parameters()
+            _quietly(discovery.note_ddp_params, ddp)  # by name, before TP parameters leave named_parameters()
 
         return __init__
 

@@ -50,6 +50,7 @@ def test_tensor_parallel_layouts_run_clean_bitwise_and_discovered(tmp_path, layo
         assert disc["layout"]["label"] == LABEL[layout]
         assert disc["layout"]["data_parallel_group"] == group
         assert disc["layout"]["tensor_parallel"] == ["w1.weight", "w1.bias", "w2.weight"]
+        assert disc["models"][0]["parameters"] == 1233  # the full model, whatever the sharding
     report = distdebug("report", str(tmp_path / "run"))
     assert f"layout: {LABEL[layout]}" in report.stdout
 
