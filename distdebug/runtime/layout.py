@@ -41,10 +41,6 @@ def spec_of(t: Any) -> Any:
     return spec if spec is not None and hasattr(spec, "placements") else None
 
 
-def _ranks(mesh: Any) -> list[int]:
-    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
-
-
 def _group_ranks(group: Any) -> list[int] | None:
     import torch.distributed as dist
 
@@ -57,12 +53,33 @@ def _group_ranks(group: Any) -> list[int] | None:
 
 
 def _along(mesh: Any, dims: set[int]) -> list[int] | None:
-    """The ranks of ``mesh`` that share this rank's coordinates on every dimension not in ``dims``."""
-    coord = mesh.get_coordinate()
-    if coord is None:
+    """The ranks of ``mesh`` that share this rank's coordinates on every dimension not in ``dims``.
+
+    From the mesh's process groups (public API, no tensor read: the harness reads no tensor outside the
+    step's one read, and ``DeviceMesh.mesh`` is rebuilt at each access): the group of each dimension in
+    ``dims`` through this rank, combined as offsets from it, which is exact for the meshes
+    ``init_device_mesh`` builds and their slices (ranks laid out in row-major order)."""
+    if mesh.get_coordinate() is None:
         return None
-    index = tuple(slice(None) if i in dims else coord[i] for i in range(mesh.ndim))
-    return sorted(int(r) for r in mesh.mesh[index].flatten().tolist())
+    me = _rank()
+    out = {me}
+    for d in sorted(dims):
+        ranks = _group_ranks(mesh.get_group(d)) if mesh.size(d) > 1 else [me]
+        if ranks is None:
+            return None
+        out = {r + g - me for r in out for g in ranks}
+    return sorted(out)
+
+
+def _ranks(mesh: Any) -> list[int]:
+    """Every rank of ``mesh`` (a slice of a larger mesh: the ranks of the slice through this one)."""
+    return _along(mesh, set(range(mesh.ndim))) or []
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 @dataclass
@@ -183,7 +200,7 @@ def partition(groups: dict[int, Group]) -> list[list[int]]:
 
 def _mesh_record(mesh: Any) -> dict[str, Any]:
     names = list(getattr(mesh, "mesh_dim_names", None) or [f"dim{i}" for i in range(mesh.ndim)])
-    return {"dims": names, "shape": list(mesh.mesh.shape), "ranks": _ranks(mesh)}
+    return {"dims": names, "shape": [int(mesh.size(i)) for i in range(mesh.ndim)], "ranks": _ranks(mesh)}
 
 
 def find_layout(roots: list[Any], rank: int, world: int, grad_groups: dict[Any, int] | None = None,

@@ -74,8 +74,11 @@ def test_a_nan_born_on_one_tp_rank_is_one_error_there_and_received_elsewhere(tmp
         assert received[3]["evidence"]["received_through"] == "FSDP parameter all-gather"
 
 
-def test_a_bit_flip_in_one_dp_replica_of_a_tp_shard_names_the_rank_and_its_peer(tmp_path):
-    r = distdebug("attach", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "run"), TP, "--layout", "ddp_tp",
+@pytest.mark.parametrize("layout", ["ddp_tp", "hsdp_tp"])
+def test_a_bit_flip_in_one_dp_replica_of_a_tp_shard_names_the_rank_and_its_peer(tmp_path, layout):
+    # DDP over "dp" of a ("dp", "tp") mesh; HSDP over ("dp_replicate", "dp_shard") = (2, 1) of a 3-D mesh
+    # with TP inside: rank 2 holds the replica of rank 0's TP shard. The flip is the only finding.
+    r = distdebug("attach", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "run"), TP, "--layout", layout,
                   "--flip-rank", "2", "--flip-step", "3", timeout=300)
     assert r.returncode == 0, r.output
     (f,) = [f for f in findings(tmp_path / "run", 4) if f["severity"] != "info"]

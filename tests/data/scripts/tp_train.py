@@ -3,6 +3,7 @@
 --layout tp        a 1-D mesh ("tp"): every rank is a TP peer (same batch by design), no data parallelism
 --layout ddp_tp    a 2-D mesh ("dp", "tp"): TP inside, DDP over the "dp" dimension (device_mesh=mesh["dp"])
 --layout fsdp_tp   a 2-D mesh ("dp", "tp"): TP inside, FSDP2 (fully_shard) over the "dp" dimension
+--layout hsdp_tp   a 3-D mesh ("dp_replicate", "dp_shard", "tp") = (2, 1, 2): TP inside, HSDP over both dp dims
 
 The batch is drawn per data-parallel rank (the mesh's "dp" coordinate), as a DistributedSampler over
 the dp group would. Faults, for the tests (off by default):
@@ -38,7 +39,7 @@ class MLP(nn.Module):
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--layout", choices=("tp", "ddp_tp", "fsdp_tp"), default="tp")
+    p.add_argument("--layout", choices=("tp", "ddp_tp", "fsdp_tp", "hsdp_tp"), default="tp")
     p.add_argument("--nan-rank", type=int, default=-1)
     p.add_argument("--nan-step", type=int, default=-1)
     p.add_argument("--flip-rank", type=int, default=-1)
@@ -50,6 +51,9 @@ def main() -> None:
     if args.layout == "tp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         tp_mesh, dp_rank, dp_size = mesh, 0, 1
+    elif args.layout == "hsdp_tp":
+        mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        tp_mesh, dp_rank, dp_size = mesh["tp"], mesh["dp_replicate"].get_local_rank(), world // 2
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         tp_mesh, dp_rank, dp_size = mesh["tp"], mesh["dp"].get_local_rank(), world // 2
@@ -64,6 +68,10 @@ def main() -> None:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=mesh["dp"])
+    elif args.layout == "hsdp_tp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # state per parameter: the memory check's arithmetic
     inner = model.module if hasattr(model, "module") else model
     loss = torch.tensor(0.0)
