@@ -125,7 +125,6 @@ class TorchPatches:
         # Async works the script holds, with the operation that made them (weak: a work dropped unwaited
         # leaves nothing behind)
         self._works: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        self._last_info: dict[str, Any] | None = None
         self.communication_observers: list[Any] = []
         """Callables(input, output) told of each functional collective (DTensor's communication)."""
 
@@ -174,39 +173,41 @@ class TorchPatches:
         async_op collective): where the rank really blocks. Marked in flight like the operation, so a
         hang names it (and its peer) rather than the script's line."""
         patches = self
-        session = self.session
-        progress = session.progress
-
-        def enter(work: Any) -> Any:
-            info = patches._works.pop(work, None)
-            if info is None:
-                return None
-            info = {**info, "waiting": True}
-            slot = session.inflight
-            if slot is not None:
-                slot.enter(info)
-            progress.in_collective = {**info, "since": time.monotonic()}
-            return slot if slot is not None else False
 
         @functools.wraps(original)
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            slot = _quietly(enter, work) if patches._works else None
-            if slot is None:
+            info = _quietly(patches._works.pop, work, None) if patches._works else None
+            if info is None:
                 return original(work, *args, **kwargs)
-            try:
-                out = original(work, *args, **kwargs)
-            except BaseException:
-                if slot:
-                    _quietly(slot.fail)
-                raise
-            finally:
-                progress.in_collective = None
-                progress.touch()
-            if slot:
-                _quietly(slot.leave)
-            return out
+            slot = _quietly(patches._enter_flight, {**info, "waiting": True})
+            return patches._in_flight(slot, original, work, *args, **kwargs)
 
         return wait
+
+    def _enter_flight(self, info: dict[str, Any]) -> Any:
+        """The training thread enters an operation: its in-flight slot (None without a run directory) and
+        progress record say so, for the watchdog and the hang analysis."""
+        slot = self.session.inflight
+        if slot is not None:
+            slot.enter(info)
+        self.session.progress.in_collective = {**info, "since": time.monotonic()}
+        return slot
+
+    def _in_flight(self, slot: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run the script's operation, then mark it left (or failed, if it raised), whatever happens."""
+        progress = self.session.progress
+        try:
+            out = call(*args, **kwargs)
+        except BaseException:
+            if slot is not None:
+                _quietly(slot.fail)
+            raise
+        finally:
+            progress.in_collective = None
+            progress.touch()
+        if slot is not None:
+            _quietly(slot.leave)
+        return out
 
     def patch_functional_collectives(self) -> None:
         """Watch torch's functional collectives (``torch.distributed._functional_collectives``: what DTensor
@@ -407,7 +408,7 @@ class TorchPatches:
         session = self.session
         progress = session.progress
 
-        def enter(args: Any, kwargs: Any) -> Any:
+        def describe(args: Any, kwargs: Any) -> dict[str, Any]:
             # Point-to-point operations are numbered apart: pipeline stages issue different numbers of
             # them (a middle stage twice an end stage's), and the per-step collective counts and sequence
             # numbers the hang analysis compares across ranks must not differ by design.
@@ -422,34 +423,20 @@ class TorchPatches:
                 session.note_all_reduce(t, kwargs.get("group", args[2] if len(args) > 2 else None))
             info = {"op": name, "seq": seq, "step": progress.step + 1,
                     "shapes": _call_shapes(args, kwargs),
-                    "site": _call_site(3)}  # enter <- _quietly <- collective <- its caller
+                    "site": _call_site(3)}  # describe <- _quietly <- collective <- its caller
             if name in P2P:
                 info.update(_p2p_peer(name, args, kwargs))
-            slot = session.inflight
-            if slot is not None:
-                slot.enter(info)
-            progress.in_collective = {**info, "since": time.monotonic()}
-            patches._last_info = info
-            return slot
+            return info
 
         patches = self
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            slot = _quietly(enter, args, kwargs)
-            try:
-                out = fn(*args, **kwargs)
-                if out is not None and hasattr(out, "wait"):  # an async op: its wait() is where it blocks
-                    _quietly(patches._note_work, out, patches._last_info)
-            except BaseException:
-                if slot is not None:
-                    _quietly(slot.fail)
-                raise
-            finally:
-                progress.in_collective = None
-                progress.touch()
-            if slot is not None:
-                _quietly(slot.leave)
+            info = _quietly(describe, args, kwargs)
+            slot = _quietly(patches._enter_flight, info) if info is not None else None
+            out = patches._in_flight(slot, fn, *args, **kwargs)
+            if info is not None and out is not None and hasattr(out, "wait"):  # async: its wait() is where it blocks
+                _quietly(patches._note_work, out, info)
             return out
 
         return collective
