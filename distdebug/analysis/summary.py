@@ -162,8 +162,31 @@ def _with_layouts(discovery: dict[str, Any] | None, per_rank: dict[int, dict[str
         return discovery
     layout = dict(discovery["layout"])
     layout["data_parallel_groups"] = {str(r): lay.get("data_parallel_group") for r, lay in per_rank.items()}
-    stages = {str(r): lay["pipeline"]["index"] for r, lay in per_rank.items() if lay.get("pipeline")}
+    stages = {str(r): lay["pipeline"].get("indices") or [lay["pipeline"]["index"]]
+              for r, lay in per_rank.items() if lay.get("pipeline")}
     if stages:
         layout["pipeline_stages"] = stages
+    layout["job_label"] = _job_label(layout, per_rank)
     return {**discovery, "layout": layout}
+
+
+def _job_label(layout: dict[str, Any], per_rank: dict[int, dict[str, Any]]) -> str:
+    """The layout said for the whole job: rank 0's label names its own group and its own pipeline stage
+    (``..., gradients all-reduced by hand over ranks [0, 2], pipeline stage 0 of 2``); the job's names
+    every data-parallel group and every rank's stage."""
+    label = str(layout.get("label") or "")
+    own = layout.get("data_parallel_group")
+    groups = sorted({tuple(g) for g in (lay.get("data_parallel_group") for lay in per_rank.values()) if g})
+    if own and len(groups) > 1:
+        label = label.replace(f"over ranks {own}", f"within data-parallel groups {[list(g) for g in groups]}")
+    pipeline = layout.get("pipeline")
+    stages = layout.get("pipeline_stages") or {}
+    if pipeline and stages:
+        own = stages.get("0") or [pipeline.get("index")]
+        tail = f"pipeline stage {', '.join(str(i) for i in own)} of {pipeline.get('stages')}"
+        if label.endswith(tail):
+            label = label[: -len(tail)] + f"pipeline of {pipeline.get('stages')} stages (" + ", ".join(
+                f"rank {r}: stage{'s' if len(i) > 1 else ''} {', '.join(str(x) for x in i)}"
+                for r, i in sorted(stages.items(), key=lambda x: int(x[0]))) + ")"
+    return label
 

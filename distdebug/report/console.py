@@ -36,12 +36,8 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         parts.append(f"steps from {disc['step_source']}")
     console.print(esc("; ".join(parts)))
     layout = disc.get("layout") or {}
-    if layout.get("label") and not str(layout["label"]).startswith("data parallel over"):
-        label = str(layout["label"])
-        stages = layout.get("pipeline_stages") or {}
-        if stages:  # rank 0's label names its own stage: say every rank's
-            label = label.replace(f"pipeline stage {stages.get('0', 0)} of", "pipeline of") + " stages (" + \
-                ", ".join(f"rank {r}: stage {i}" for r, i in sorted(stages.items(), key=lambda x: int(x[0]))) + ")"
+    label = str(layout.get("job_label") or layout.get("label") or "")
+    if label and not label.startswith("data parallel over"):
         console.print(f"layout: {esc(label)}")
     for inj in summary.injected:
         what = ", ".join(f"{k} {v}" for k, v in inj.items() if k not in ("v", "kind", "rank", "time", "fault", "step"))

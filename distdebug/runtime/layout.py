@@ -96,7 +96,7 @@ class Layout:
     meshes: list[dict[str, Any]] = field(default_factory=list)
     placements: dict[str, list[str]] = field(default_factory=dict)  # parameter -> placements per mesh dim
     sharded: list[str] = field(default_factory=list)  # parameters sharded by model parallelism (TP)
-    stage: dict[str, Any] | None = None  # pipeline: {"index", "stages", "ranks"}
+    stage: dict[str, Any] | None = None  # pipeline: {"index", "indices" (interleaved: several), "stages", "ranks"}
     model_parallel_by_hand: list[list[int]] = field(default_factory=list)  # forward all-reduce groups, unknown dp
     _root_dims: dict[str, int] = field(default_factory=dict)  # dim name -> index in the root mesh
     _root: Any = None  # weakref to the root DeviceMesh (for products of groups)
@@ -149,8 +149,6 @@ class Layout:
         if self.meshes:
             m = max(self.meshes, key=lambda m: len(m["dims"]))
             parts.append(" x ".join(f"{d}={s}" for d, s in zip(m["dims"], m["shape"], strict=True)))
-        if self.stage is not None:
-            parts.append(f"pipeline stage {self.stage['index']} of {self.stage['stages']}")
         dp = self.data_group()
         if self.dp_wrapper == "manual":
             parts.append(f"gradients all-reduced by hand over ranks {dp}")
@@ -164,6 +162,8 @@ class Layout:
         if self.dp_source == "unknown":
             parts.append(f"model parallelism by hand (forward all-reduce over ranks {self.model_parallel_by_hand}); "
                          "data-parallel groups unknown: cross-rank checks off (give --replica-groups)")
+        if self.stage is not None:  # last: the report turns it into every rank's stage
+            parts.append(f"pipeline stage {_stages(self.stage)} of {self.stage['stages']}")
         if not parts:
             return f"data parallel over {self.world} ranks"
         return ", ".join(parts)
@@ -185,6 +185,11 @@ class Layout:
             "pipeline": self.stage,
             "model_parallel_by_hand": self.model_parallel_by_hand,
         }
+
+
+def _stages(stage: dict[str, Any]) -> str:
+    """``0``, or ``0, 2`` for a rank that runs several stages (an interleaved schedule)."""
+    return ", ".join(str(i) for i in stage.get("indices") or [stage["index"]])
 
 
 def partition(groups: dict[int, Group]) -> list[list[int]]:
@@ -252,7 +257,10 @@ def find_layout(roots: list[Any], rank: int, world: int, grad_groups: dict[Any, 
                 lay._tp_dims |= {dims[i] for i in tp_dims if dims}
         stage = _pipeline_stage(inner)
         if stage is not None:
-            lay.stage = stage
+            # An interleaved schedule runs several stages per rank (one model each): all are noted,
+            # the first stands for the rank's position.
+            indices = sorted({*(lay.stage or {}).get("indices", []), stage["index"]})
+            lay.stage = {**stage, "index": indices[0], "indices": indices}
     roots_of = [m._get_root_mesh() if hasattr(m, "_get_root_mesh") else m for m in meshes.values()]
     if roots_of:
         root_mesh = max(roots_of, key=lambda m: m.ndim)

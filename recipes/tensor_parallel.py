@@ -1,4 +1,7 @@
-"""Tensor parallelism written the way torchtitan and the PyTorch TP tutorial write it, on CPU with gloo.
+"""Tensor parallelism written the way torchtitan and the PyTorch TP tutorial write it (2 or 4 ranks).
+
+    distdebug attach recipes/tensor_parallel.py --layout tp                          # 2 ranks
+    distdebug attach --nproc-per-node 4 recipes/tensor_parallel.py --layout ddp_tp   # 2-D: dp x tp
 
 --layout tp        a 1-D mesh ("tp"): every rank is a TP peer (same batch by design), no data parallelism
 --layout ddp_tp    a 2-D mesh ("dp", "tp"): TP inside, DDP over the "dp" dimension (device_mesh=mesh["dp"])
@@ -6,7 +9,8 @@
 --layout hsdp_tp   a 3-D mesh ("dp_replicate", "dp_shard", "tp") = (2, 1, 2): TP inside, HSDP over both dp dims
 
 The batch is drawn per data-parallel rank (the mesh's "dp" coordinate), as a DistributedSampler over
-the dp group would. Faults, for the tests (off by default):
+the dp group would. Faults that live inside the script because they reach a shard by hand (the tests'
+and ``distdebug faults replay``'s own faults come from fault_injection; off by default):
 --nan-rank R --nan-step S   rank R's shard of w1 (column parallel) becomes NaN at step S (before its forward)
 --flip-rank R --flip-step S one bit of rank R's local w2 shard flips after step S's optimizer step
 """
@@ -20,8 +24,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-from recipes._common import base_parser, finish, local_tensor, param_digest, setup, write_digest  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import base_parser, finish, local_tensor, param_digest, setup, write_digest  # noqa: E402
 
 
 class MLP(nn.Module):
