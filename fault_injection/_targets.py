@@ -15,15 +15,35 @@ def inner(ctx: RankContext) -> Any:
 
 
 def parameter(ctx: RankContext, name: str) -> tuple[str, Any] | None:
-    """The named parameter, or by default the last weight (the first in backward order)."""
+    """The named parameter, or by default the last weight (the first in backward order).
+
+    A name is also looked up as an attribute path: with tensor parallelism inside DDP, torch keeps the
+    TP parameters as plain DTensor attributes after the first forward (``named_parameters()`` no longer
+    lists them; torch.distributed.tensor.parallel.ddp), and they share storage with what the optimizer
+    updates."""
     model = inner(ctx)
     if model is None:
         return None
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if name:
-        return next(((n, p) for n, p in named if n == name), None)
+        found = next(((n, p) for n, p in named if n == name), None)
+        if found is None:
+            import operator
+
+            try:
+                found = (name, operator.attrgetter(name)(model))
+            except AttributeError:
+                return None
+        return found
     weights = [(n, p) for n, p in named if n.endswith("weight")] or named
     return weights[-1] if weights else None
+
+
+def local(t: Any) -> Any:
+    """The tensor this rank holds: a DTensor's local shard, else ``t``. Called under ``torch.no_grad()``,
+    where ``DTensor.to_local()`` returns the shard itself (same storage), so writing it writes ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def module(ctx: RankContext, name: str) -> tuple[str, Any] | None:

@@ -1,8 +1,14 @@
 """bitflip_param: one bit of one parameter element flips on one rank (silent data corruption).
 
 No NaN, no error: the replica simply differs from the others from that step on, which only a
-cross-rank comparison of the parameters (replica_divergence) can see. The bit flips as the step's
-forward starts (after the previous step's checks), so that step's boundary is the first to differ.
+cross-rank comparison of the parameters (replica_divergence) can see. The bit flips right after the
+step's optimizer update (a per-optimizer post-hook, which runs before the session's global one that
+ends the step), so that step's boundary is the first to differ. Flipping then, rather than as the
+forward starts, hits the tensor the optimizer keeps: under FSDP2 the forward runs on a gathered copy
+that is freed after it, and a flip there would be averaged away.
+
+In a layout where ranks are not all replicas (tensor parallel, 2-D meshes), the flip is recorded with
+its tensor's replica group (the ranks that hold the same shard), which is where it must be found.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from distdebug.context import RankContext
-from fault_injection._targets import parameter
+from fault_injection._targets import local, parameter
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
 
 
@@ -22,26 +28,36 @@ class BitflipParam(Fault):
     params = (RANK, STEP, Param("param", str, "", "parameter name (default: the last weight)"),
               Param("bit", int, 20, "bit of the first element's float32 word (0-31)"))
     catcher = "replica_divergence"
-    engines = ("ddp", "manual")
+    engines = ("ddp", "manual", "ddp_tp", "hsdp_tp", "pp_dp")
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
-        if ctx.models and self.mine():
-            ctx.models[0].register_forward_pre_hook(self._pre)
+        if ctx.optimizers and self.mine():
+            ctx.optimizers[0].register_step_post_hook(self._post)
 
-    def _pre(self, module: Any, args: Any) -> None:
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.here():
             return
         import torch
 
         found = parameter(self.ctx, self.param) if self.ctx is not None else None
-        if found is not None and found[1].dtype == torch.float32:
-            name, p = found
-            with torch.no_grad():
-                p.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << self.bit)
-            self.injected(param=name, bit=self.bit)
+        if found is None or found[1].dtype != torch.float32:
+            return
+        name, p = found
+        layout = getattr(self.ctx, "layout", None)
+        group = layout.replicas(p) if layout is not None else None
+        if group is False:
+            return  # nobody else holds this tensor: no comparison can see a flip in it
+        with torch.no_grad():
+            local(p).view(-1)[:1].view(torch.int32).bitwise_xor_(1 << self.bit)
+        self.injected(param=name, bit=self.bit, replicas=group)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
-        # With two ranks nobody can say which one is right: both are named.
-        return [Expect("replica_divergence", ranks=[i["rank"]] if world > 2 else list(range(world)),
-                       step=i["step"], subject=i["param"]) for i in injected]
+        # Found among the ranks that hold the same tensor (every rank unless the layout says fewer).
+        # With two of them nobody can say which one is right: both are named.
+        out = []
+        for i in injected:
+            group = i.get("replicas") or list(range(world))
+            out.append(Expect("replica_divergence", ranks=[i["rank"]] if len(group) > 2 else group,
+                              step=i["step"], subject=i["param"]))
+        return out

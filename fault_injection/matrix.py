@@ -42,6 +42,11 @@ class Engine:
     """Arguments of the faulty run after a prepare run."""
     steps: bool = True
     """Whether the script takes --steps (a training recipe does; the doctor's worker does not)."""
+    nproc: int = 2
+    """Ranks the recipe needs at least (a 2-D layout needs 4)."""
+    aim: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Fault name -> spec parameters that aim it in this recipe (a pipeline's NaN is born on stage 0,
+    so that the next stage receives it)."""
 
 
 def _script(name: str) -> Path:
@@ -63,9 +68,18 @@ ENGINES: dict[str, Engine] = {
     "zero2_resume": Engine("deepspeed_zero.py", ("--zero-stage", "2"),
                            prepare=("--steps", "4", "--checkpoint-at", "3"), resume=("--steps", "2", "--resume")),
     "doctor": Engine("doctor:worker.py", ("--bandwidth", "--max-bytes", "4096"), steps=False),
+    "tp": Engine("tensor_parallel.py", ("--layout", "tp")),
+    "ddp_tp": Engine("tensor_parallel.py", ("--layout", "ddp_tp"), nproc=4,
+                     aim={"bitflip_param": {"param": "w2.weight"}}),
+    "hsdp_tp": Engine("tensor_parallel.py", ("--layout", "hsdp_tp"), nproc=4,
+                      aim={"bitflip_param": {"param": "w2.weight"}}),
+    "pp": Engine("pipeline_parallel.py", ("--schedule", "Schedule1F1B"), aim={"nan_activation": {"rank": 0}}),
+    "pp_dp": Engine("pipeline_parallel.py", ("--dp", "2"), nproc=4),
 }
 """Engine name -> recipe. ``zero2_resume`` saves a checkpoint in one run and resumes it in the next;
-``doctor`` is ``distdebug doctor --bandwidth``'s worker (the link matrix)."""
+``doctor`` is ``distdebug doctor --bandwidth``'s worker (the link matrix). The parallel layouts (issue
+21): tensor parallel on 2 ranks, DDP x TP and HSDP x TP on 4 (a bit flip in a TP shard, compared with
+its data-parallel replica only), a 2-stage pipeline, and 2 pipelines x 2 stages averaging by hand."""
 
 
 @dataclass
@@ -228,9 +242,12 @@ def replay(cells: list[tuple[str, str]], work: Path, nproc: int = 2, script: lis
            on_cell: Callable[[Cell], None] | None = None) -> list[Cell]:
     out = []
     for fault_name, engine in cells:
-        fault = FAULTS[fault_name]() if fault_name != "clean" else None
-        # A fault that needs more ranks (a slow pair among others) gets them.
-        cell = run_cell(fault, engine, work, max(nproc, fault.min_world if fault is not None else 1), script=script)
+        recipe = ENGINES.get(engine)
+        aim = recipe.aim.get(fault_name, {}) if recipe is not None else {}
+        fault = FAULTS[fault_name](**aim) if fault_name != "clean" else None
+        # A fault that needs more ranks (a slow pair among others) gets them, and so does a recipe.
+        world = max(nproc, fault.min_world if fault is not None else 1, recipe.nproc if recipe is not None else 1)
+        cell = run_cell(fault, engine, work, world, script=script)
         out.append(cell)
         if on_cell is not None:
             on_cell(cell)

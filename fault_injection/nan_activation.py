@@ -20,7 +20,9 @@ class NanActivation(Fault):
     module: str
     params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
     catcher = "nan_origin"
-    engines = ("ddp", "manual", "fsdp2", "zero2")  # FSDP2/ZeRO reduce inside: the forward names the origin
+    # FSDP2/ZeRO reduce inside: the forward names the origin. In tensor and pipeline layouts the NaN
+    # reaches the other ranks through forward communication: born on one rank, received by the others.
+    engines = ("ddp", "manual", "fsdp2", "zero2", "tp", "hsdp_tp", "pp")
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)

@@ -15,12 +15,15 @@ them (``runtime.exchange``, in the background, at steps 2, 4, 8 and every 16) an
 
 Clocks are aligned by the step boundaries (every rank leaves the gradient reduction together), so
 nodes need no common clock. A rank whose score stays under SCORE (medians over at least MIN_STEPS
-steps) and whose median lateness is at least LATE_FRACTION of the step (and MIN_LATE_S) is a
+steps) and whose median lateness is at least LATE_FRACTION of the step (and MIN_LATE_S, times the
+number of ranks that share each core where a host runs more ranks than it has cores) is a
 straggler; its cause is "waits for data" when its extra time in the data loader explains at least
 half of its lateness, else "computes slower". Rank 0 also writes the scores (``straggler_scores``).
 
 Not seen: slowness inside backward (the reduction hides who was last there); a GPU that is slower
-is usually slower in forward too.
+is usually slower in forward too. In a pipeline, stages start their forward one after another by
+design: only the ranks that run the same stage (its replicas in other pipelines) are compared, and
+a pipeline without replicas has no straggler verdict.
 
 Host timestamps cannot see a slow GPU: the CPU enqueues kernels and runs ahead, and with NCCL it
 waits for the device only at a host synchronisation. So where the model lives on CUDA, the forward
@@ -121,6 +124,23 @@ def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, Any]]:
                 "steps": len(steps), "clock": "device" if device else "host"} for r in ranks}
 
 
+def by_position(per_rank: dict[int, list[list[float]]], stages: dict[int, int | None], floor_s: float = MIN_LATE_S
+                ) -> tuple[dict[int, dict[str, Any]], list[tuple[int, str, dict[str, Any]]]]:
+    """``scores`` and ``verdicts`` among the ranks that run the same pipeline stage (every rank together
+    outside a pipeline): stages arrive one after another by design, since a stage's first forward
+    waits for the previous stage's activations. Pure."""
+    groups: dict[int | None, list[int]] = {}
+    for rank in sorted(per_rank):
+        groups.setdefault(stages.get(rank), []).append(rank)
+    table: dict[int, dict[str, Any]] = {}
+    found: list[tuple[int, str, dict[str, Any]]] = []
+    for group in groups.values():
+        part = scores({r: per_rank[r] for r in group})
+        table.update(part)
+        found += verdicts(part, floor_s)
+    return table, found
+
+
 class DeviceClock:
     """Device-side timestamps: CUDA events on the current stream, resolved only when asked (at checked
     steps: one synchronize of the newest event). Tests inject another source with the same three calls."""
@@ -142,11 +162,20 @@ class DeviceClock:
         return float(start.elapsed_time(end)) / 1000.0
 
 
-def verdicts(table: dict[int, dict[str, Any]]) -> list[tuple[int, str, dict[str, Any]]]:
-    """(rank, cause, its row) for each straggler in a score table; cause 'data' or 'compute'."""
+def host_floor(local_world: int, cores: int) -> float:
+    """The host-clock lateness floor on a host where ``local_world`` CPU-bound ranks share ``cores``
+    cores: each rank then waits for a core about one timeslice per rank that shares it, every step,
+    which says nothing about the rank (4 ranks on 2 cores: a healthy rank was 10.3 ms late on median
+    in 36 ms steps)."""
+    return MIN_LATE_S * max(1, -(-local_world // max(cores, 1)))
+
+
+def verdicts(table: dict[int, dict[str, Any]], floor_s: float = MIN_LATE_S) -> list[tuple[int, str, dict[str, Any]]]:
+    """(rank, cause, its row) for each straggler in a score table; cause 'data' or 'compute'.
+    ``floor_s``: the host-clock lateness floor (``host_floor``)."""
     out = []
     for r, row in table.items():
-        floor = MIN_DEVICE_LATE_S if row.get("clock") == "device" else MIN_LATE_S
+        floor = MIN_DEVICE_LATE_S if row.get("clock") == "device" else floor_s
         if row["score"] >= SCORE or row["lateness_s"] < max(LATE_FRACTION * row["step_s"], floor):
             continue
         others = [o["data_wait_s"] for q, o in table.items() if q != r]
@@ -169,6 +198,8 @@ class Straggler(ExchangeUser, Detector):
         self.pending_device: list[tuple[list[float], Any, Any]] = []  # rows whose device times are unresolved
         self.rows: list[list[float]] = []
         self.history: dict[int, deque[list[float]]] = {}
+        self.stages: dict[int, int | None] = {}  # rank -> its pipeline stage (None: not a pipeline)
+        self.floor_s = MIN_LATE_S  # the host-clock lateness floor on this host (attach: host_floor)
         self.forward_t = float("nan")
         self.data_s = 0.0
         self.reported: set[int] = set()
@@ -194,6 +225,10 @@ class Straggler(ExchangeUser, Detector):
     def attach(self, ctx: RankContext) -> None:
 
         self.ctx = ctx
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.floor_s = host_floor(ctx.identity.local_world_size, cores)
         if ctx.models and self.open_exchange(ctx):
             root = ctx.models[0]
             self.hook(root, "forward_pre", self._pre)
@@ -251,16 +286,18 @@ class Straggler(ExchangeUser, Detector):
         assert ctx is not None  # set in setup()/attach(), which the session calls first
         if ctx.rank != 0:
             return
-        for rank, rows in enumerate(gathered):
+        for rank, part in enumerate(gathered):
+            stage, rows = part if isinstance(part, tuple | list) and len(part) == 2 else (None, part)
+            self.stages[rank] = stage
             self.history.setdefault(rank, deque(maxlen=WINDOW)).extend(rows or [])
-        table = scores({r: list(h) for r, h in self.history.items()})
+        table, found = by_position({r: list(h) for r, h in self.history.items()}, self.stages, self.floor_s)
         if not table:
             return
         step = max(int(r[0]) for h in self.history.values() for r in h)
         ctx.emit("straggler_scores", step=step, ranks={str(r): {k: round(v, 6) if isinstance(v, float) else v
                                                                 for k, v in row.items()}
                                                             for r, row in table.items()})
-        for rank, cause, row in verdicts(table):
+        for rank, cause, row in found:
             if rank in self.reported:
                 continue
             self.reported.add(rank)
@@ -288,7 +325,9 @@ class Straggler(ExchangeUser, Detector):
     def flush_pending(self) -> None:
         self._resolve_device()
         mine, self.rows = self.rows, []
-        self.exchange.post(mine, self._judge)
+        layout = getattr(self.ctx, "layout", None)
+        stage = getattr(layout, "stage", None)
+        self.exchange.post((stage["index"] if stage else None, mine), self._judge)
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)

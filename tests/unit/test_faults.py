@@ -96,6 +96,11 @@ def test_expectations_follow_what_the_fault_hit_and_the_world_size():
     two = FAULTS["bitflip_param"]().expect(2, inj)
     assert [(e.ranks, e.step, e.subject) for e in three] == [([2], 4, "0.weight")]
     assert two[0].ranks == [0, 1]  # two ranks: nobody can say which one is right
+    # In a 2-D layout the flip is found among the tensor's replicas, not the world: with two replicas
+    # both are named (rank 1 and its dp peer 3, never its TP peers), with three or more the rank alone.
+    pair = FAULTS["bitflip_param"]().expect(4, [{**inj[0], "rank": 1, "replicas": [1, 3]}])
+    trio = FAULTS["bitflip_param"]().expect(6, [{**inj[0], "replicas": [0, 2, 4]}])
+    assert (pair[0].ranks, trio[0].ranks) == ([1, 3], [2])
     bn = FAULTS["unsynced_bn"]().expect(2, [{"rank": 0, "step": 1, "modules": ["features.1", "features.4"]}])
     assert [(e.detector, e.ranks, e.step, e.subject) for e in bn] == [("bn_divergence", [0, 1], 2, "features.1")]
 

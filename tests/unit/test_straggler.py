@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from distdebug.detectors.straggler import MIN_STEPS, scores, verdicts
+from distdebug.detectors.straggler import MIN_STEPS, by_position, host_floor, scores, verdicts
 
 
 def rows(world, steps=20, slow=None, late=0.0, data_late=False, offset=None, seed=0):
@@ -110,6 +110,40 @@ def test_device_times_are_marked_in_the_forward_and_resolved_only_at_checked_ste
         det.on_step(StepEvent(rank=0, step=step, loss=1.0, step_time_s=0.01, backward_calls=1, collectives=0))
     # Checked steps 2, 4, 8 and 16 posted; each resolved its rows with one wait, never inside a hook.
     assert clock.settled == 4 == len(det.exchange.posts)
-    posted = [row for post in det.exchange.posts for row in post]
+    assert {stage for stage, _ in det.exchange.posts} == {None}  # no pipeline: every rank is compared
+    posted = [row for _, rows in det.exchange.posts for row in rows]
     assert [int(r[0]) for r in posted] == list(range(2, 17))
     assert all(abs(r[DEVICE] - 0.005 * r[0]) < 1e-12 for r in posted)
+
+
+def test_pipeline_stages_are_compared_only_with_the_same_stage():
+    # 2 pipelines x 2 stages: stage 1 (ranks 1, 3) starts its forward 15 ms after stage 0 by design
+    # (it waits for the activations). Compared with every rank, both stage-1 ranks look late; compared
+    # by stage, nobody is. A rank of stage 0 that really is late is still named.
+    def staged(**kw):
+        out = rows(4, **kw)
+        for r in (1, 3):
+            for row in out[r]:
+                row[3] += 0.015
+                row[4] += 0.015
+        return out
+
+    stages = {0: 0, 1: 1, 2: 0, 3: 1}
+    assert {rank for rank, _, _ in verdicts(scores(staged()))} == {1, 3}  # the false alarm, without stages
+    table, found = by_position(staged(), stages)
+    assert found == [] and set(table) == {0, 1, 2, 3}
+    ((rank, cause, _),) = by_position(staged(slow=2, late=0.020), stages)[1]
+    assert (rank, cause) == (2, "compute")
+    # a single pipeline: no rank shares a stage, nothing is compared
+    assert by_position(rows(2, slow=1, late=0.020), {0: 0, 1: 1}) == ({}, [])
+    assert by_position(rows(2, slow=1, late=0.020), {0: None, 1: None})[1][0][0] == 1
+
+
+def test_the_host_floor_grows_where_ranks_share_cores():
+    # 4 CPU-bound ranks on 2 cores: each waits for a core a timeslice per sharer, every step; a rank
+    # 15 ms late per 36 ms step there is noise, while a 50 ms sleep in every forward is still a straggler.
+    assert (host_floor(2, 2), host_floor(4, 2), host_floor(3, 2), host_floor(8, 64)) == (0.010, 0.020, 0.020, 0.010)
+    noisy = rows(4, slow=1, late=0.015)
+    assert [r for r, _, _ in verdicts(scores(noisy))] == [1]
+    assert verdicts(scores(noisy), host_floor(4, 2)) == []
+    assert [r for r, _, _ in verdicts(scores(rows(4, slow=1, late=0.050)), host_floor(4, 2))] == [1]
