@@ -211,7 +211,11 @@ def advise_all(findings: list[Finding], *, run_dir: str = "RUN") -> list[Advice]
             a = Advice(a.symptom, f"probably a consequence of the replica divergence from step {first_divergence} "
                        f"(replicas that differ compute different statistics and losses); otherwise: {a.cause}",
                        a.check, "fix the divergence first (its finding says how the replicas parted)")
-        if first_nan is not None and f.detector in NAN_CAN_CAUSE and f.step is not None and f.step > first_nan:
+        # In the NaN's own step only a replica divergence can follow from it: where ranks are not all
+        # reduced alike (tensor-parallel peers' replicated tensors, stages), the rank holding the NaN
+        # parts from the others in that same update.
+        if first_nan is not None and f.detector in NAN_CAN_CAUSE and f.step is not None and (
+                f.step > first_nan or (f.step == first_nan and f.detector == "replica_divergence")):
             a = Advice(a.symptom, f"probably a consequence of the NaN/Inf from step {first_nan} (values that "
                        f"became non-finite differ everywhere); otherwise: {a.cause}", a.check, a.fix)
         out.append(a)

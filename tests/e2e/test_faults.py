@@ -8,7 +8,9 @@ import xml.etree.ElementTree as ET
 
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
+from fault_injection.matrix import ENGINES
 from fault_injection.registry import FAULTS
+from tests.e2e.test_layouts import LAYOUT_RECIPES
 from tests.helpers import RECIPES, distdebug
 
 
@@ -42,9 +44,16 @@ def test_bad_inject_spec_is_one_line_and_nothing_runs(tmp_path):
     assert r.returncode == 2 and "unknown fault 'nope'" in r.stderr and "Traceback" not in r.stderr
 
 
+DATA_PARALLEL = ("ddp", "manual", "fsdp2", "zero2", "zero2_resume", "doctor")
+"""The data-parallel recipes (and the doctor's worker); the layout recipes' replay is in test_layouts."""
+
+
 def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path):
     junit = tmp_path / "faults.xml"
-    r = distdebug("faults", "replay", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit), timeout=1500)
+    assert set(DATA_PARALLEL) | set(LAYOUT_RECIPES) == set(ENGINES)  # every recipe is replayed somewhere
+    args = [a for e in DATA_PARALLEL for a in ("--recipe", e)]
+    r = distdebug("faults", "replay", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit), *args,
+                  timeout=1500)
     assert r.returncode == 0, r.output
     cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).getroot()}
     assert {n for _, n in cases} == set(FAULTS) | {"clean"}

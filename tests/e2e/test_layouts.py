@@ -1,28 +1,33 @@
 """Tier 3 (CLI): parallel layouts where ranks are not replicas of each other (issue 21).
 
 Tensor parallelism as torchtitan writes it (``parallelize_module`` with Colwise/Rowwise layers) on a
-1-D TP mesh (2 ranks), DDP over the "dp" dimension of a ("dp", "tp") mesh and FSDP2 over it (4 ranks),
-and pipeline schedules (2 stages). Each layout: a clean run gives no finding and the final parameters
-of torchrun's run; the layout is discovered and shown; a NaN born on one rank is one ERROR there and
-a warning, "received", on every rank it reached; a bit flip in one data-parallel replica of a TP shard
-names the step, the tensor, the rank and its replica peer.
+1-D TP mesh (2 ranks), DDP over the "dp" dimension of a ("dp", "tp") mesh, FSDP2 over it and HSDP x TP
+(4 ranks), and pipeline schedules (2 stages; 2 pipelines x 2 stages averaging by hand). Each layout: a
+clean run gives no finding and the final parameters of torchrun's run; the layout is discovered and
+shown; a NaN born on one rank is one ERROR there and a warning, "received", on every rank it reached;
+a bit flip in one data-parallel replica of a TP shard names the step, the tensor, the rank and its
+replica peer. The faults of ``distdebug faults replay`` on the layout recipes are checked here too
+(the catalogue on the data-parallel recipes is in test_faults).
 """
 
 from __future__ import annotations
 
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 
 from tests.e2e.test_attach import kinds
-from tests.helpers import DATA, distdebug, read_digests, run
+from tests.helpers import DATA, RECIPES, distdebug, read_digests, run
 
-TP = str(DATA / "scripts" / "tp_train.py")
-PP = str(DATA / "scripts" / "pp_train.py")
+TP = str(RECIPES / "tensor_parallel.py")
+PP = str(RECIPES / "pipeline_parallel.py")
 MANUAL_TP = str(DATA / "scripts" / "manual_tp.py")
-WORLD = {"tp": 2, "ddp_tp": 4, "fsdp_tp": 4}
+WORLD = {"tp": 2, "ddp_tp": 4, "fsdp_tp": 4, "hsdp_tp": 4}
 LABEL = {"tp": "tp=2, TP on w1,w2", "ddp_tp": "dp=2 x tp=2, DDP over dp, TP on w1,w2",
-         "fsdp_tp": "dp=2 x tp=2, FSDP2 over dp, TP on w1,w2"}
+         "fsdp_tp": "dp=2 x tp=2, FSDP2 over dp, TP on w1,w2",
+         "hsdp_tp": "dp_replicate=2 x dp_shard=1 x tp=2, FSDP2 over dp_replicate+dp_shard, TP on w1,w2"}
+LAYOUT_RECIPES = ("tp", "ddp_tp", "hsdp_tp", "pp", "pp_dp")
 
 
 def torchrun_n(n: int, *args: str):
@@ -33,7 +38,7 @@ def findings(run_dir, world):
     return [f for r in range(world) for f in kinds(run_dir, r, "finding")]
 
 
-@pytest.mark.parametrize("layout", ["tp", "ddp_tp", "fsdp_tp"])
+@pytest.mark.parametrize("layout", ["tp", "ddp_tp", "fsdp_tp", "hsdp_tp"])
 def test_tensor_parallel_layouts_run_clean_bitwise_and_discovered(tmp_path, layout):
     n = WORLD[layout]
     r = torchrun_n(n, TP, "--layout", layout, "--digest-out", str(tmp_path / "bare"))
@@ -45,6 +50,7 @@ def test_tensor_parallel_layouts_run_clean_bitwise_and_discovered(tmp_path, layo
     # TP peers share a batch by design, hold different shards by design: nothing to say
     assert findings(tmp_path / "run", n) == []
     groups = {0: [0], 1: [1]} if layout == "tp" else {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    # hsdp_tp: the FSDP2 mesh (dp_replicate, dp_shard) = (2, 1) through each rank is that rank's dp group
     for rank, group in groups.items():
         (disc,) = kinds(tmp_path / "run", rank, "discovery")
         assert disc["layout"]["label"] == LABEL[layout]
@@ -74,22 +80,10 @@ def test_a_nan_born_on_one_tp_rank_is_one_error_there_and_received_elsewhere(tmp
         assert received[3]["evidence"]["received_through"] == "FSDP parameter all-gather"
 
 
-@pytest.mark.parametrize("layout", ["ddp_tp", "hsdp_tp"])
-def test_a_bit_flip_in_one_dp_replica_of_a_tp_shard_names_the_rank_and_its_peer(tmp_path, layout):
-    # DDP over "dp" of a ("dp", "tp") mesh; HSDP over ("dp_replicate", "dp_shard") = (2, 1) of a 3-D mesh
-    # with TP inside: rank 2 holds the replica of rank 0's TP shard. The flip is the only finding.
-    r = distdebug("attach", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "run"), TP, "--layout", layout,
-                  "--flip-rank", "2", "--flip-step", "3", timeout=300)
-    assert r.returncode == 0, r.output
-    (f,) = [f for f in findings(tmp_path / "run", 4) if f["severity"] != "info"]
-    # flipped after step 3's update: step 4's check is the first to see it
-    assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [0, 2], 4, "w2.weight")
-    (t,) = f["evidence"]["tensors"]
-    assert t["replica_group"] == [0, 2] and t["groups"] == [[0], [2]]
-
-
-@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "ScheduleInterleaved1F1B"])
 def test_pipeline_schedules_run_clean_and_bitwise(tmp_path, schedule):
+    # Schedule1F1B: in the dist tier (bitwise) and in the replay below (clean). The interleaved schedule
+    # runs two stages per rank (rank 0: stages 0 and 2 of 4).
     r = torchrun_n(2, PP, "--schedule", schedule, "--digest-out", str(tmp_path / "bare"))
     assert r.returncode == 0, r.stderr
     r = distdebug("attach", "--run-dir", str(tmp_path / "run"), PP, "--schedule", schedule,
@@ -97,13 +91,17 @@ def test_pipeline_schedules_run_clean_and_bitwise(tmp_path, schedule):
     assert r.returncode == 0, r.output
     assert read_digests(tmp_path / "attached") == read_digests(tmp_path / "bare")
     assert findings(tmp_path / "run", 2) == []
+    interleaved = schedule == "ScheduleInterleaved1F1B"
     for rank in (0, 1):
         (disc,) = kinds(tmp_path / "run", rank, "discovery")
-        assert disc["layout"]["pipeline"] == {"index": rank, "stages": 2, "ranks": [0, 1]}
+        indices = [rank, rank + 2] if interleaved else [rank]
+        assert disc["layout"]["pipeline"] == {"index": rank, "indices": indices, "stages": 4 if interleaved else 2,
+                                              "ranks": [0, 1]}
         assert disc["layout"]["data_parallel_group"] == [rank]  # no other rank holds this stage's layers
         assert [s["step"] for s in kinds(tmp_path / "run", rank, "step")] == [1, 2, 3, 4, 5, 6]
-    report = distdebug("report", str(tmp_path / "run"))
-    assert "layout: pipeline of 2 stages (rank 0: stage 0, rank 1: stage 1)" in report.stdout
+    report = " ".join(distdebug("report", str(tmp_path / "run")).stdout.split())
+    assert ("layout: pipeline of 4 stages (rank 0: stages 0, 2, rank 1: stages 1, 3)" if interleaved else
+            "layout: pipeline of 2 stages (rank 0: stage 0, rank 1: stage 1)") in report
 
 
 def test_a_nan_born_in_pipeline_stage_0_is_received_by_stage_1(tmp_path):
@@ -167,7 +165,7 @@ def test_a_stalled_pipeline_stage_is_named_with_the_p2p_operation_its_peer_waits
     (f,) = [f for f in _all_findings(tmp_path / "run") if f["detector"] == "hang"]  # the launcher's verdict
     assert (f["severity"], f["ranks"], f["step"]) == ("critical", [1], 3)
     assert "rank 0 (pipeline stage 0) is inside isend to rank 1" in f["message"]
-    assert "rank 1 (pipeline stage 1) is stuck at step 3 in pp_train.py" in f["message"]
+    assert "rank 1 (pipeline stage 1) is stuck at step 3 in pipeline_parallel.py" in f["message"]
     assert "disagree" not in f["message"]  # a send meeting a receive is no mismatch
 
 
@@ -178,15 +176,45 @@ def _all_findings(run_dir):
     return json.loads(report.stdout)["findings"]
 
 
-def test_a_nan_made_after_the_tp_all_reduce_is_born_there_not_received(tmp_path):
+def test_fault_replay_on_every_layout_recipe(tmp_path):
+    # distdebug faults replay on the layout recipes: each clean run has no finding; each fault is caught
+    # on the right rank, step and subject. Then, in the kept run directories, what the cells' verdicts
+    # do not look at: a bit flip in a TP shard (DDP x TP, HSDP x TP) is named with its replica peer only
+    # (never with its TP peers), and a NaN made after the TP all-reduce is born there, not received.
+    work = tmp_path / "runs"
+    args = [a for e in LAYOUT_RECIPES for a in ("--recipe", e)]
+    junit = tmp_path / "faults.xml"
+    r = distdebug("faults", "replay", "--work-dir", str(work), "--junit", str(junit), *args, timeout=1200)
+    assert r.returncode == 0, r.output
+    cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).getroot()}
+    assert set(cases) == {(e, "clean") for e in LAYOUT_RECIPES} | {
+        ("tp", "nan_activation"), ("hsdp_tp", "nan_activation"), ("pp", "nan_activation"),
+        ("ddp_tp", "bitflip_param"), ("hsdp_tp", "bitflip_param"), ("pp_dp", "bitflip_param")}
+    for key, c in cases.items():
+        assert c.find("failure") is None, (key, c.find("failure").get("message"))
+    assert "11 of 11 cells caught and localised (or clean); 0 missed" in r.stdout
+    for recipe in ("ddp_tp", "hsdp_tp"):
+        (f,) = [f for f in findings(work / f"bitflip_param-{recipe}" / "run", 4) if f["severity"] != "info"]
+        # rank 1 flipped after step 3's update: its dp peer is rank 3 (TP peers 0 and 1 hold other shards)
+        assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [1, 3], 3, "w2.weight")
+        (t,) = f["evidence"]["tensors"]
+        assert t["replica_group"] == [1, 3] and t["groups"] == [[1], [3]]
     # nan_activation poisons w2's output on rank 1 after torch's all-reduce hook (a forward hook of the
     # module's own): what rank 1 gave the all-reduce and got back were finite, so it is born on rank 1;
     # rank 0's forward stays finite and its gradients come back non-finite from the TP backward.
-    r = distdebug("attach", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
-                  "--inject", "nan_activation:rank=1,step=3,module=w2", TP, "--layout", "tp", timeout=300)
-    assert r.returncode == 0, r.output
-    nan = {f["ranks"][0]: f for f in findings(tmp_path / "run", 2)
+    nan = {f["ranks"][0]: f for f in findings(work / "nan_activation-tp" / "run", 2)
            if f["detector"] == "nan_origin" and f["severity"] != "info"}
     assert (nan[1]["severity"], nan[1]["step"], nan[1]["subject"]) == ("error", 3, "w2")
     assert (nan[0]["severity"], nan[0]["step"], nan[0]["evidence"]["received_through"]) == \
         ("warning", 3, "tensor-parallel backward communication")
+    # the pipeline's NaN is born on stage 0 and received by stage 1
+    nan = {f["ranks"][0]: f for f in findings(work / "nan_activation-pp" / "run", 2)
+           if f["detector"] == "nan_origin" and f["severity"] != "info"}
+    assert (nan[0]["severity"], nan[1]["severity"], nan[1]["evidence"]["received_through"]) == \
+        ("error", "warning", "pipeline receive")
+    # two pipelines averaging by hand: each stage is compared with its replica in the other pipeline
+    (disc,) = kinds(work / "clean-pp_dp" / "run", 3, "discovery")
+    assert (disc["layout"]["data_parallel_group"], disc["layout"]["pipeline"]["index"]) == ([1, 3], 1)
+    report = " ".join(distdebug("report", str(work / "clean-pp_dp" / "run")).stdout.split())
+    assert "layout: gradients all-reduced by hand within data-parallel groups [[0, 2], [1, 3]], pipeline of 2 " \
+           "stages (rank 0: stage 0, rank 1: stage 1, rank 2: stage 0, rank 3: stage 1)" in report

@@ -60,6 +60,12 @@ def test_context_decides_the_cause():
     advice = kb.advise_all([nan, bn_after, bn_before])
     assert "consequence of the NaN/Inf from step 12" in advice[1].cause
     assert "consequence" not in advice[2].cause
+    # Replicas that part in the NaN's own step (a TP peer's replicated bias: NaN on one rank, finite on
+    # the other) part because of it; a BatchNorm divergence in that step is not called its consequence.
+    same_div, same_bn = finding("replica_divergence", step=12), finding("bn_divergence", step=12)
+    advice = kb.advise_all([nan, same_div, same_bn])
+    assert "consequence of the NaN/Inf from step 12" in advice[1].cause
+    assert "consequence" not in advice[2].cause
     # ... but only what a NaN can cause: identical batches across ranks, a seed or a config trap after it
     # keep their own cause.
     data_after = finding("data_order", step=16)
