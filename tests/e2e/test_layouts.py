@@ -80,10 +80,9 @@ def test_a_nan_born_on_one_tp_rank_is_one_error_there_and_received_elsewhere(tmp
         assert received[3]["evidence"]["received_through"] == "FSDP parameter all-gather"
 
 
-@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "ScheduleInterleaved1F1B"])
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"])
 def test_pipeline_schedules_run_clean_and_bitwise(tmp_path, schedule):
-    # Schedule1F1B: in the dist tier (bitwise) and in the replay below (clean). The interleaved schedule
-    # runs two stages per rank (rank 0: stages 0 and 2 of 4).
+    # The interleaved schedule runs two stages per rank (rank 0: stages 0 and 2 of 4).
     r = torchrun_n(2, PP, "--schedule", schedule, "--digest-out", str(tmp_path / "bare"))
     assert r.returncode == 0, r.stderr
     r = distdebug("attach", "--run-dir", str(tmp_path / "run"), PP, "--schedule", schedule,
