@@ -100,6 +100,11 @@ def main() -> None:
               show_default=str(option_default(ReplicaDivergenceConfig, "every")),
               help="Cross-rank fingerprint check of replicated tensors every K optimizer steps "
                    "(replica_divergence.every).")
+@click.option("--measure-overhead", "measure_overhead", is_flag=True, default=False,
+              help="Measure what the harness costs this job: the detectors are switched off and on in alternating "
+                   "blocks of steps (the same steps on every rank) and the report compares the step times.")
+@click.option("--overhead-block", type=int, default=8, show_default=True,
+              help="Steps per block with --measure-overhead.")
 @click.option("--replica-groups", default=None, metavar="R,R;R,R",
               help="The data-parallel groups (ranks holding replicas of the same part of the model), e.g. 0,2;1,3, "
                    "for a layout distdebug cannot infer; every cross-rank check compares within them.")
@@ -129,7 +134,8 @@ def main() -> None:
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
               help="Log level of torch's elastic launcher (its messages repeat distdebug's by default).")
 @click.option("--detectors", default=None,
-              help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones.")
+              help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones; "
+                   "'-name,...' leaves those out of the default set (e.g. --detectors=-nan_origin).")
 @click.option("--inject", "inject", multiple=True, metavar="FAULT[:KEY=VALUE,...]",
               help="Inject a fault on purpose, e.g. nan_grad:rank=1,step=5 (repeatable; see: distdebug faults list).")
 @click.argument("script")
@@ -145,6 +151,11 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
     from distdebug.config import SHORTHANDS
     from distdebug.launch.attach import attach as run_attach
 
+    block, measure = launcher.pop("overhead_block"), launcher.pop("measure_overhead")
+    assert isinstance(block, int)  # click typed it
+    if measure and block < 2:
+        raise UserError(f"--overhead-block {block}: give 2 steps or more per block", 2)
+    launcher["measure_overhead"] = block if measure else 0
     options: dict[str, dict[str, object]] = {}
     for name, (det, key) in SHORTHANDS.items():
         value = launcher.pop(name)

@@ -81,8 +81,13 @@ class AttachConfig:
     replica_groups: str | None = None
     """``0,2;1,3``: the data-parallel groups (ranks holding replicas of the same part of the model), for a
     layout the harness cannot infer; overrides what discovery found (runtime.layout)."""
+    measure_overhead: int = 0
+    """Steps per block of the in-job A/B (runtime.overhead): the detectors are switched off and on in
+    alternating blocks of this many steps, the same steps on every rank; 0: off."""
 
     def __post_init__(self) -> None:
+        if self.measure_overhead < 0 or self.measure_overhead == 1:
+            raise UserError(f"--overhead-block {self.measure_overhead}: give 2 steps or more per block", 2)
         if self.replica_groups is not None:
             parse_replica_groups(self.replica_groups)  # a UserError now, before any rank starts
         if not self.target:

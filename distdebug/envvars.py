@@ -45,8 +45,11 @@ kernels and read in the step's one read): the tests count on CPU what a GPU run 
 REPLICA_GROUPS = "DISTDEBUG_REPLICA_GROUPS"
 """``attach --replica-groups``: ``0,2;1,3``, the data-parallel groups, overriding the inferred layout."""
 
+MEASURE_OVERHEAD = "DISTDEBUG_MEASURE_OVERHEAD"
+"""``attach --measure-overhead``: steps per block of the in-job A/B (runtime.overhead); empty or 0: off."""
+
 ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, DETERMINISTIC, INJECT,
-       REPLICA_GROUPS)
+       REPLICA_GROUPS, MEASURE_OVERHEAD)
 
 
 def device_path_forced() -> bool:

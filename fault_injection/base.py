@@ -71,6 +71,8 @@ class Fault(Detector):
     (recipes) the replay runs it on, and override the Detector methods they act from."""
 
     default: ClassVar[bool] = False
+    paused: ClassVar[bool] = False
+    """A fault acts whatever the detectors do: never paused by ``--measure-overhead``'s off blocks."""
     params: ClassVar[tuple[Param, ...]] = (RANK, STEP)
     """The spec's parameters; each becomes an attribute of the instance (``rank``, ``step``, ...)."""
     rank: int

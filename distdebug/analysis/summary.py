@@ -10,6 +10,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from distdebug.analysis import cost, overhead
 from distdebug.analysis.errors import error_findings
 from distdebug.analysis.traces import analyze_run
 from distdebug.artifacts import schema
@@ -52,6 +53,10 @@ class RunSummary:
     windows: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """Damage in the run directory (unreadable manifest, skipped lines)."""
+    harness_cost: dict[str, Any] | None = None
+    """What the harness cost each rank per step (analysis.cost.summarize_cost), from its own accounting."""
+    overhead: dict[str, Any] | None = None
+    """``attach --measure-overhead``'s in-job A/B (analysis.overhead.summarize_ab): fraction, ci, steps..."""
     """Profiler windows (analysis.traces.analyze_window each): shares, overlap, top operators, verdicts."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,6 +89,8 @@ def summarize(run: Run) -> RunSummary:
     discovery = None
     world_size = None
     per_rank_layout: dict[int, dict[str, Any]] = {}
+    costs: dict[int, dict[str, Any]] = {}
+    blocks: dict[int, list[dict[str, Any]]] = {}
     for rank, stream in sorted(run.ranks.items()):
         records = stream.last_attempt()
         start = next((r for r in records if r.get("kind") == schema.START), {})
@@ -112,6 +119,11 @@ def summarize(run: Run) -> RunSummary:
         peaks = [r for r in records if r.get("kind") == schema.MEMORY_PEAK]
         mems = [r for r in records if r.get("kind") == schema.MEMORY]  # a killed rank has no peak record
         peak = peaks[-1] if peaks else (max(mems, key=lambda r: r.get("total", 0)) if mems else None)
+        blocks[rank] = [r for r in records if r.get("kind") == schema.OVERHEAD_BLOCK]
+        spent = [r for r in records if r.get("kind") == schema.HARNESS_COST]
+        rank_cost = cost.per_rank(spent[-1] if spent else None, steps)
+        if rank_cost is not None:
+            costs[rank] = rank_cost
         scored = [r for r in records if r.get("kind") == schema.STRAGGLER_SCORES]
         if scored:
             straggler_scores = {int(k): v.get("score") for k, v in (scored[-1].get("ranks") or {}).items()}
@@ -153,6 +165,8 @@ def summarize(run: Run) -> RunSummary:
         findings=_merge(findings),
         discovery=_with_layouts(discovery, per_rank_layout),
         warnings=list(run.warnings),
+        harness_cost=cost.summarize_cost(costs),
+        overhead=overhead.summarize_ab(blocks),
     )
 
 

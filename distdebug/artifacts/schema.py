@@ -24,8 +24,10 @@ STRAGGLER_SCORES = "straggler_scores"  # rank 0: per-rank relative speed score, 
 MEMORY = "memory"          # bytes: parameters, gradients, optimizer_state, activations, other (GPU), total
 MEMORY_PEAK = "memory_peak"  # the step and breakdown with the largest total
 TRACE = "trace"            # a profiler window written: steps [A, B], path of this rank's gzip Chrome trace
+HARNESS_COST = "harness_cost"  # cumulative: steps, training-thread ms per detector, threads' CPU ms, host reads
+OVERHEAD_BLOCK = "overhead_block"  # attach --measure-overhead: block, on (detectors running), step_times_s
 KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED,
-         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE)
+         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK)
 
 
 def record(kind: str, **fields: object) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable
+from time import perf_counter_ns
 from typing import Any, ClassVar
 
 # Finding, Severity, StepEvent and RankContext live on the ground floor (distdebug.findings,
@@ -82,6 +83,12 @@ class Detector:
     # ------------------------------------------------------------------ guarded hooks and patches
     off: bool = False
     """Switched off on this rank (one of its hooks or patches raised): every hook and patch passes."""
+    paused: ClassVar[bool] = False
+    """Every detector's hooks and patches pass, for now (``attach --measure-overhead``'s off blocks:
+    runtime.overhead). Set on the class by the session; the step boundary skips the detectors too."""
+    cost_ns: int = 0
+    """Training-thread time spent in this detector's hooks and patches so far (runtime.cost)."""
+    cost_calls: int = 0
     on_failure: Callable[[Detector, BaseException, str], None] | None = None
     """Set by the session: told when a hook or patch of this detector raised."""
 
@@ -113,16 +120,21 @@ class Detector:
         import torch
 
         compiling = torch.compiler.is_compiling
+        cls = type(self)  # ``cls.paused``: a fault's class says False whatever the detectors' says
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if compiling():  # traced into a compiled graph: nothing of ours goes in (state read = a guard)
                 return fallback(*args, **kwargs) if fallback is not None else None
-            if not det.off:
+            if not det.off and not cls.paused:
+                t0 = perf_counter_ns()
                 try:
                     return fn(*args, **kwargs)
                 except Exception as e:
                     det.fail(e, getattr(fn, "__qualname__", "a hook"))
+                finally:
+                    det.cost_ns += perf_counter_ns() - t0
+                    det.cost_calls += 1
             return fallback(*args, **kwargs) if fallback is not None else None
 
         return call
@@ -155,7 +167,10 @@ class Detector:
         det = self
         local = threading.local()
 
+        cls = type(self)
+
         def call_original(*args: Any, **kwargs: Any) -> Any:
+            t0 = perf_counter_ns()
             try:
                 out = original(*args, **kwargs)
             except BaseException as e:
@@ -164,6 +179,8 @@ class Detector:
                 except Exception:  # an exception type without a __dict__: still the user's
                     pass
                 raise
+            finally:
+                local.inner = getattr(local, "inner", 0) + perf_counter_ns() - t0  # the training's time
             local.done = (out,)
             return out
 
@@ -171,9 +188,12 @@ class Detector:
 
         @functools.wraps(original)
         def patched(*args: Any, **kwargs: Any) -> Any:
-            if det.off:
+            if det.off or cls.paused:
                 return original(*args, **kwargs)
             local.done = None
+            outer = getattr(local, "inner", 0)  # a patched call inside another (recursion): kept apart
+            local.inner = 0
+            t0 = perf_counter_ns()
             try:
                 return replacement(*args, **kwargs)
             except Exception as e:
@@ -182,5 +202,9 @@ class Detector:
                 det.fail(e, f"{getattr(obj, '__name__', type(obj).__name__)}.{name}")
                 done = local.done
                 return done[0] if done is not None else original(*args, **kwargs)
+            finally:
+                det.cost_ns += max(0, perf_counter_ns() - t0 - local.inner)
+                det.cost_calls += 1
+                local.inner = outer
 
         ctx.patch(obj, name, patched)

@@ -119,6 +119,7 @@ def compare_saved(saved: dict[str, int], loaded: dict[str, int]) -> dict[str, li
 class CheckpointRoundTrip(Detector):
     name = "checkpoint_roundtrip"
     description = "a torch.load restores other tensors than torch.save wrote (names them), or another rank's shard"
+    paused = False  # --measure-overhead: a save and its load must both be seen (they are rare, not per step)
 
     def __init__(self) -> None:
         self.ctx: RankContext | None = None

@@ -45,6 +45,25 @@ def names() -> list[str]:
     return sorted(_builtin())
 
 
+def chosen(listed: list[str] | None) -> list[str]:
+    """``attach --detectors``: None -> the default ones; ``-name`` entries (all of them) -> the default ones
+    less those (what the report's cost advice says to do); else exactly the ones listed."""
+    if listed is None:
+        return default_specs()
+    minus = [s[1:] for s in listed if s.startswith("-")]
+    if not minus:
+        return list(listed)
+    if len(minus) != len(listed):
+        raise UserError(f"--detectors {','.join(listed)}: either name the detectors to run or, with '-', the ones "
+                        "to leave out of the default set, not both", 2)
+    defaults = default_specs()
+    for name in minus:
+        if name not in defaults:
+            raise UserError(f"--detectors -{name}: '{name}' is not a default detector "
+                            f"(default: {', '.join(defaults)})", 2)
+    return [d for d in defaults if d not in minus]
+
+
 def default_specs() -> list[str]:
     return sorted(name for name, cls in _builtin().items() if cls.default)
 

@@ -105,6 +105,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
     os.environ[envvars.INJECT] = json.dumps(cfg.inject)
     os.environ[envvars.REPLICA_GROUPS] = cfg.replica_groups or ""  # empty: the layout as discovered
+    os.environ[envvars.MEASURE_OVERHEAD] = str(cfg.measure_overhead or "")
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))
@@ -133,7 +134,7 @@ def _failure_message(err: Any) -> tuple[int, str]:
 
 def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     """Run cfg.target under torch's elastic launcher with instrumentation; returns its exit code."""
-    detectors = registry.resolve(cfg.detectors if cfg.detectors is not None else registry.default_specs(),
+    detectors = registry.resolve(registry.chosen(cfg.detectors),
                                  cfg.detector_options, cfg.shorthand_options)
     label = Path(cfg.target).stem if not cfg.module else cfg.target.rsplit(".", 1)[-1]
     run_dir = runs.prepare_run_dir(cfg.run_dir if cfg.run_dir is not None else runs.new_run_dir(label))

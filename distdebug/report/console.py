@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape as esc
 from rich.table import Table
 
+from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.summary import RunSummary
 from distdebug.report.fmt import memory_mb, number, rank_list
 from distdebug.report.knowledge import advise_all, findings_with_advice
@@ -80,7 +81,30 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
                       memory_mb(r.memory_peak), str(r.findings),
                       f"{style}{status}" if style else status)
     console.print(table)
+    _cost(console, summary.harness_cost)
+    if summary.overhead:
+        console.print(esc(describe_overhead(summary.overhead)))
     _windows(console, summary.windows)
+
+
+def _cost(console: Console, cost: dict[str, Any] | None) -> None:
+    """``harness cost per step``: the costliest rank's own accounting (analysis.cost)."""
+    if not cost:
+        return
+    r = cost["ranks"][str(cost["rank"])]
+    median = r.get("median_step_ms")
+    share = f" = {cost['fraction']:.1%} of its median step ({median:.2f} ms)" if cost.get("fraction") is not None \
+        and median else ""
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in r["per_step_ms"].items() if v >= 0.0005)
+    threads = ", ".join(f"{k.removeprefix('distdebug-')} {v:.3f}" for k, v in r["threads_cpu_per_step_ms"].items())
+    console.print(f"harness cost per step (rank {cost['rank']}, over {r['steps']} steps): "
+                  f"{r['total_per_step_ms']:.3f} ms on the training thread{esc(share)}"
+                  + (f" [dim]({esc(parts)})[/dim]" if parts else "")
+                  + (f"; background threads' CPU {esc(threads)} ms" if threads else "")
+                  + f"; host reads {r['host_reads_per_step']:g} per step; start-up (step 1, once) "
+                    f"{r.get('startup_ms', 0):.0f} ms")
+    if cost.get("advice"):
+        console.print(f"[yellow]{esc(cost['advice'])}[/yellow]")
 
 
 MAX_RANK_ROWS = 32

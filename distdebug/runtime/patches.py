@@ -23,6 +23,7 @@ import torch
 
 from distdebug.artifacts import schema
 from distdebug.context import RankIdentity
+from distdebug.runtime import cost
 from distdebug.runtime.progress import Progress
 
 # Python-level collectives of torch.distributed that are counted. DDP's reducer and NCCL calls
@@ -55,10 +56,14 @@ class Observer(Protocol):
     def close(self, exit_code: int) -> None: ...
 
 
+LEDGER = cost.Ledger()
+"""This process's harness cost (runtime.cost): the wrappers' bookkeeping is the session's part."""
+
+
 def _quietly(fn: Any, *args: Any) -> Any:
     """Run the harness's bookkeeping; an exception of ours is swallowed, never the script's business."""
     try:
-        return fn(*args)
+        return cost.timed(LEDGER, cost.SESSION, fn, *args)
     except Exception:
         return None
 

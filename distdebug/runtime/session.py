@@ -35,10 +35,13 @@ from distdebug.artifacts import schema
 from distdebug.artifacts.writer import EventWriter
 from distdebug.context import RankContext, RankIdentity, StepEvent
 from distdebug.detectors.base import Detector
+from distdebug.envvars import MEASURE_OVERHEAD
+from distdebug.envvars import get as env_get
 from distdebug.findings import Finding, Severity
-from distdebug.runtime import discovery
+from distdebug.runtime import cost, discovery, overhead
 from distdebug.runtime import layout as layout_mod
-from distdebug.runtime.exchange import Exchange
+from distdebug.runtime import patches as patches_mod
+from distdebug.runtime.exchange import Exchange, checked_step
 from distdebug.runtime.patches import TorchPatches
 from distdebug.runtime.progress import Progress
 from distdebug.runtime.readout import Readout
@@ -120,6 +123,10 @@ class Session:
         self._forward_groups: set[Any] = set()  # groups all-reduced over inside a forward in step 1
         self._handles: list[Any] = []
         self._discovery_handles: list[Any] = []
+        block = int(env_get(MEASURE_OVERHEAD) or 0)
+        self._ab = overhead.Blocks(block) if block else None  # attach --measure-overhead (runtime.overhead)
+        self.ledger = cost.Ledger()
+        """What the harness costs this rank (runtime.cost): hooks, boundary work, reads, threads."""
         self.progress = Progress()
         """What the rank is doing, for the watchdog thread (runtime.progress)."""
         self.inflight: Any = None  # runtime.inflight.InflightSlot when there is a run directory
@@ -131,6 +138,7 @@ class Session:
     def install(self) -> None:
         global _SESSION
         _SESSION = self
+        patches_mod.LEDGER = self.ledger  # the wrappers' bookkeeping counts as the session's
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_module
 
@@ -176,6 +184,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        Detector.paused = False  # the end is no block: every detector finishes
         # Backward calls after the last boundary belong to an unfinished step: not counted.
         if self.step == 0 and self._backward_total > 0:
             self.harness_finding(
@@ -188,6 +197,7 @@ class Session:
         for det in list(self.detectors):
             self._run_detector(det, "on_end", lambda d: d.on_end())
             det.remove_hooks()
+        self._emit_cost()  # before the exchange's thread ends: its CPU time is still counted
         self._close_exchange(clean=False)
         self.release_groups()
         self.release_stale_defaults()
@@ -309,7 +319,7 @@ class Session:
         """A backward call returned (gradients accumulated, and reduced under DDP/FSDP2): detectors
         that read gradients before the script's own clipping do it here (device work, no read)."""
         for det in self._after_backward:
-            if not det.off:
+            if not det.off and not det.paused:
                 self._run_detector(det, "after_backward", lambda d: d.after_backward())
 
     def note_scaled(self, scaler: Any, out: Any) -> None:
@@ -388,7 +398,27 @@ class Session:
         """The end of one optimizer step: count it, emit its record, dispatch it to the detectors.
 
         ``skipped``: a loss scaler skipped the optimizer's update (an overflow it handled by design);
-        ``loss_scale``: the loss scale of this step when known on the host (DeepSpeed's)."""
+        ``loss_scale``: the loss scale of this step when known on the host (DeepSpeed's). Its time is
+        the session's, less each detector's part (runtime.cost)."""
+        cost.timed(self.ledger, cost.SESSION, self._boundary, skipped, loss_scale)
+        self.ledger.end_step(self.detectors, self.step)
+        if checked_step(self.step):
+            self._emit_cost()
+        if self._ab is not None:
+            self._next_block()
+
+    def _next_block(self) -> None:
+        """``--measure-overhead``: this step's time into its block; the detectors on or off for the next."""
+        ab = self._ab
+        assert ab is not None
+        done = ab.step_done(self.step, time.perf_counter())
+        if done is not None:
+            self.emit(schema.record(schema.OVERHEAD_BLOCK, rank=self.identity.rank, time=time.time(), **done))
+        Detector.paused = not overhead.harness_on(self.step + 1, ab.block)
+
+    def _boundary(self, skipped: bool, loss_scale: float | None) -> None:
+        off = Detector.paused  # --measure-overhead's off block: nothing read, no detector called
+        self.ledger.off_steps += off
         now = time.perf_counter()
         progress = self.progress
         progress.touch()
@@ -397,7 +427,7 @@ class Session:
         progress.step = self.step
         if self._discovering:
             self._finish_discovery()
-        loss, readout, scale = self._read_step()
+        loss, readout, scale = self._read_step(off)
         event = StepEvent(
             rank=self.identity.rank,
             step=self.step,
@@ -427,25 +457,35 @@ class Session:
                 backward_calls=event.backward_calls,
                 collectives=event.collectives,
                 **({"skipped": True} if skipped else {}),
+                **({"harness": "off"} if off else {}),
                 **({"loss_scale": event.loss_scale} if event.loss_scale is not None else {}),
             )
         )
         for det in list(self.detectors):
-            self._run_detector(det, "on_step", lambda d: d.on_step(event))
+            if not det.paused:
+                self._run_detector(det, "on_step", lambda d: d.on_step(event))
         if self._exchange is not None:
             self._exchange.flush()  # this boundary's posts, one round (the same posts on every rank)
 
-    def _read_step(self) -> tuple[float | None, dict[str, dict[str, Any]], float | None]:
+    def _emit_cost(self) -> None:
+        """The harness's cost so far on this rank (cumulative: the last record wins)."""
+        try:
+            self.emit(schema.record(schema.HARNESS_COST, rank=self.identity.rank, time=time.time(),
+                                    **self.ledger.snapshot()))
+        except Exception:  # accounting must never cost the run
+            pass
+
+    def _read_step(self, off: bool = False) -> tuple[float | None, dict[str, dict[str, Any]], float | None]:
         """The step's one device-to-host read: the loss, the loss scale and every detector's probe
-        (runtime.readout)."""
+        (runtime.readout). ``off``: the detectors are paused (--measure-overhead): no loss is read."""
         readout = Readout()
-        loss_sum, n = self._loss_sum, self._loss_n
+        loss_sum, n = (None, 0) if off else (self._loss_sum, self._loss_n)
         if isinstance(loss_sum, torch.Tensor) and n:
             try:
                 readout.add(("", "loss"), loss_sum)
             except Exception:  # a loss that cannot be read (complex?): the step goes on without it
                 loss_sum = None
-        scaler = self._scaler_ref() if self._scaler_ref is not None else None
+        scaler = self._scaler_ref() if self._scaler_ref is not None and not off else None
         scale = getattr(scaler, "_scale", None)
         if isinstance(scale, torch.Tensor):
             try:
@@ -453,16 +493,17 @@ class Session:
             except Exception:
                 pass
         for det in list(self.detectors):
-            if det.off:
+            if det.off or det.paused:
                 continue
             try:
-                for key, value in (det.probe(self.step) or {}).items():
+                for key, value in (cost.timed(self.ledger, det.name, det.probe, self.step) or {}).items():
                     readout.add((det.name, key), value)
             except Exception as e:
                 det.fail(e, "probe")
         values: dict[Any, Any] = {}
         if len(readout):
             try:
+                self.ledger.reads += 1
                 values = readout.read()
             except Exception as e:  # ours; every detector's values are lost this step, training goes on
                 self.harness_finding(Severity.WARNING, "step readout", f"the step's read failed ({type(e).__name__}: "
@@ -565,7 +606,8 @@ class Session:
         if det.off:
             return
         try:
-            for finding in call(det) or ():
+            # listed inside the timed region: on_step may be a generator, whose work runs as it is read
+            for finding in cost.timed(self.ledger, det.name, lambda d: list(call(d) or ()), det):
                 self.report(finding)
         except Exception as e:
             det.fail(e, phase)  # switched off on this rank (hooks removed); training goes on untouched

@@ -39,6 +39,7 @@ RECIPE_CASES = {
     "zero2": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "2"], "deepspeed-zero2", "Sequential"),
     "zero3": (["deepspeed_zero.py", "--steps", "6", "--zero-stage", "3"], "deepspeed-zero3", "Sequential"),
     "manual": (["manual_allreduce.py", "--steps", "6"], "manual", "Sequential"),
+    "gpt": (["gpt_ddp.py", "--steps", "6"], "ddp", "GPT"),
 }
 
 
@@ -152,8 +153,9 @@ def test_sigkilled_rank_leaves_a_readable_run_dir(tmp_path):
     assert "rank 1 was killed by SIGKILL" in r.stderr
     records, damaged = read_events(layout.events_path(tmp_path, 1))
     assert damaged == 0
+    # step 2 is a checked step: its harness_cost record is there (a killed run keeps its last one)
     assert [x["kind"] for x in records] == ["start", "pg_init", "pg_init", "discovery", "step", "memory", "step",
-                                            "memory"]
+                                            "memory", "harness_cost"]
     rep = distdebug("report", "--json", str(tmp_path))
     assert rep.returncode == 0, rep.output
     summary = json.loads(rep.stdout)

@@ -158,3 +158,22 @@ def test_bad_detector_options_are_one_line_user_errors(options, message):
     with pytest.raises(UserError, match=message) as e:
         registry.resolve(["loss_spike", "nan_origin", "loss_nonfinite"], options)
     assert "\n" not in str(e.value) and e.value.exit_code == 2
+
+
+def test_detectors_minus_leaves_default_ones_out():
+    # What the report's cost advice says to do: --detectors=-nan_origin keeps every other default one.
+    from distdebug.detectors import registry
+    from distdebug.errors import UserError
+
+    defaults = registry.default_specs()
+    assert registry.chosen(None) == defaults
+    left_out = ("nan_origin", "straggler")
+    assert registry.chosen(["-nan_origin", "-straggler"]) == [d for d in defaults if d not in left_out]
+    assert registry.chosen(["loss_nonfinite"]) == ["loss_nonfinite"]
+    for bad, says in ((["-nan_origin", "loss_spike"], "not both"), (["-nope"], "'nope' is not a default detector")):
+        try:
+            registry.chosen(bad)
+        except UserError as e:
+            assert says in str(e) and e.exit_code == 2
+        else:
+            raise AssertionError(bad)

@@ -1,0 +1,71 @@
+"""The harness's cost per step, from each rank's own accounting (runtime.cost), against its median step.
+
+Pure over records: ``per_rank`` takes each rank's last ``harness_cost`` record and its step records.
+What the report shows (``harness cost per step``) and what ``report --json`` carries under
+``harness_cost``. Over BUDGET of the median step, the detector that costs most is named with the way
+to trade its coverage for time (``TRADE``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+BUDGET = 0.03
+"""The share of the median step the harness may take before the report says what to turn down."""
+
+TRADE = {
+    "replica_divergence": "fingerprint every N steps instead of every step: --fingerprint-every 10 "
+                          "(a divergence is then found within N steps)",
+    "nan_origin": "leave it out with --detectors=-nan_origin; loss_nonfinite stays (the step and rank of a NaN "
+                  "loss, not the module and parameter it started in)",
+    "loss_spike": "leave it out with --detectors=-loss_spike (spikes are then not judged)",
+    "data_order": "leave it out with --detectors=-data_order (identical batches across ranks are then not seen)",
+    "bn_divergence": "leave it out with --detectors=-bn_divergence (BatchNorm statistics are then not compared)",
+    "straggler": "leave it out with --detectors=-straggler (stragglers are then not scored)",
+    "memory": "leave it out with --detectors=-memory (the memory breakdown goes)",
+    "session": "the session's own part (the step's read, the wrappers) is the floor: --detectors loss_nonfinite "
+               "keeps it alone",
+}
+
+
+def per_rank(cost: dict[str, Any] | None, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One rank's cost per step (ms) per owner, against its median step time. None without a record."""
+    # Steps with the detectors paused (--measure-overhead's off blocks) cost them nothing: not counted.
+    n = int((cost or {}).get("steps") or 0) - int((cost or {}).get("off_steps") or 0)
+    if not cost or n <= 0:
+        return None
+    times = [float(r["step_time_s"]) for r in steps
+             if r.get("step_time_s") and int(r.get("step", 0)) > 1 and r.get("harness") != "off"]
+    median_ms = statistics.median(times) * 1e3 if times else None
+    owners = {k: float(v) / n for k, v in (cost.get("training_thread_ms") or {}).items()}
+    threads = {k: float(v) / n for k, v in (cost.get("threads_cpu_ms") or {}).items()}
+    total = sum(owners.values())
+    return {
+        "steps": n,
+        "median_step_ms": round(median_ms, 4) if median_ms is not None else None,
+        "per_step_ms": {k: round(v, 4) for k, v in sorted(owners.items(), key=lambda x: -x[1])},
+        "total_per_step_ms": round(total, 4),
+        "fraction": round(total / median_ms, 5) if median_ms else None,
+        "threads_cpu_per_step_ms": {k: round(v, 4) for k, v in threads.items()},
+        "host_reads_per_step": round(int(cost.get("host_reads") or 0) / n, 3),
+        "startup_ms": round(sum(float(v) for v in (cost.get("startup_ms") or {}).values()), 3),
+    }
+
+
+def summarize_cost(ranks: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The job's view: every rank's figures, the costliest rank's total, and the advice over BUDGET."""
+    if not ranks:
+        return None
+    worst_rank = max(ranks, key=lambda r: ranks[r].get("fraction") or 0.0)
+    worst = ranks[worst_rank]
+    out: dict[str, Any] = {"ranks": {str(r): v for r, v in sorted(ranks.items())}, "rank": worst_rank,
+                           "fraction": worst.get("fraction"), "total_per_step_ms": worst["total_per_step_ms"],
+                           "median_step_ms": worst.get("median_step_ms"), "advice": None}
+    frac = worst.get("fraction")
+    if frac is not None and frac > BUDGET:
+        top, ms = next(iter(worst["per_step_ms"].items()))
+        out["advice"] = (f"the harness takes {frac * 100:.1f}% of rank {worst_rank}'s median step "
+                         f"({worst['total_per_step_ms']:.3f} of {worst['median_step_ms']:.3f} ms), most of it "
+                         f"{top} ({ms:.3f} ms): " + TRADE.get(top, f"leave it out with --detectors=-{top}"))
+    return out

@@ -1,0 +1,128 @@
+"""What the harness costs the job, measured by the harness itself in every run (issue 18).
+
+"Leave it on" is only a promise if the user can see the price. Each rank counts, as it trains:
+
+- **training-thread time per detector**: every guarded hook and patch is timed around its call (a
+  patch's call of what it replaced is subtracted: that is the training's own time), and so is each
+  detector's step-boundary work (``probe``, ``on_step``, ``attach``, ``after_backward``); the
+  session's own part (the step's one read, the wrappers' bookkeeping, the boundary itself) is
+  ``session``. Two ``perf_counter_ns()`` calls per hook call (about 0.1 us) are the price of this.
+- **background threads' CPU time**: the harness's threads (named ``distdebug-*``: the exchange, the
+  watchdog) from the OS's per-thread accounting (psutil); they do not stop training, but they share
+  its cores.
+- **host synchronisations**: device-to-host reads made by the harness (the budget is one a step).
+
+What the first step costs (discovery, attach, the initial fingerprints) is start-up, paid once, and
+kept apart; the per-step counters start at the end of step 1. They are cumulative: a ``harness_cost``
+record carries them at the checked steps (2, 4, 8, then every 16) and at the end, so a killed run
+keeps its last one. Analysis divides by the steps and compares with the median step (``analysis.cost``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+SESSION = "session"
+"""The owner of the session's own time (not a detector)."""
+
+_claimed = threading.local()
+"""Per thread: the time already given to some owner by regions inside the one running now."""
+
+
+def timed(ledger: Ledger, owner: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its time given to ``owner``, less what regions inside it gave to others (the step
+    boundary runs the detectors: their time is theirs, the rest the session's). For the per-step
+    places; a hook, called many times a step, times itself with two clock reads (Detector.guarded)."""
+    t0 = perf_counter_ns()
+    c0 = getattr(_claimed, "ns", 0)
+    try:
+        return fn(*args)
+    finally:
+        dt = perf_counter_ns() - t0
+        ledger.add(owner, dt - (getattr(_claimed, "ns", 0) - c0), 0)
+        _claimed.ns = c0 + dt
+
+
+class Ledger:
+    """Cumulative harness time of one rank, by owner (a detector's name, or ``session``)."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.reads = 0
+        self._thread_s: dict[str, float] = {}  # the largest CPU time seen per thread name (threads end)
+        self._start: dict[str, Any] | None = None  # the totals at the end of step 1 (start-up, once)
+        self._start_step = 0
+        self._last: dict[str, Any] | None = None  # the totals at the end of the last step
+        self._last_step = 0
+        self.off_steps = 0
+        """Steps run with the detectors paused (--measure-overhead's off blocks): no detector cost."""
+
+    def end_step(self, detectors: list[Any], step: int) -> None:
+        """A step boundary is over: its totals are what the per-step figures are made of (what comes after
+        the last step, the drain at the end, is not a step's cost). The end of the first step also marks
+        the start: what was spent until then (discovery, attach, the first fingerprints) is start-up,
+        paid once, and the per-step figures count from there."""
+        self._last, self._last_step = self._totals(detectors), step
+        if self._start is None:
+            self._start, self._start_step = self._last, step
+
+    def add(self, owner: str, ns: int, calls: int = 1) -> None:
+        """``ns`` of training-thread time to ``owner`` (calls: how many hook or patch calls it covers)."""
+        self.ns[owner] = self.ns.get(owner, 0) + ns
+        self.calls[owner] = self.calls.get(owner, 0) + calls
+
+    def _totals(self, detectors: list[Any]) -> dict[str, Any]:
+        """The counters now (a few dict entries: cheap enough for every step boundary)."""
+        ns = dict(self.ns)
+        calls = dict(self.calls)
+        for det in detectors:
+            hook_ns, hook_calls = int(getattr(det, "cost_ns", 0)), int(getattr(det, "cost_calls", 0))
+            if hook_ns or hook_calls:
+                ns[det.name] = ns.get(det.name, 0) + hook_ns
+                calls[det.name] = calls.get(det.name, 0) + hook_calls
+        return {"ns": ns, "calls": calls, "reads": self.reads, "off": self.off_steps}
+
+    def snapshot(self) -> dict[str, Any]:
+        """The record's fields: from the end of step 1 to the end of the last step, the ``steps`` counted,
+        milliseconds per owner (detectors' hook and patch time included), calls and host reads; the
+        background threads' CPU milliseconds (all of it: they start after step 1); and ``startup_ms`` per
+        owner (until the end of step 1, once)."""
+        for name, seconds in thread_cpu_s().items():
+            self._thread_s[name] = max(self._thread_s.get(name, 0.0), seconds)
+        empty: dict[str, Any] = {"ns": {}, "calls": {}, "reads": 0, "off": 0}
+        start, last = self._start or empty, self._last or empty
+
+        def since(key: str) -> dict[str, Any]:
+            return {k: v - start[key].get(k, 0) for k, v in last[key].items()}
+
+        return {
+            "steps": self._last_step - self._start_step,
+            "off_steps": last["off"] - start["off"],
+            "training_thread_ms": {k: round(v / 1e6, 4) for k, v in sorted(since("ns").items())},
+            "calls": dict(sorted(since("calls").items())),
+            "threads_cpu_ms": {k: round(v * 1e3, 3) for k, v in sorted(self._thread_s.items())},
+            "host_reads": last["reads"] - start["reads"],
+            "startup_ms": {k: round(v / 1e6, 3) for k, v in sorted(start["ns"].items())},
+        }
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's live ``distdebug-*`` threads, by name."""
+    ours = {t.native_id: t.name for t in threading.enumerate() if t.name.startswith("distdebug")}
+    if not ours:
+        return {}
+    try:
+        import psutil
+
+        out: dict[str, float] = {}
+        for th in psutil.Process().threads():
+            name = ours.get(th.id)
+            if name is not None:
+                out[name] = out.get(name, 0.0) + th.user_time + th.system_time
+        return out
+    except Exception:  # no per-thread accounting on this platform: the threads' cost is unknown
+        return {}
