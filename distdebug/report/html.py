@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.plots import plot_data
 from distdebug.analysis.summary import RunSummary
 from distdebug.artifacts import layout
@@ -159,6 +160,34 @@ def _doctor_checks(run: Run) -> str:
             f"{len(ranks)} ranks.</p></section>")
 
 
+def _harness_cost(summary: RunSummary) -> str:
+    """The harness's own accounting per rank (analysis.cost) and the in-job A/B (analysis.overhead)."""
+    cost = summary.harness_cost
+    parts = []
+    if summary.overhead:
+        parts.append(f"<p>{_e(describe_overhead(summary.overhead))}</p>")
+    if cost:
+        ranks = cost["ranks"]
+        owners = sorted({k for r in ranks.values() for k in r["per_step_ms"]},
+                        key=lambda k: -max(r["per_step_ms"].get(k, 0.0) for r in ranks.values()))
+
+        def row(rank: str, r: dict[str, Any]) -> str:
+            share = "-" if r.get("fraction") is None else f"{r['fraction']:.1%}"
+            cells = "".join(f"<td>{r['per_step_ms'].get(k, 0.0):.3f}</td>" for k in owners)
+            return (f"<tr><td>{_e(rank)}</td><td>{r['total_per_step_ms']:.3f}</td><td>{share}</td>{cells}"
+                    f"<td>{r['host_reads_per_step']:g}</td><td>{r.get('startup_ms', 0):.0f}</td></tr>")
+
+        head = "".join(f"<th>{_e(k)}</th>" for k in owners)
+        parts.append(f"<table class='cost'><tr><th>rank</th><th>ms per step</th><th>of the median step</th>{head}"
+                     f"<th>host reads per step</th><th>start-up ms (once)</th></tr>"
+                     + "".join(row(rank, r) for rank, r in ranks.items()) + "</table>")
+        if cost.get("advice"):
+            parts.append(f"<p class='note'>{_e(cost['advice'])}</p>")
+    if not parts:
+        return ""
+    return "<section><h2>Harness cost per step</h2>" + "".join(parts) + "</section>"
+
+
 def render_html(run: Run, summary: RunSummary, out: Path) -> Path:
     """Write the report for ``run`` to ``out`` (a file); returns its path."""
     out = Path(out)
@@ -199,6 +228,7 @@ world size {_e(summary.world_size or "?")} &middot; exit code {_e(exit_text)} &m
 <div class="grid">{plots}</div>
 {_doctor_checks(run)}
 <section><h2>Ranks</h2>{_ranks_table(summary)}</section>
+{_harness_cost(summary)}
 <section><h2>Profiler windows</h2>{_windows(data["windows"], out.parent.resolve())}</section>
 </main>
 <script type="application/json" id="distdebug-data">{payload}</script>

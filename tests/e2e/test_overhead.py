@@ -66,6 +66,10 @@ def test_every_run_reports_what_the_harness_cost_it(tmp_path):
     text = " ".join(distdebug("report", str(tmp_path / "run")).stdout.split())
     assert f"harness cost per step (rank {cost['rank']}, over 9 steps): " in text
     assert "host reads 1 per step" in text
+    html = tmp_path / "report.html"
+    assert distdebug("report", "--html", str(html), str(tmp_path / "run")).returncode == 0
+    page = html.read_text()
+    assert "<h2>Harness cost per step</h2>" in page and "<th>nan_origin</th>" in page
 
 
 def test_a_block_of_one_step_is_a_clear_error(tmp_path):
