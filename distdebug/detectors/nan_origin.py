@@ -73,10 +73,11 @@ MAX_KEYS = 4096
 
 
 def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None:
-    """acc[key] = max(acc[key], |total|) on the device: a NaN or Inf survives, a finite value cannot
+    """acc[key] = max(|acc[key]|, |total|) on the device: a NaN or Inf survives, a finite value cannot
     overflow, and the record stays one small tensor per key however often the key comes (an
-    evaluation loop's all_reduce of metrics, gradient accumulation)."""
-    total = total.abs()
+    evaluation loop's all_reduce of metrics, gradient accumulation). The key's first value is kept as
+    it is, with no kernel of its own: only finiteness is ever asked of it (the common case, one call
+    per key per step, costs the caller's one sum and nothing more)."""
     seen = acc.get(key)
     if seen is None:
         if len(acc) >= MAX_KEYS:
@@ -85,7 +86,7 @@ def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None
         if seen is None:
             acc[key] = total
             return
-    torch.maximum(seen, total, out=seen)
+    torch.maximum(seen.abs_(), total.abs(), out=seen)
 
 
 class NanOrigin(Detector):
