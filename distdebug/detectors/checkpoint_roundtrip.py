@@ -231,7 +231,7 @@ class CheckpointRoundTrip(Detector):
         ctx = self.ctx
         assert ctx is not None  # set in setup()/attach(), which the session calls first
         path = str(Path(f).resolve())
-        fps = fingerprints(tensor_items(obj))
+        fps = fingerprints(tensor_items(obj), portable=True)  # a GPU save may be loaded onto the CPU
         with self._lock:
             self.saved[path] = {"fps": fps, "step": self.step}
         records = self._records_path(ctx.rank)
@@ -328,7 +328,7 @@ class CheckpointRoundTrip(Detector):
         if found is None:
             return  # never saved under distdebug: nothing to compare with
         where, saver, rec = found
-        loaded = fingerprints(tensor_items(obj))
+        loaded = fingerprints(tensor_items(obj), portable=True)
         diff = compare_saved(rec["fps"], loaded)
         rank = ctx.rank
         earlier = where != "this run"

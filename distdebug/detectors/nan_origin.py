@@ -72,6 +72,14 @@ MAX_KEYS = 4096
 """Distinct keys a per-step record keeps (modules, gradient buckets); more fold into one."""
 
 
+def _finite_norm(t: torch.Tensor) -> float:
+    """The norm whose finiteness says whether every value is finite, the cheapest where ``t`` lives. The
+    inf-norm (max |x|) cannot overflow, and is what a GPU's fused kernel does fast; torch's CPU inf-norm
+    runs at about 1.2 GB/s here, its 2-norm (squares summed in double on the CPU) about 30 times faster,
+    and it overflows only past 1e35 (the sqrt back to float32): a finite-or-not answer all the same."""
+    return INF if t.device.type != "cpu" else 2.0
+
+
 def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None:
     """acc[key] = max(|acc[key]|, |total|) on the device: a NaN or Inf survives, a finite value cannot
     overflow, and the record stays one small tensor per key however often the key comes (an
@@ -316,7 +324,7 @@ class NanOrigin(Detector):
         with torch.no_grad():
             parts = [f for _, f in fwd] + [v for _, v in local]
             if tensors:
-                parts += torch._foreach_norm(tensors, INF)
+                parts += torch._foreach_norm(tensors, _finite_norm(tensors[0]))
             if not parts:
                 return None
             # NaN and Inf survive a sum; float64 so that no sum of finite fp32 values can overflow.

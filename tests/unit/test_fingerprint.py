@@ -12,6 +12,7 @@ from distdebug.fingerprint.hashing import (
     combine_device,
     cpu_fingerprint,
     device_fingerprint,
+    fast_cpu_fingerprint,
     fingerprints,
     root_digest,
 )
@@ -27,16 +28,34 @@ def flip(t: torch.Tensor, byte: int, bit: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_single_bit_flip_changes_both_fingerprints(dtype):
+def test_every_single_bit_flip_changes_every_fingerprint(dtype):
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(37, generator=g) * 100).to(dtype)
-    base_cpu, base_dev = cpu_fingerprint(t), device_fingerprint(t).tolist()
+    base_cpu, base_dev, base_fast = cpu_fingerprint(t), device_fingerprint(t).tolist(), fast_cpu_fingerprint(t)
     nbytes = t.numel() * t.element_size()
     for byte in range(0, nbytes, max(1, nbytes // 23)):
         for bit in (0, 3, 7):
             u = flip(t, byte, bit)
             assert cpu_fingerprint(u) != base_cpu
             assert device_fingerprint(u).tolist() != base_dev
+            assert fast_cpu_fingerprint(u) != base_fast
+
+
+def test_the_fast_cpu_fingerprint_is_xxh3_of_the_bytes_in_its_own_value_space():
+    # Cross-rank comparisons of CPU tensors (every rank holds them on the CPU) take xxh3 over the bytes,
+    # at a read pass's speed (bench/fingerprint_throughput.py); checkpoints keep the portable one.
+    t = torch.arange(12.0).view(3, 4)
+    assert fast_cpu_fingerprint(t) == fast_cpu_fingerprint(t.clone()) != cpu_fingerprint(t)
+    nc = t.t()
+    assert fast_cpu_fingerprint(nc) == fast_cpu_fingerprint(nc.contiguous()) != fast_cpu_fingerprint(t)
+    assert fast_cpu_fingerprint(t) != fast_cpu_fingerprint(t.view(torch.int32))  # dtype and shape seed it
+    assert fast_cpu_fingerprint(t) != fast_cpu_fingerprint(t.view(4, 3))
+    assert fast_cpu_fingerprint(torch.empty(0)) == fast_cpu_fingerprint(torch.empty(0))
+    swapped = torch.tensor([2.0, 1.0, 3.0]), torch.tensor([1.0, 2.0, 3.0])
+    assert fast_cpu_fingerprint(swapped[0]) != fast_cpu_fingerprint(swapped[1])
+    named = [("t", t)]
+    assert fingerprints(named) == {"t": fast_cpu_fingerprint(t)}
+    assert fingerprints(named, portable=True) == {"t": cpu_fingerprint(t)}
 
 
 def test_equal_tensors_equal_fingerprints_and_layouts():
@@ -130,7 +149,7 @@ def test_large_tensors_hash_in_blocks_deterministically(monkeypatch):
     monkeypatch.setattr(hashing, "GROUP", 300)
     big = torch.randn(3 * 1000 + 5)  # several blocks and a ragged tail
     named = [("small", torch.ones(3)), ("big", big), ("tail", torch.zeros(2))]
-    fps = fingerprints(named)
+    fps = fingerprints(named, portable=True)
     assert list(fps) == ["small", "big", "tail"]  # the caller's order
     assert fps["big"] == cpu_fingerprint(big) == cpu_fingerprint(big.clone())
     assert cpu_fingerprint(flip(big, 4 * 1000 + 7, 1)) != fps["big"]  # a bit in the second block
@@ -166,7 +185,7 @@ def test_device_path_and_cpu_path_give_the_same_fingerprint(dtype, monkeypatch):
     monkeypatch.setenv("DISTDEBUG_DEVICE_PATH", "1")
     forced = fingerprints([(str(i), t) for i, t in enumerate(tensors)])
     monkeypatch.delenv("DISTDEBUG_DEVICE_PATH")
-    assert forced == fingerprints([(str(i), t) for i, t in enumerate(tensors)])
+    assert forced == fingerprints([(str(i), t) for i, t in enumerate(tensors)], portable=True)
 
 
 def test_words_trading_places_are_caught_anywhere(monkeypatch):
