@@ -365,7 +365,8 @@ def faults_list() -> int:
 @faults.command("replay", context_settings={"allow_interspersed_args": False})
 @click.option("--fault", "fault_names", multiple=True, help="Only this fault (repeatable). Default: every fault.")
 @click.option("--recipe", "engines", multiple=True,
-              help="Only this engine: ddp, fsdp2, zero2, zero2_resume (repeatable). Default: each fault's own.")
+              help="Only this recipe (repeatable): ddp, manual, fsdp2, zero2, zero2_resume, doctor, and the layouts "
+                   "tp, ddp_tp, hsdp_tp, pp, pp_dp. Default: each fault's own.")
 @click.option("--nproc", type=int, default=2, show_default=True, help="Ranks per run.")
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a JUnit XML report here.")

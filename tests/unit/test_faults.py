@@ -119,3 +119,13 @@ def test_plan_and_junit():
     cases = {c.get("name"): c for c in suite}
     assert cases["nan_grad"].find("failure") is None
     assert cases["straggler"].find("failure").get("message") == "miss: no finding"
+
+
+def test_the_replay_help_names_every_recipe():
+    # distdebug --help must not import torch, so the recipe list in --recipe's help is written out: kept true here
+    from click.testing import CliRunner
+
+    from distdebug.cli import main
+
+    text = " ".join(CliRunner().invoke(main, ["faults", "replay", "--help"]).output.split())
+    assert all(f" {name}," in text or f" {name}." in text for name in ENGINES), text
