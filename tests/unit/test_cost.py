@@ -102,7 +102,12 @@ def test_startup_is_kept_apart_and_per_step_figures_count_from_the_end_of_step_1
     assert (rank["per_step_ms"]["probe"], rank["fraction"], rank["host_reads_per_step"]) == (1.0, 0.1, 1.0)
     job = cost_analysis.summarize_cost({0: rank})
     assert job is not None and job["advice"].startswith("the harness takes 10.0% of rank 0's median step")
-    assert "leave it out with --detectors=-probe" in job["advice"]
+    assert "the costliest detector is probe (1.000 ms): leave it out with --detectors=-probe" in job["advice"]
+    # the session costliest: the trade is still the costliest detector's, and the session is said as the floor
+    both = {**rank, "per_step_ms": {"session": 0.6, "replica_divergence": 0.4}}
+    advice = cost_analysis.summarize_cost({0: both})["advice"]
+    assert "the costliest detector is replica_divergence (0.400 ms): fingerprint every N steps" in advice
+    assert advice.endswith("the session's own part (0.600 ms: the step's read, the wrappers) stays")
     cheap = cost_analysis.per_rank({**snap, "training_thread_ms": {"probe": 2.0}}, [{"step": 2, "step_time_s": 0.01}])
     assert cost_analysis.summarize_cost({0: cheap})["advice"] is None  # 2% of the step: within budget
 
