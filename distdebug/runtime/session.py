@@ -401,11 +401,14 @@ class Session:
         ``loss_scale``: the loss scale of this step when known on the host (DeepSpeed's). Its time is
         the session's, less each detector's part (runtime.cost)."""
         cost.timed(self.ledger, cost.SESSION, self._boundary, skipped, loss_scale)
-        self.ledger.end_step(self.detectors, self.step)
-        if checked_step(self.step):
-            self._emit_cost()
-        if self._ab is not None:
-            self._next_block()
+        try:  # bookkeeping of ours, called from the optimizer's step: it never raises into the script
+            self.ledger.end_step(self.detectors, self.step)
+            if checked_step(self.step):
+                self._emit_cost()
+            if self._ab is not None:
+                self._next_block()
+        except Exception:
+            Detector.paused = False  # a failure of ours never leaves the detectors off
 
     def _next_block(self) -> None:
         """``--measure-overhead``: this step's time into its block; the detectors on or off for the next."""
