@@ -11,8 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-SESSION = "session"
-"""The session's own part (runtime.cost.SESSION): not a detector, nothing to turn down."""
+from distdebug.runtime.cost import SESSION  # the session's own part: not a detector, nothing to turn down
 
 BUDGET = 0.03
 """The share of the median step the harness may take before the report says what to turn down."""

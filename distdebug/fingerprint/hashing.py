@@ -98,7 +98,7 @@ def _bytes(t: torch.Tensor) -> Any:
     frees its gathered parameters with ``storage.resize_(0)``: hashing them that way breaks training.
     The view does not keep the tensor alive: callers hold the tensor until the hash is done.
     """
-    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
+    return (ctypes.c_char * t.nbytes).from_address(t.data_ptr()) if t.nbytes else b""
 
 
 _NP_INDEX: dict[int, np.ndarray] = {}
@@ -205,11 +205,9 @@ def fast_cpu_fingerprint(t: torch.Tensor) -> int:
     kind of device; not equal to its portable fingerprint (``cpu_fingerprint``)."""
     cls = type(t)
     v = t if (cls is torch.Tensor or cls is torch.nn.Parameter) and t.is_contiguous() else local_view(t)
-    n = v.nbytes
-    # the bytes in place: a ctypes array over the data (buffer protocol), no copy, no detach; called once
-    # per tensor per checked step, so the few microseconds of wrapping count
-    data = (ctypes.c_char * n).from_address(v.data_ptr()) if n else b""
-    return xxhash.xxh3_64_intdigest(data, _seed(v) ^ FAST_TAG)
+    # no detach for a plain contiguous tensor: called once per tensor per checked step, so the few
+    # microseconds of wrapping count
+    return xxhash.xxh3_64_intdigest(_bytes(v), _seed(v) ^ FAST_TAG)
 
 
 # ---------------------------------------------------------------- the device path (torch kernels)
