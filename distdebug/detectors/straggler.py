@@ -287,7 +287,7 @@ class Straggler(ExchangeUser, Detector):
         if ctx.rank != 0:
             return
         for rank, part in enumerate(gathered):
-            stage, rows = part if isinstance(part, tuple | list) and len(part) == 2 else (None, part)
+            stage, rows = part or (None, [])  # (its pipeline stage or None, its rows): what flush_pending posts
             self.stages[rank] = stage
             self.history.setdefault(rank, deque(maxlen=WINDOW)).extend(rows or [])
         table, found = by_position({r: list(h) for r, h in self.history.items()}, self.stages, self.floor_s)
