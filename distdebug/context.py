@@ -106,6 +106,11 @@ class RankContext:
     communication_observers: list[Callable[[Any, Any], None]] = field(default_factory=list)
     """Callables(input, output) told of each of torch's functional collectives (what DTensor and TP
     layers communicate with), on the training thread; they must not read device values."""
+    end_of_backward: list[Callable[[], None]] = field(default_factory=list)
+    """Callables() run once per backward, inside autograd's engine when the graph is done and before the
+    callbacks queued after the backward began (DDP's reducer queues its finalisation then, which copies
+    the reduced gradients back into ``.grad``): with DDP's default ``gradient_as_bucket_view=False`` the
+    gradients they see are this rank's own, before the reduction. Device work only, no reads."""
     layout: Any = None
     """The rank's parallel layout (``runtime.layout.Layout``), found at the end of discovery: which ranks
     every cross-rank check compares (data-parallel group, each tensor's replica group). None before."""

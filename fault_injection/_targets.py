@@ -47,12 +47,17 @@ def local(t: Any) -> Any:
 
 
 def module(ctx: RankContext, name: str) -> tuple[str, Any] | None:
-    """The named module, or by default the middle one of those holding parameters."""
+    """The named module, or by default the middle one of those holding parameters whose computation can
+    make a NaN of finite numbers (not an embedding or a normalisation: nan_origin checks their parameters
+    and input instead, see FINITE_GIVEN_PARAMETERS_NAMES)."""
+    from distdebug.detectors.nan_origin import finite_preserving
+
     model = inner(ctx)
     if model is None:
         return None
     mods = dict(model.named_modules())
     if name:
         return (name, mods[name]) if name in mods else None
-    owners = [(n, m) for n, m in mods.items() if n and next(m.parameters(recurse=False), None) is not None]
+    owners = [(n, m) for n, m in mods.items() if n and next(m.parameters(recurse=False), None) is not None
+              and not finite_preserving(m)]
     return owners[len(owners) // 2] if owners else None

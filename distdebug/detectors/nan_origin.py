@@ -5,18 +5,25 @@ Why it needs more than the loss: an all-reduce spreads one rank's NaN gradient t
 same step, so after the step every rank looks guilty. What tells them apart is each rank's *local*
 gradient before the reduction:
 
-- DDP: a hook on each parameter (``register_post_accumulate_grad_hook``) sees its local gradient
-  once autograd has accumulated it, before DDP's reducer copies it into a bucket and reduces it;
-  it folds in one sum per parameter (no host sync). DDP's reduction is never touched (its own
-  path, or the script's communication hook whenever registered): bitwise the same by construction.
-  The hooks go in before the model's first backward, so a NaN in step 1 has its origin too.
+- DDP: with its default ``gradient_as_bucket_view=False`` the reducer reduces copies of the
+  gradients in its buckets and copies the results back into ``.grad`` when it finalises, at the end
+  of the backward; a callback queued when the backward starts (``ctx.end_of_backward``) runs before
+  that and reads every local gradient at once (one fused reduction on a device, no host sync).
+  With ``gradient_as_bucket_view=True`` the gradients are the buckets, reduced in place as each is
+  ready: there a hook on each parameter (``register_post_accumulate_grad_hook``) sees its local
+  gradient once autograd has accumulated it, before the reducer does. DDP's reduction is never
+  touched (its own path, or the script's communication hook whenever registered): bitwise the same
+  by construction. Both go in before the model's first backward, so a NaN in step 1 has its origin too.
 - Hand-written all_reduce: the input of each ``all_reduce`` is checked before the call (named by
   the parameter whose ``.grad`` it is, or as a flattened buffer).
 - Modules: forward hooks on leaf modules and modules with parameters record whether each output
-  was finite (one reduction per module, no host sync).
+  was finite (one reduction per module, no host sync). Modules whose output is finite whenever
+  their input and parameters are (activations, pooling, dropout; embeddings and normalisations
+  where the parameters are checked whole) get none: the model's input is checked instead.
 
-All flags are device tensors; at the step boundary one fused check over them, over the reduced
-gradients and over the parameters after the step is one device scalar, read with the harness's
+All flags are device tensors; at the step boundary one fused check over them and over the
+parameters after the step (a non-finite gradient reaches its parameter through the update) is one
+device scalar, read with the harness's
 other values in the step's single host read (runtime.readout). Only when it fails are the flags
 read one by one (the rare path). The module hooks come in at the end of step 1 (discovery), so a
 NaN in step 1 is found by its step and local gradients (DDP), not by its module.
@@ -56,6 +63,15 @@ FINITE_PRESERVING_NAMES = frozenset({
     "MaxPool1d", "MaxPool2d", "MaxPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
     "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
     "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d", "ConstantPad3d",
+    "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d", "ReplicationPad1d", "ReplicationPad2d",
+    "ReplicationPad3d", "CircularPad1d", "CircularPad2d", "CircularPad3d",
+    # bounded by |x| or by a constant, also in fp16/bf16: GELU, SiLU, Mish, ELU, CELU, the shrinks, Softsign,
+    # GLU; Softmax and its kin subtract the maximum first; LogSigmoid is computed stably. Not SELU (its scale
+    # 1.05 overflows fp16 near its maximum), Softplus (exp before its threshold), LPPool (powers).
+    "GELU", "SiLU", "Mish", "ELU", "CELU", "Hardshrink", "Softshrink", "Tanhshrink", "Softsign", "GLU",
+    "Softmax", "Softmin", "LogSoftmax", "Softmax2d", "LogSigmoid",
+    "PixelShuffle", "PixelUnshuffle", "ChannelShuffle", "Upsample", "UpsamplingNearest2d",
+    "UpsamplingBilinear2d", "FractionalMaxPool2d", "FractionalMaxPool3d",
 })
 """torch.nn's parameterless modules whose output is finite whenever their input is: never the *first*
 module with a non-finite output (the module before them would be), so they get no hook; every hook
@@ -63,9 +79,22 @@ costs time in every forward. Exact classes only: a subclass may compute anything
 
 
 
-def _finite_preserving(mod: torch.nn.Module) -> bool:
+FINITE_GIVEN_PARAMETERS_NAMES = frozenset({
+    "Embedding", "LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+    "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
+})
+"""torch.nn's modules whose output is finite whenever their input and their parameters are: an embedding
+picks rows of its weight; a normalisation subtracts the mean and divides by sqrt(var + eps) (fp16/bf16 in
+fp32), then scales and shifts. Their parameters are checked every step (the probe) and their input is
+the output of the module before (or the model's input, checked too), so where they are not sharded by a
+framework they need no hook either: on a transformer, a third of the activations summed every step."""
+
+
+def finite_preserving(mod: torch.nn.Module) -> bool:
+    """Finite output from finite input and parameters (exact torch.nn classes: a subclass may compute anything)."""
     cls = type(mod)
-    return cls.__module__.startswith("torch.nn.modules.") and cls.__name__ in FINITE_PRESERVING_NAMES
+    return cls.__module__.startswith("torch.nn.modules.") and (
+        cls.__name__ in FINITE_PRESERVING_NAMES or cls.__name__ in FINITE_GIVEN_PARAMETERS_NAMES)
 
 
 MAX_KEYS = 4096
@@ -155,10 +184,20 @@ class NanOrigin(Detector):
             # DDP localised, which after DDP's first forward are no longer listed as parameters; FSDP's
             # own sharding is not TP)
             tp_modules = {n.rsplit(".", 1)[0] if "." in n else "" for n in getattr(ctx.layout, "sharded", [])}
+            # Plain and DDP models: every parameter is read whole at every step boundary, so modules whose
+            # output is finite given finite parameters and input need no hook; the model's input is checked
+            # instead (a bad batch is then named as such). FSDP2 and DeepSpeed gather what the forward uses.
+            params_checked = not ({"fsdp2", "deepspeed"} & set(chain))
+            stage_index = (getattr(ctx.layout, "stage", None) or {}).get("index", 0)
+            if params_checked and stage_index == 0:
+                label = f"{prefix}(input of {type(inner).__name__})"
+                self.hook(inner, "forward_pre", self._input_hook(label, self.fwd))
             for mod_name, mod in inner.named_modules():
                 leaf = next(mod.children(), None) is None
                 own = next(mod.parameters(recurse=False), None) is not None
-                if own or (leaf and not _finite_preserving(mod)):
+                # no hook where a NaN cannot start: its parameters (none, or checked) and input are watched
+                skip = leaf and mod_name not in tp_modules and (params_checked or not own) and finite_preserving(mod)
+                if (own or leaf) and not skip:
                     label = prefix + (mod_name or type(inner).__name__)
                     compiled |= self.hook(mod, "forward", self._forward_hook(label, self.fwd)) is None
                     if mod_name in tp_modules:
@@ -250,14 +289,18 @@ class NanOrigin(Detector):
                 fold_in(acc, label, torch.stack(torch._foreach_norm(ts, INF)).sum(dtype=torch.float32))
         return hook
 
-    def _input_hook(self, label: str) -> Any:
+    def _input_hook(self, label: str, acc: dict[str, torch.Tensor] | None = None) -> Any:
+        """The module's first floating-point input: a later pipeline stage's (into ``stage_input``), or the
+        model's own (into ``acc``, first in forward order)."""
+        into = self.stage_input if acc is None else acc
+
         def hook(module: torch.nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
             t = first_tensor(args)
             t = getattr(t, "_local_tensor", t)
             if t is not None and t.is_floating_point():
-                fold_in(self.stage_input, label, t.detach().sum(dtype=torch.float32))
+                fold_in(into, label, t.detach().sum(dtype=torch.float32))
         return hook
 
     # ------------------------------------------------------------------ DDP: local gradients
@@ -271,9 +314,18 @@ class NanOrigin(Detector):
             if ddp is None or id(ddp) in self._ddp_seen:
                 continue
             self._ddp_seen.add(id(ddp))
-            for name, p in unwrap(ddp)[0].named_parameters():
-                if p.requires_grad:
+            named = [(name, p) for name, p in unwrap(ddp)[0].named_parameters() if p.requires_grad]
+            if getattr(ddp, "gradient_as_bucket_view", True):
+                # The gradients are views of DDP's buckets, reduced in place as each bucket is ready: only
+                # a hook per parameter sees them before that.
+                for name, p in named:
                     self.hook(p, "post_accumulate_grad", self._local_grad_hook((name,)))
+            else:
+                # DDP's default: the reducer reduces copies in its buckets and copies the results back into
+                # .grad when it finalises, at the end of the backward. Until then .grad is this rank's own:
+                # one reading of them all when the graph is done (ctx.end_of_backward), in place of a
+                # Python hook and a kernel per parameter.
+                ctx.end_of_backward.append(self.guarded(self._local_grads(named)))
             self.local_source = "ddp"
 
     def _local_grad_hook(self, key: tuple[str, ...]) -> Any:
@@ -285,6 +337,30 @@ class NanOrigin(Detector):
                 # One pass, no temporary: NaN and Inf survive the sum (fp32 accumulation).
                 fold_in(local.local, key, g.detach().sum(dtype=torch.float32))
         return hook
+
+    def _local_grads(self, named: list[tuple[str, torch.nn.Parameter]]) -> Any:
+        """At the end of a backward, before DDP copies the reduced gradients back: one finiteness value per
+        local gradient (a fused reduction on a device; one kernel each on the CPU), folded in under the
+        tuple of their names (one entry per set of parameters that had gradients)."""
+        local = self
+        names: dict[tuple[int, ...], tuple[str, ...]] = {}
+
+        def read() -> None:
+            with torch.no_grad():
+                present = [(i, p.grad) for i, (_, p) in enumerate(named)
+                           if p.grad is not None and p.grad.layout == torch.strided]
+                if not present:
+                    return
+                which = tuple(i for i, _ in present)
+                key = names.get(which)
+                if key is None:
+                    if len(names) >= 64:
+                        names.clear()
+                    key = names[which] = tuple(named[i][0] for i in which)
+                grads = [g for _, g in present]
+                flags = torch._foreach_norm(grads, _finite_norm(grads[0]))
+                fold_in(local.local, key, torch.stack(flags))
+        return read
 
     def _all_reduce_wrapper(self, current: Any) -> Any:
         det = self
@@ -306,7 +382,7 @@ class NanOrigin(Detector):
 
     # ------------------------------------------------------------------ per step
     def probe(self, step: int) -> dict[str, Any] | None:
-        """One fused check of the step's flags, reduced gradients and parameters, as one device scalar."""
+        """One fused check of the step's flags and the parameters after the step, as one device scalar."""
         if self.ctx is None:
             return None
         fwd = list(self.fwd.items())
@@ -318,18 +394,23 @@ class NanOrigin(Detector):
                                  dict(self.gathered))
         for acc in (self.comm_in, self.comm_out, self.stage_input, self.shards, self.gathered):
             acc.clear()
+        # The parameters after the step, not the gradients: an optimizer's update spreads a non-finite
+        # gradient into its parameter (a loss scaler's skipped step aside, which is not a finding), so one
+        # pass over the parameters says it for both (the gradients are named on the rare path).
         tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
-        tensors += [local_view(p.grad) if self.sharded else p.grad for _, p in self.params if p.grad is not None]
         tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
         with torch.no_grad():
-            parts = [f for _, f in fwd] + [v for _, v in local]
+            scalars = [f for _, f in fwd] + [v for _, v in local if not v.dim()]
             if tensors:
-                parts += torch._foreach_norm(tensors, _finite_norm(tensors[0]))
-            if not parts:
+                scalars += torch._foreach_norm(tensors, _finite_norm(tensors[0]))
+            # one vector per end-of-backward reading (a value per local gradient)
+            pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()]
+            if not pieces:
                 return None
             # NaN and Inf survive a sum; float64 so that no sum of finite fp32 values can overflow.
             # One reduction per step, read with everything else (cheaper than isfinite().all()).
-            out = {"total": torch.stack(parts).sum(dtype=torch.float64)}
+            flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            out = {"total": flat.sum(dtype=torch.float64)}
             if fwd:  # the forward's own flags: what tells a real NaN from a loss scaler's overflow
                 out["forward"] = torch.stack([f for _, f in fwd]).sum(dtype=torch.float64)
             return out
@@ -420,7 +501,7 @@ class NanOrigin(Detector):
                      if p.grad is not None and not bool(local_view(p.grad).isfinite().all())]
         # Parameters in a bucket (or all_reduce input) that was non-finite here before the reduction;
         # named by their gradients after it (the reduction spreads, it does not move, a NaN).
-        suspects = {n for names, v in local if not math.isfinite(float(v.sum())) for n in names}
+        suspects = {n for names, v in local for n in _nonfinite(names, v)}
         bad_local = [n for n in bad_grads if n in suspects] or sorted(suspects)
         bad_params = [n for n, p in self.params if not bool(local_view(p).isfinite().all())]
         evidence = {
@@ -513,6 +594,15 @@ class NanOrigin(Detector):
                                                      f"{self.first_step} on", evidence={"nonfinite_steps": self.count},
             ),)
         return ()
+
+
+def _nonfinite(names: tuple[str, ...], v: torch.Tensor) -> list[str]:
+    """The names whose value in ``v`` is non-finite: one value per name (end-of-backward reading), or one
+    for all of them (a bucket or an all_reduce input). Rare path: reads the values."""
+    values = v.reshape(-1).tolist()
+    if len(values) == len(names):
+        return [n for n, x in zip(names, values, strict=True) if not math.isfinite(x)]
+    return list(names) if not all(math.isfinite(x) for x in values) else []
 
 
 def _fsdp_params(module: Any) -> list[Any]:

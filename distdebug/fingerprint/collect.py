@@ -59,6 +59,8 @@ class ReplicaSet:
         self.ddp_sync = False
         self._opt_names: dict[int, str] = {}  # id(param) -> name used for its optimizer state
         self._optimizers: list[weakref.ref[Any]] = []  # weak: the user's optimizer is never kept alive
+        self._grad_names: dict[str, str] = {}  # a parameter's name -> its gradient's
+        self._state_labels: dict[tuple[str, Any, type], str] = {}  # optimizer state -> name ("": not compared)
         many = len(roots) > 1
         deepspeed = False
         for i, root in enumerate(roots):
@@ -101,13 +103,20 @@ class ReplicaSet:
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters, reduced gradients and optimizer state (buffers apart: see ``ddp_sync``)."""
+        # Called every checked step (every step by default) for a few hundred tensors: the names and groups,
+        # the same every step, are worked out once (issue 18: this was a third of the fingerprints' time).
         out: list[tuple[str, torch.Tensor]] = []
+        grad_names = self._grad_names
         for name, p in self.params:
             out.append((name, p))
             g = p.grad
             if g is not None:
-                base, group = split_group(name)
-                out.append((with_group(base + ".grad", group), g))
+                gname = grad_names.get(name)
+                if gname is None:
+                    base, group = split_group(name)
+                    gname = grad_names[name] = with_group(base + ".grad", group)
+                out.append((gname, g))
+        labels = self._state_labels
         for ref in self._optimizers:
             opt = ref()
             if opt is None:
@@ -118,9 +127,16 @@ class ReplicaSet:
                     continue
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        value_group = self.layout.replicas(value)
-                        if value_group is not False:
-                            out.append((with_group(f"optimizer.{pname}.{key}", value_group), value))
+                        cached = (pname, key, type(value))
+                        label = labels.get(cached)
+                        if label is None:
+                            if len(labels) > 4 * len(self._opt_names) + 64:
+                                labels.clear()  # bounded whatever the optimizer keeps
+                            value_group = self.layout.replicas(value)
+                            label = labels[cached] = ("" if value_group is False else
+                                                      with_group(f"optimizer.{pname}.{key}", value_group))
+                        if label:
+                            out.append((label, value))
         return out
 
     def unsharded(self, prefix: str, module: torch.nn.Module, names: list[str]) -> list[tuple[str, torch.Tensor]]:

@@ -302,6 +302,8 @@ class Session:
             self.ctx.models = self.roots
             for det in list(self.detectors):
                 self._run_detector(det, "before_backward", lambda d: d.before_backward(self.ctx))
+        if self.ctx.end_of_backward:
+            self._queue_end_of_backward(t)
         if self._backward_calls == 1:
             self.ctx.backward_t = time.monotonic()
         if self._t_last is None:
@@ -314,6 +316,37 @@ class Session:
                 v = v / scale.detach().to(torch.float64)  # on the device: the loss the script computed
             self._loss_sum = v if self._loss_sum is None else self._loss_sum + v
             self._loss_n += 1
+
+    def _queue_end_of_backward(self, t: Any) -> None:
+        """``ctx.end_of_backward`` for this backward: a pre-hook on the graph's root (the first node
+        the engine runs) queues them, so they run at the graph's end before anything queued later
+        (DDP's reducer queues its finalisation when its last bucket is ready). One hook a backward,
+        removed when it has run; a root without a graph (no grad_fn) has no backward to watch."""
+        roots = t if isinstance(t, (tuple, list)) else (t,)
+        fn = next((r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None), None)
+        if fn is None:
+            return
+        calls = list(self.ctx.end_of_backward)
+        handle: list[Any] = []
+
+        def run() -> None:
+            for h in handle:  # removed once the graph has run (not from inside its own hook)
+                h.remove()
+            for call in calls:
+                call()  # each is its detector's guarded hook: it never raises
+
+        queued: list[bool] = []
+
+        def queue(grad_outputs: Any) -> None:
+            if queued:  # once (a backward that raised left it on a graph retained for another)
+                return
+            queued.append(True)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(run)
+            except Exception:  # never into the backward; the detectors see no local gradients this time
+                pass
+
+        handle.append(fn.register_prehook(queue))
 
     def after_backward(self) -> None:
         """A backward call returned (gradients accumulated, and reduced under DDP/FSDP2): detectors

@@ -3,6 +3,7 @@ even after all-reduce has spread it to every rank."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,7 +19,7 @@ def _model():
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5):
+def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, bucket_view=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     s = start_session(tmp, rank, detectors=[NanOrigin()] if detector else [])
@@ -34,22 +35,30 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5):
                 out[0, 0] = float("nan")
                 return out
         model[2].register_forward_hook(poison)
-    ddp = DDP(model)
+    ddp = DDP(model, gradient_as_bucket_view=bucket_view)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    det = s.detectors[0] if detector else None
     for step in range(1, steps + 1):
         state["step"] = step
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
         ddp(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if det is not None and step == 1:
+            # DDP's default reduces copies: the local gradients are read once per backward, with no hook
+            # per parameter; gradients that are bucket views need one each
+            per_param = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+            state["hooks"] = (len(s.ctx.end_of_backward), per_param)
     out = [float(x) for p in model.parameters() for x in p.detach().flatten()]
     dist.destroy_process_group()
     s.close(0)
-    return out
+    return out, state.get("hooks")
 
 
-def test_nan_in_one_ranks_local_gradient_names_that_rank_step_and_parameter(tmp_path):
-    spawn_ranks(_ddp, 3, tmp=tmp_path, fault="grad", fault_rank=1)
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_nan_in_one_ranks_local_gradient_names_that_rank_step_and_parameter(tmp_path, bucket_view):
+    res = spawn_ranks(_ddp, 3, tmp=tmp_path, fault="grad", fault_rank=1, bucket_view=bucket_view)
+    assert [hooks for _, hooks in res] == [(0, 6) if bucket_view else (1, 0)] * 3
     origin, summary = findings(tmp_path, 1)
     assert summary["message"] == "values stayed non-finite in 3 steps from step 3 on"  # one finding, then a count
     assert (origin["detector"], origin["severity"], origin["step"], origin["subject"], origin["ranks"]) == \
@@ -74,7 +83,7 @@ def test_clean_run_no_finding_and_training_bitwise_unchanged(tmp_path):
     # The DDP communication hook must reduce exactly as DDP does on its own (3 ranks: 1/3 is inexact).
     watched = spawn_ranks(_ddp, 3, tmp=tmp_path / "watched")
     bare = spawn_ranks(_ddp, 3, tmp=tmp_path / "bare", detector=False)
-    assert watched == bare
+    assert [params for params, _ in watched] == [params for params, _ in bare]
     assert all(findings(tmp_path / "watched", r) == [] for r in range(3))
 
 
@@ -137,3 +146,37 @@ def test_fsdp2_origin_is_the_rank_whose_forward_made_it(tmp_path):
     assert f["message"].startswith("NaN/Inf started on rank 0 at step 3") and f["evidence"]["origin"] == "this rank (forward)"
     (g,) = [f for f in findings(tmp_path, 1) if f["severity"] != "info"]
     assert (g["step"], g["severity"], g["subject"], g["evidence"]["origin"]) == (3, "warning", "gradients", "another rank")
+
+
+def _normed(rank, world, tmp, nan_input_rank=None):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    s = start_session(tmp, rank, detectors=[NanOrigin()])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    hooked = None
+    for step in range(1, 5):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        if rank == nan_input_rank and step == 3:
+            x[2, 1] = float("nan")  # a bad batch on one rank
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:  # the module hooks come in at the end of step 1
+            hooked = sorted(name or "root" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks)
+    dist.destroy_process_group()
+    s.close(0)
+    return hooked
+
+
+def test_modules_that_cannot_start_a_nan_get_no_hook_and_a_bad_batch_is_named(tmp_path):
+    """LayerNorm, GELU and SiLU give finite outputs from finite inputs and parameters (checked every step):
+    no hook on them, the model's input is checked instead, and a NaN in one rank's batch is named as that."""
+    hooked = spawn_ranks(_normed, 2, tmp=tmp_path, nan_input_rank=1)
+    assert hooked == [["0", "3", "5", "root"]] * 2  # the Linears, and the root's input
+    f = findings(tmp_path, 1)[0]
+    assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 3, [1], "(input of Sequential)")
+    assert "NaN/Inf started on rank 1 at step 3" in f["message"]
+    assert findings(tmp_path, 0)[0]["severity"] == "warning"  # received through all-reduce

@@ -48,12 +48,12 @@ def test_a_real_nan_under_amp_is_still_found_on_its_rank(tmp_path):
     assert errors[0] == []
     assert sorted((d, step) for _, d, step, _ in errors[1]) == [("loss_nonfinite", 7), ("nan_origin", 7)], errors
     (origin,) = [f for f in kinds(tmp_path, 1, "finding") if f["detector"] == "nan_origin"]
-    # born in the forward: the first module whose output was non-finite (the NaN is in its input batch);
+    # born in the forward, in its input batch: the model's input is named;
     # the first local gradient in backward order (the last layer's) is in the message
-    assert origin["ranks"] == [1] and origin["subject"] == "0", origin
+    assert origin["ranks"] == [1] and origin["subject"] == "(input of Sequential)", origin
     assert "non-finite local gradient (before all-reduce): 2.bias" in origin["message"]
     assert origin["message"].startswith("NaN/Inf started on rank 1 at step 7")
-    assert origin["evidence"]["first_nonfinite_module_output"] == "0"
+    assert origin["evidence"]["first_nonfinite_module_output"] == "(input of Sequential)"
 
 
 def test_a_scale_that_keeps_collapsing_is_a_warning_naming_the_steps(tmp_path):
