@@ -53,6 +53,8 @@ ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIME
 
 
 def device_path_forced() -> bool:
+    """Read at each fingerprinting (a few times a step), from the environment as it is now: a test
+    sets and clears it in one process."""
     return os.environ.get(DEVICE_PATH) == "1"
 
 
