@@ -4,6 +4,11 @@
 longer copied from rank 0 each forward); ``mode=sync`` makes SyncBatchNorm.convert_sync_batchnorm
 return the model unchanged (plain BatchNorm where the script asked for synchronised statistics).
 Both are changes made from outside the script, before it builds its model.
+
+``mode=sync`` is found only where it shows: bn_divergence flags plain BatchNorm when the ranks' batch
+statistics disagree beyond sampling (data that differs by rank); on evenly shuffled data per-rank
+statistics are a legitimate choice (PyTorch's default) and no finding is expected of them. The
+catalogue's default, ``mode=buffers``, is found on every run.
 """
 
 from __future__ import annotations

@@ -33,26 +33,85 @@ from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
 from distdebug.runtime.layout import partition
 
-BATCH_MEAN_SPREAD = 0.3
-"""Plain BatchNorm is flagged when, for some channel, the standard deviation of the ranks' batch means
-exceeds this many pooled standard deviations. Sampling alone gives about 1/sqrt(n) for n values per
-channel per rank, whatever the number of ranks: 0.18 for 32 values (not flagged), 0.35 for 8 (a
-per-rank batch too small for per-rank statistics: flagged), 0.016 for a 16x16 image batch of 16."""
+MATERIAL_SPREAD = 0.1
+"""Plain BatchNorm is flagged only when the ranks' batch means disagree by more than sampling explains
+(below) *and* by at least this many pooled standard deviations, typically over the channels: a
+difference the normalisation would visibly carry into training."""
+
+FALSE_ALARM_P = 1e-6
+"""How unlikely the ranks' disagreement must be under sampling alone to be flagged (a run checks every
+module at many steps: each check must be that safe)."""
 
 
-def batch_mean_spread(per_rank: dict[int, dict[str, list[float]]]) -> tuple[float, int]:
-    """(largest standard deviation of the ranks' batch means over channels, in pooled std units; that channel)."""
+def batch_mean_spread(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """How far the ranks' batch means are apart, per channel in pooled standard deviations, and whether
+    sampling explains it.
+
+    Under sampling alone (every rank's batch drawn from the same data) each rank's channel mean varies by
+    sigma / sqrt(n) for n independent samples, so T = n * sum over channels and ranks of
+    ((mean_rc - mean_c) / sigma_c)^2 is at most a chi-square of channels * (ranks - 1) degrees of freedom.
+    n is the batch size (``n``, dimension 0; the smallest rank's): pixels of one image are not
+    independent, so counting them would make healthy convolutional runs look divergent. Returns
+    ``worst`` (the largest channel's spread: the population standard deviation of the ranks' means in
+    pooled std units) and its ``channel``, ``typical`` (the root mean square of the spreads over channels,
+    scaled by sqrt(ranks / (ranks - 1)) so that it reads about 1/sqrt(n) under sampling alone, whatever
+    the number of ranks), ``t`` and ``dof`` (None when n is not known).
+
+    The largest channel alone is not a test: over 64 channels of 16 samples, sampling alone puts it near
+    0.45 standard deviations, and healthy runs were flagged that way (issue 22)."""
     ranks = sorted(per_rank)
     channels = len(per_rank[ranks[0]]["mean"])
-    worst, where = 0.0, 0
+    worst, where, squares = 0.0, 0, 0.0
     for c in range(channels):
         means = [per_rank[r]["mean"][c] for r in ranks]
         var = sum(per_rank[r]["var"][c] for r in ranks) / len(ranks)
         avg = sum(means) / len(means)
         spread = math.sqrt(sum((m - avg) ** 2 for m in means) / len(means)) / math.sqrt(var + 1e-5)
+        squares += spread * spread
         if spread > worst:
             worst, where = spread, c
-    return worst, where
+    k = len(ranks)
+    typical = math.sqrt(squares / channels * k / (k - 1)) if channels and k > 1 else 0.0
+    ns = [v for v in (per_rank[r].get("n") for r in ranks) if isinstance(v, int) and v > 0]
+    n = min(ns) if len(ns) == len(ranks) else None
+    return {"worst": worst, "channel": where, "typical": typical, "n": n, "ranks": k,
+            "t": None if n is None else n * k * squares, "dof": channels * (k - 1)}
+
+
+def _chi2_quantile(dof: int, p: float) -> float:
+    """The chi-square quantile exceeded with probability p (Wilson-Hilferty; p small)."""
+    z = math.sqrt(2) * _inverse_erfc(2 * p)
+    a = 2 / (9 * dof)
+    return dof * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def _inverse_erfc(y: float) -> float:
+    """x with erfc(x) = y (bisection: called once per check)."""
+    lo, hi = 0.0, 10.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if math.erfc(mid) > y:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+MIN_BATCH = 16
+"""Below this many samples per rank the test says nothing: each rank's own variance, which the spread is
+measured in, is then too uncertain for a false-alarm rate of FALSE_ALARM_P."""
+
+
+def disagree(spread: dict[str, Any]) -> bool:
+    """Whether the ranks' batch statistics disagree beyond sampling, and materially (see above). The
+    variance is estimated from the ranks' own batches (ranks * (n - 1) degrees of freedom), which makes the
+    tail heavier than the chi-square's: the quantile is scaled by that estimate's variance inflation."""
+    n, t = spread.get("n"), spread["t"]
+    if t is None or n is None or n < MIN_BATCH:  # no test, no finding
+        return False
+    within = spread["ranks"] * (n - 1)
+    limit = _chi2_quantile(spread["dof"], FALSE_ALARM_P) * within / (within - 2) * n / (n - 1)
+    return spread["typical"] >= MATERIAL_SPREAD and t > limit
 
 
 class BatchNormDivergence(ExchangeUser, Detector):
@@ -70,6 +129,7 @@ class BatchNormDivergence(ExchangeUser, Detector):
         self.reported: set[tuple[str, str]] = set()
         self._was_armed = False  # the step being read was a checked one
         self._keys: dict[str, list[str]] = {}  # module -> the statistics its hook took this step
+        self._n: dict[str, int] = {}  # module -> its batch's size this step (samples per channel per rank)
         self._hooks: list[Any] = []
 
     def attach(self, ctx: RankContext) -> None:
@@ -99,6 +159,7 @@ class BatchNormDivergence(ExchangeUser, Detector):
             if module.training and x.dim() >= 2 and x.numel() > x.shape[1]:
                 dims = [d for d in range(x.dim()) if d != 1]
                 stats["var"], stats["mean"] = torch.var_mean(x.float(), dim=dims, unbiased=False)
+                self._n[label] = int(x.shape[0])  # independent samples: the batch (host metadata, no read)
             if module.running_mean is not None:
                 stats["running_mean"] = module.running_mean.detach().to(torch.float32, copy=True)
                 stats["running_var"] = module.running_var.detach().to(torch.float32, copy=True)
@@ -127,7 +188,10 @@ class BatchNormDivergence(ExchangeUser, Detector):
             if any(v is None for v in stats.values()):
                 continue  # the step's read failed
             stats.setdefault("num_batches_tracked", None)
+            if label in self._n:
+                stats["n"] = self._n[label]
             seen[label] = stats
+        self._n = {}
         step = event.step
 
         layout = self.ctx.layout if self.ctx is not None else None
@@ -179,17 +243,21 @@ class BatchNormDivergence(ExchangeUser, Detector):
                     ))
             if is_sync or (label, "batch") in self.reported or not all("mean" in s for s in stats.values()):
                 continue
-            spread, channel = batch_mean_spread(stats)
-            if spread > BATCH_MEAN_SPREAD:
+            judged = batch_mean_spread(stats)
+            spread, channel, typical = judged["worst"], judged["channel"], judged["typical"]
+            if disagree(judged):
                 self.reported.add((label, "batch"))
                 means = {r: round(stats[r]["mean"][channel], 4) for r in sorted(stats)}
                 out.append(Finding(
                     severity=Severity.WARNING, detector=self.name, ranks=sorted(stats), step=step, subject=label,
                     message=f"plain BatchNorm {label} normalises each rank's batch with its own statistics, and they "
-                            f"disagree at step {step}: channel {channel} batch means {means} spread by {spread:.2f} "
-                            "standard deviations across ranks (SyncBatchNorm: not in use)",
-                    evidence={"spread_std": spread, "channel": channel, "batch_means": means,
-                              "threshold_std": BATCH_MEAN_SPREAD, "sync_batchnorm": False},
+                            f"disagree at step {step}: by {typical:.2f} standard deviations across ranks over its "
+                            f"channels, more than sampling explains for batches of {min(stats[r]['n'] for r in stats)} "
+                            f"(about {1 / math.sqrt(min(stats[r]['n'] for r in stats)):.2f}); channel {channel} batch "
+                            f"means {means} spread by {spread:.2f} (SyncBatchNorm: not in use)",
+                    evidence={"spread_std": spread, "channel": channel, "batch_means": means, "typical_std": typical,
+                              "chi2": judged["t"], "dof": judged["dof"], "material_std": MATERIAL_SPREAD,
+                              "sync_batchnorm": False},
                     fix="model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping it in DDP "
                         "(statistics over the global batch); or larger per-rank batches / evenly shuffled data",
                 ))
