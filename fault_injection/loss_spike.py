@@ -32,11 +32,26 @@ class LossSpike(Fault):
             model.register_forward_hook(self._post)
 
     def _post(self, module: Any, args: Any, out: Any) -> Any:
+        """The output as the model returns it: a tensor; a mapping with a ``loss`` (a Hugging Face
+        ``ModelOutput`` that computed its loss from ``labels``: that loss, which the script backpropagates);
+        a tuple or list led by a tensor (``return_dict=False``: the loss first when there is one)."""
         import torch
 
-        if self.here() and isinstance(out, torch.Tensor) and out.is_floating_point():
+        def scalable(t: Any) -> bool:
+            return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+        if not self.here():
+            return None
+        if scalable(out):
             self.injected(factor=self.factor)
             return out * self.factor
+        if hasattr(out, "keys") and "loss" in out.keys() and scalable(out["loss"]):
+            out["loss"] = out["loss"] * self.factor  # a ModelOutput keeps its attribute in step with the key
+            self.injected(factor=self.factor, output="loss")
+            return out
+        if type(out) in (tuple, list) and out and scalable(out[0]):
+            self.injected(factor=self.factor, output="first")
+            return type(out)([out[0] * self.factor, *out[1:]])
         return None
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:

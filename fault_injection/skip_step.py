@@ -28,6 +28,14 @@ class SkipStep(Fault):
             if fault.here():
                 fault.injected(optimizer=type(opt).__name__)
                 fault.current += 1  # the boundary this rank skips: the next step is the fault's step + 1
+                # A closure (LBFGS, Lightning's training step) is the forward and backward: it runs, as the
+                # framework requires (Lightning raises when it did not), and only the update is skipped.
+                closure = kwargs.get("closure", args[0] if args else None)
+                if callable(closure):
+                    import torch
+
+                    with torch.enable_grad():
+                        return closure()
                 return None
             return original(*args, **kwargs)
 

@@ -11,7 +11,7 @@ from distdebug.artifacts.reader import read_events
 from fault_injection.matrix import ENGINES
 from fault_injection.registry import FAULTS
 from tests.e2e.test_layouts import LAYOUT_RECIPES
-from tests.helpers import RECIPES, distdebug
+from tests.helpers import DATA, RECIPES, distdebug
 
 
 def records(run_dir, rank, kind):
@@ -31,6 +31,20 @@ def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
     assert manifest["faults"] == [{"target": "fault_injection.nan_grad:NanGrad", "params": {"rank": 1, "step": 4}}]
     assert "fault injected on purpose: nan_grad on rank 1 at step 4 (param 4.weight)" in \
         distdebug("report", str(tmp_path)).stdout
+
+
+def test_skip_step_runs_the_closure_it_is_given(tmp_path):
+    """optimizer.step(closure) (LBFGS, Lightning's training step): the closure is the forward and backward.
+    Skipping the step still runs it (Lightning raises when a closure was not called, issue 22): only the
+    update is skipped, and the replicas part at that step."""
+    script = str(DATA / "scripts" / "loop_shapes.py")
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--inject", "skip_step:rank=1,step=3", script,
+                  "--shapes", "closure", "--steps", "8")
+    assert r.returncode == 0, r.output[-3000:]
+    (inj,) = records(tmp_path, 1, "injected")
+    assert (inj["fault"], inj["step"]) == ("skip_step", 3)
+    found = [(f["detector"], f["step"], f["subject"], f["ranks"]) for f in records(tmp_path, 0, "finding")]
+    assert ("replica_divergence", 3, "optimizer step count", [0, 1]) in found, found
 
 
 def test_bad_inject_spec_is_one_line_and_nothing_runs(tmp_path):

@@ -3,7 +3,7 @@
 LR scheduler, gradient clipping, validation with model.eval() between steps, a no_grad inference
 phase, an EMA copy, frozen parameters, a parameter group added later, gradient accumulation with
 no_sync(), tied weights; a DataLoader with 2 persistent workers, activation checkpointing, bf16
-autocast; a GAN's two models and optimizers (tests/data/scripts/loop_shapes.py)."""
+autocast, optimizer.step(closure); a GAN's two models and optimizers (tests/data/scripts/loop_shapes.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ SCRIPT = str(DATA / "scripts" / "loop_shapes.py")
 
 @pytest.mark.parametrize("shapes", [
     "sched,clip,eval,infer,ema,frozen,late,accum,tied",
-    "workers,ckpt,bf16",
+    "workers,ckpt,bf16,closure",
     "gan",
 ])
 def test_loop_shape_is_clean_and_bitwise_torchruns(shapes, tmp_path):

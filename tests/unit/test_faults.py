@@ -129,3 +129,35 @@ def test_the_replay_help_names_every_recipe():
 
     text = " ".join(CliRunner().invoke(main, ["faults", "replay", "--help"]).output.split())
     assert all(f" {name}," in text or f" {name}." in text for name in ENGINES), text
+
+
+def test_loss_spike_scales_the_loss_a_model_returns_in_any_shape():
+    """Issue 22: a Hugging Face model returns a ModelOutput (a dict with attributes) whose loss it computed
+    from labels; the fault left it alone and never acted. Tensors, mappings with a loss, and tuples or lists
+    led by one are scaled; anything else is left as it is (and not recorded as acted)."""
+    import collections
+
+    import torch
+
+    from fault_injection.loss_spike import LossSpike
+
+    class ModelOutput(collections.OrderedDict):  # transformers.utils.ModelOutput's behaviour, in short
+        def __setitem__(self, key, value):
+            super().__setitem__(key, value)
+            setattr(self, key, value)
+
+    def post(out):
+        fault = LossSpike(step=1, factor=10.0)
+        return fault._post(None, (), out), fault.acted
+
+    t = torch.tensor([1.0, 2.0])
+    got, acted = post(t)
+    assert acted and torch.equal(got, t * 10)
+    out = ModelOutput()
+    out["loss"], out["logits"] = torch.tensor(0.5), t
+    got, acted = post(out)
+    assert acted and float(got["loss"]) == 5.0 and float(got.loss) == 5.0 and torch.equal(got["logits"], t)
+    got, acted = post((torch.tensor(0.5), t))
+    assert acted and isinstance(got, tuple) and float(got[0]) == 5.0 and got[1] is t
+    got, acted = post({"logits": t})  # no loss to scale: untouched, not acted (the replay says so)
+    assert got is None and not acted

@@ -11,6 +11,7 @@ workers    a DataLoader with num_workers=2, persistent workers, a DistributedSam
 ckpt       activation checkpointing (torch.utils.checkpoint)
 bf16       bf16 autocast
 gan        two models and two optimizers (a GAN's generator and discriminator)
+closure    optimizer.step(closure): the closure runs forward and backward (Lightning's training step)
 """
 
 import copy
@@ -27,7 +28,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 from recipes._common import base_parser, finish, param_digest, setup, write_digest  # noqa: E402
 
-SHAPES = {"sched", "clip", "eval", "infer", "ema", "frozen", "late", "accum", "tied", "workers", "ckpt", "bf16", "gan"}
+SHAPES = {"sched", "clip", "eval", "infer", "ema", "frozen", "late", "accum", "tied", "workers", "ckpt", "bf16", "gan",
+          "closure"}
 
 
 class Net(nn.Module):
@@ -102,6 +104,19 @@ def main() -> None:
         batches = iter(loader)
         for x, y in batches:
             micro = [(x[:4], y[:4]), (x[4:], y[4:])] if "accum" in shapes else [(x, y)]
+            if "closure" in shapes:
+                def closure(x=x, y=y):
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in shapes):
+                        out = lossf(ddp(x).float(), y)
+                    out.backward()
+                    return out
+
+                loss = opt.step(closure)
+                opt.zero_grad()
+                step += 1
+                if step >= args.steps:
+                    break
+                continue
             for i, (mx, my) in enumerate(micro):
                 ctx = ddp.no_sync() if i < len(micro) - 1 else torch.enable_grad()
                 with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in shapes):
