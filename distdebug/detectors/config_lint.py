@@ -31,6 +31,19 @@ BIG_MODEL = 100 << 20
 MANY_BUCKETS = 1000
 
 
+FIND_UNUSED_FIX = {
+    "transformers": "TrainingArguments(ddp_find_unused_parameters=False) (the Trainer turns it on itself when it "
+                    "is not set)",
+    "accelerate": "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)]) "
+                  "(from accelerate.utils)",
+    "lightning": "Trainer(strategy='ddp') rather than 'ddp_find_unused_parameters_true', or "
+                 "DDPStrategy(find_unused_parameters=False)",
+}
+"""The fix for a needless find_unused_parameters=True, by the framework that built the DDP wrapper (the
+script never wrote the flag: telling it to remove it sends the user looking for a line that is not there)."""
+FIND_UNUSED_FIX["pytorch_lightning"] = FIND_UNUSED_FIX["lightning_fabric"] = FIND_UNUSED_FIX["lightning"]
+
+
 class ConfigLint(Detector):
     name = "config_lint"
     description = "lint's checks on the live DDP/DeepSpeed objects (unused parameters, buffers, wrap order, buckets)"
@@ -159,11 +172,17 @@ class ConfigLint(Detector):
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
         if opts.get("find_unused_parameters"):
             unused = [n for n, p in named if p.grad is None]
+            from distdebug.runtime.discovery import ddp_builder, find_ddp
+
+            ddp = find_ddp(root)
+            builder = ddp_builder(ddp) if ddp is not None else None
             if not unused:
+                by = f" (set by {builder}, which built the DDP wrapper)" if builder else ""
                 out.append(self._finding(Severity.WARNING, "find_unused_parameters",
-                                         "DDP(find_unused_parameters=True), but every parameter got a gradient in "
-                                         "step 1: the graph walk after each forward is wasted",
-                                         "remove find_unused_parameters=True"))
+                                         f"DDP(find_unused_parameters=True){by}, but every parameter got a gradient "
+                                         "in step 1: the graph walk after each forward is wasted",
+                                         FIND_UNUSED_FIX.get(builder or "", "remove find_unused_parameters=True"),
+                                         built_by=builder or "the script"))
             else:
                 out.append(self._finding(Severity.INFO, "find_unused_parameters",
                                          f"{len(unused)} parameter(s) got no gradient in step 1 "

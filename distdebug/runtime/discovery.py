@@ -98,6 +98,33 @@ def note_ddp_params(ddp: Any) -> None:
         _DDP_PARAMS[ddp] = [(n, weakref.ref(p)) for n, p in module.named_parameters()]
 
 
+FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
+"""Training frameworks that build the DDP wrapper themselves: the user sets its options through theirs."""
+
+_DDP_BUILDER: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def note_ddp_builder(ddp: Any, frame: Any) -> None:
+    """Which framework built ``ddp`` (called in its constructor, ``frame`` the constructor's caller): the
+    outermost one on the stack, closest to the script (the HF Trainer builds it through accelerate's
+    ``prepare``: the Trainer's options are the ones the user writes). Nothing is kept for a script's own."""
+    found = None
+    depth = 0
+    while frame is not None and depth < 200:
+        top = str(frame.f_globals.get("__name__", "")).split(".", 1)[0]
+        if top in FRAMEWORKS:
+            found = top
+        frame = frame.f_back
+        depth += 1
+    if found is not None:
+        _DDP_BUILDER[ddp] = found
+
+
+def ddp_builder(ddp: Any) -> str | None:
+    """The framework that built ``ddp`` (one of FRAMEWORKS), or None: the script built it."""
+    return _DDP_BUILDER.get(ddp)
+
+
 def ddp_params(ddp: Any) -> list[tuple[str, Any]] | None:
     """The parameters noted at ``ddp``'s construction that are still alive, or None if none were noted."""
     noted = _DDP_PARAMS.get(ddp)

@@ -286,6 +286,7 @@ class TorchPatches:
 
             _quietly(discovery.note_ddp, ddp)
             _quietly(discovery.note_ddp_params, ddp)  # by name, before TP parameters leave named_parameters()
+            _quietly(discovery.note_ddp_builder, ddp, sys._getframe(1))  # a framework's options, or the script's
 
         return __init__
 

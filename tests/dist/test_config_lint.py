@@ -23,6 +23,22 @@ class Branchy(nn.Module):
         return self.used(x)
 
 
+def _framework(outer):
+    """A DDP builder as a framework has it: accelerate's prepare builds the wrapper, called by the HF Trainer
+    (outer="transformers") or by the script (outer="accelerate"): functions of modules with those names."""
+    import types
+
+    acc = types.ModuleType("accelerate.accelerator")
+    exec("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+         "def prepare(model):\n    return DDP(model, find_unused_parameters=True)\n", acc.__dict__)
+    if outer == "accelerate":
+        return acc.prepare
+    trainer = types.ModuleType(f"{outer}.trainer")
+    trainer.__dict__["prepare"] = acc.prepare
+    exec("def wrap(model):\n    return prepare(model)\n", trainer.__dict__)
+    return trainer.wrap
+
+
 def _loop(rank, world, tmp, case):
     s = start_session(tmp, rank, detectors=[ConfigLint()])
     torch.manual_seed(0)
@@ -30,6 +46,8 @@ def _loop(rank, world, tmp, case):
         model = DDP(Branchy(), find_unused_parameters=True)
     elif case == "all_used":
         model = DDP(nn.Linear(4, 1), find_unused_parameters=True)
+    elif case.startswith("built_by_"):  # a framework builds the wrapper: the flag is its, not the script's
+        model = _framework(case.removeprefix("built_by_"))(nn.Linear(4, 1))
     elif case == "buffers":
         model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)), broadcast_buffers=False)
     elif case == "compile_first":
@@ -70,6 +88,21 @@ def test_find_unused_parameters_is_judged_by_the_real_gradients(tmp_path):
     got, fs = run(tmp_path / "unused", "unused")
     assert got == [("info", "find_unused_parameters", 1, [1])]
     assert fs[0]["evidence"]["unused"] == ["spare.weight", "spare.bias"]
+
+
+def test_find_unused_parameters_fix_is_said_in_the_framework_that_set_it(tmp_path):
+    """Issue 22: the HF Trainer sets find_unused_parameters=True itself (through accelerate); telling the user
+    to remove a flag the script never wrote sent them looking for a line that is not there."""
+    from distdebug.detectors.config_lint import FIND_UNUSED_FIX
+
+    got, fs = run(tmp_path / "t", "built_by_transformers")
+    assert got == [("warning", "find_unused_parameters", 1, [1])]
+    assert fs[0]["fix"] == FIND_UNUSED_FIX["transformers"] and "ddp_find_unused_parameters=False" in fs[0]["fix"]
+    assert fs[0]["evidence"]["built_by"] == "transformers" and "set by transformers" in fs[0]["message"]
+    _, fs = run(tmp_path / "a", "built_by_accelerate")
+    assert fs[0]["fix"] == FIND_UNUSED_FIX["accelerate"] and fs[0]["evidence"]["built_by"] == "accelerate"
+    _, fs = run(tmp_path / "s", "all_used")  # the script's own DDP: its own line to remove
+    assert fs[0]["fix"] == "remove find_unused_parameters=True" and fs[0]["evidence"]["built_by"] == "the script"
 
 
 def test_buffers_compile_order_and_a_clean_model(tmp_path):
