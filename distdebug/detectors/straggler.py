@@ -176,10 +176,15 @@ def verdicts(table: dict[int, dict[str, Any]], floor_s: float = MIN_LATE_S) -> l
     out = []
     for r, row in table.items():
         floor = MIN_DEVICE_LATE_S if row.get("clock") == "device" else floor_s
-        if row["score"] >= SCORE or row["lateness_s"] < max(LATE_FRACTION * row["step_s"], floor):
-            continue
         others = [o["data_wait_s"] for q, o in table.items() if q != r]
         extra_data = row["data_wait_s"] - (statistics.median(others) if others else 0.0)
+        if row["score"] >= SCORE or row["lateness_s"] < max(LATE_FRACTION * row["step_s"], floor):
+            # Arrival times equal, but this rank's data loader takes a fifth of the step more than the others':
+            # they wait for it at a synchronisation between loading and forward (the HF Trainer gathers the
+            # batch's token count there), where arrival times no longer show who was late (issue 22).
+            if extra_data >= max(LATE_FRACTION * row["step_s"], floor_s):
+                out.append((r, "data-sync", row))
+            continue
         out.append((r, "data" if extra_data >= 0.5 * row["lateness_s"] else "compute", row))
     return out
 
@@ -301,23 +306,31 @@ class Straggler(ExchangeUser, Detector):
             if rank in self.reported:
                 continue
             self.reported.add(rank)
+            others_ms = statistics.median(o["data_wait_s"] for q, o in table.items() if q != rank) * 1000
             what = ("waits for data: its data loader takes {:.1f} ms per step, the others' {:.1f} ms".format(
-                row["data_wait_s"] * 1000, statistics.median(
-                    o["data_wait_s"] for q, o in table.items() if q != rank) * 1000)
-                    if cause == "data" else
+                row["data_wait_s"] * 1000, others_ms)
+                    if cause != "compute" else
                     "computes slower (its data loader is not the cause: {:.1f} ms per step)".format(
                         row["data_wait_s"] * 1000))
+            if cause == "data-sync":
+                message = (f"rank {rank} is a straggler: its data loader takes {row['data_wait_s'] * 1000:.1f} ms per "
+                           f"step of {row['step_s'] * 1000:.1f} ms, the others' {others_ms:.1f} ms, and the others "
+                           "wait for it at a synchronisation between loading and the forward (a collective there: "
+                           "their arrival times are equal, medians over "
+                           f"{int(row['steps'])} steps)")
+            else:
+                message = (f"rank {rank} is a straggler: the others wait {row['lateness_s'] * 1000:.1f} ms for it per "
+                           f"step of {row['step_s'] * 1000:.1f} ms (relative speed score {row['score']:.2f} < {SCORE}, "
+                           f"medians over {int(row['steps'])} steps); it {what}")
             ctx.report(Finding(
                 severity=Severity.WARNING, detector=self.name, ranks=[rank], step=step,
-                subject="data loader" if cause == "data" else "compute",
-                message=f"rank {rank} is a straggler: the others wait {row['lateness_s'] * 1000:.1f} ms for it per "
-                        f"step of {row['step_s'] * 1000:.1f} ms (relative speed score {row['score']:.2f} < {SCORE}, "
-                        f"medians over {int(row['steps'])} steps); it {what}",
-                evidence={"cause": "data loader" if cause == "data" else "compute",
+                subject="compute" if cause == "compute" else "data loader",
+                message=message,
+                evidence={"cause": "compute" if cause == "compute" else "data loader",
                           "scores": {str(r): round(t["score"], 3) for r, t in table.items()},
                           **{k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}},
                 fix=("more DataLoader workers, pin_memory, faster storage or a prefetching loader on that rank's host"
-                     if cause == "data" else
+                     if cause != "compute" else
                      "look at that rank's host and device: thermal throttling, a noisy neighbour, another process "
                      "on its GPU, a slower card; profile it with --profile-steps"),
             ))

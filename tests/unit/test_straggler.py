@@ -7,8 +7,9 @@ import random
 from distdebug.detectors.straggler import MIN_STEPS, by_position, host_floor, scores, verdicts
 
 
-def rows(world, steps=20, slow=None, late=0.0, data_late=False, offset=None, seed=0):
-    """[step, step_time, boundary_t, forward_t, backward_t, data_s] per rank: 10 ms steps, 4 ms forward."""
+def rows(world, steps=20, slow=None, late=0.0, data_late=False, offset=None, seed=0, synced=False):
+    """[step, step_time, boundary_t, forward_t, backward_t, data_s] per rank: 10 ms steps, 4 ms forward.
+    ``synced``: a collective between loading and forward (every rank leaves it when the last arrives)."""
     rng = random.Random(seed)
     out = {r: [] for r in range(world)}
     t = 100.0
@@ -19,6 +20,8 @@ def rows(world, steps=20, slow=None, late=0.0, data_late=False, offset=None, see
             extra = late if r == slow else 0.0
             data = 0.0002 + (extra if data_late else 0.0)
             fwd = t + data + (0.0 if data_late else extra) + jitter  # arrives after its data and its extra work
+            if synced:  # everyone waits for the slowest loader in a collective before the forward
+                fwd = t + 0.0002 + (late if data_late and slow is not None else 0.0) + jitter
             bwd = fwd + 0.004
             shift = (offset or {}).get(r, 0.0)  # another node's clock
             out[r].append([s, step, t + step + shift, fwd + shift, bwd + shift, data])
@@ -147,3 +150,17 @@ def test_the_host_floor_grows_where_ranks_share_cores():
     assert [r for r, _, _ in verdicts(scores(noisy))] == [1]
     assert verdicts(scores(noisy), host_floor(4, 2)) == []
     assert [r for r, _, _ in verdicts(scores(rows(4, slow=1, late=0.050)), host_floor(4, 2))] == [1]
+
+
+def test_a_slow_loader_hidden_by_a_collective_before_the_forward_is_still_named():
+    """Issue 22 (the HF Trainer gathers each batch's token count between loading and forward): the other
+    ranks wait for the slow loader inside that collective, so every rank arrives at the forward together;
+    the slow rank's extra time in its data loader still names it. Noise alone names nobody."""
+    table = scores(rows(3, slow=1, late=0.020, data_late=True, synced=True))
+    assert all(row["lateness_s"] < 0.001 for row in table.values())  # arrival times cannot tell
+    ((rank, cause, row),) = verdicts(table)
+    assert (rank, cause) == (1, "data-sync") and row["data_wait_s"] > 0.02
+    for seed in range(10):
+        assert verdicts(scores(rows(4, seed=seed, synced=True))) == []
+    # a little more time in the loader than the others, under a fifth of the step: not a straggler
+    assert verdicts(scores(rows(3, slow=1, late=0.001, data_late=True, synced=True))) == []
