@@ -165,6 +165,7 @@ class NanOrigin(Detector):
         # comm_in, comm_out, stage_input, shards, gathered: of the step being read
         self._forward_records: tuple[dict[str, Any], ...] = ({}, {}, {}, {}, {})
         self._hooks: list[Any] = []
+        self._readers: list[Any] = []  # this detector's entries in ctx.end_of_backward
 
     # ------------------------------------------------------------------ wiring
     def attach(self, ctx: RankContext) -> None:
@@ -325,7 +326,9 @@ class NanOrigin(Detector):
                 # .grad when it finalises, at the end of the backward. Until then .grad is this rank's own:
                 # one reading of them all when the graph is done (ctx.end_of_backward), in place of a
                 # Python hook and a kernel per parameter.
-                ctx.end_of_backward.append(self.guarded(self._local_grads(named)))
+                reader = self.guarded(self._local_grads(named))
+                self._readers.append(reader)
+                ctx.end_of_backward.append(reader)
             self.local_source = "ddp"
 
     def _local_grad_hook(self, key: tuple[str, ...]) -> Any:
@@ -584,6 +587,10 @@ class NanOrigin(Detector):
     def on_end(self) -> Iterable[Finding]:
         if self.ctx is not None and self._observe in self.ctx.communication_observers:
             self.ctx.communication_observers.remove(self._observe)
+        for reader in self._readers:  # no pre-hook on later backwards for a reader that is over
+            if self.ctx is not None and reader in self.ctx.end_of_backward:
+                self.ctx.end_of_backward.remove(reader)
+        self._readers = []
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -249,8 +249,11 @@ def test_nan_origin_under_attach_and_stop_on_nan(tmp_path):
     r = distdebug("attach", "--run-dir", str(tmp_path / "go"), SCRIPT, "--steps", "5", "--nan-at", "3")
     assert r.returncode == 0, r.output  # default: report and keep going
     origin = [f for f in kinds(tmp_path / "go", 1, "finding") if f["detector"] == "nan_origin"][0]
-    assert (origin["step"], origin["ranks"], origin["subject"]) == (3, [1], "0")  # born in the forward, at 0
-    assert "started on rank 1 at step 3" in origin["message"] and "forward order: 0" in origin["message"]
+    # born in the forward, in the batch: the model's input is checked and named (the first Linear, "0", was
+    # named before the model's input was checked)
+    assert (origin["step"], origin["ranks"], origin["subject"]) == (3, [1], "(input of Sequential)")
+    assert "started on rank 1 at step 3" in origin["message"]
+    assert "forward order: (input of Sequential)" in origin["message"]
     assert "non-finite local gradient (before all-reduce): 2.bias" in origin["message"]
     r = distdebug("attach", "--run-dir", str(tmp_path / "stop"), "--stop-on-nan", SCRIPT, "--steps", "5",
                   "--nan-at", "3")
