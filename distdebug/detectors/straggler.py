@@ -51,6 +51,11 @@ from distdebug.findings import Finding, Severity
 from distdebug.runtime.exchange import ExchangeUser, checked_step
 
 SCORE = 0.7
+STAND_OUT = 0.75
+"""A straggler's score is also under this fraction of the other ranks' median score: it stands out from its
+peers, not only from the fastest. Where ranks share cores (4 ranks on 2), the OS's scheduling spreads
+healthy ranks' scores from 0.6 to 1.0 (a clean 4-rank HSDP x TP run named its rank 3 at 0.60 while the
+others had 0.73, 0.68 and 1.0); a rank sleeping 50 ms a step scores 0.14 against its peers' 1.0."""
 DEVICE = 6
 """Index of the device forward time (s, NaN when not measured) in a row."""
 LATE_FRACTION = 0.2
@@ -178,7 +183,9 @@ def verdicts(table: dict[int, dict[str, Any]], floor_s: float = MIN_LATE_S) -> l
         floor = MIN_DEVICE_LATE_S if row.get("clock") == "device" else floor_s
         others = [o["data_wait_s"] for q, o in table.items() if q != r]
         extra_data = row["data_wait_s"] - (statistics.median(others) if others else 0.0)
-        if row["score"] >= SCORE or row["lateness_s"] < max(LATE_FRACTION * row["step_s"], floor):
+        peers = statistics.median(o["score"] for q, o in table.items() if q != r) if len(table) > 1 else 1.0
+        if row["score"] >= SCORE or row["score"] >= STAND_OUT * peers or \
+                row["lateness_s"] < max(LATE_FRACTION * row["step_s"], floor):
             # Arrival times equal, but this rank's data loader takes a fifth of the step more than the others':
             # they wait for it at a synchronisation between loading and forward (the HF Trainer gathers the
             # batch's token count there), where arrival times no longer show who was late (issue 22).

@@ -164,3 +164,26 @@ def test_a_slow_loader_hidden_by_a_collective_before_the_forward_is_still_named(
         assert verdicts(scores(rows(4, seed=seed, synced=True))) == []
     # a little more time in the loader than the others, under a fifth of the step: not a straggler
     assert verdicts(scores(rows(3, slow=1, late=0.001, data_late=True, synced=True))) == []
+
+
+def test_ranks_spread_by_sharing_cores_are_not_stragglers_but_one_that_stands_out_is():
+    """4 ranks on 2 cores: the OS's scheduling makes healthy ranks late by up to half a step, some more than
+    others (a clean run named a rank at score 0.60 while its peers had 0.68, 0.73 and 1.0). A straggler stands
+    out from its peers' median score, not only from the fastest."""
+    rng = random.Random(3)
+    per_rank = {r: [] for r in range(4)}
+    t = 100.0
+    late = {1: 0.0, 0: 0.015, 2: 0.0193, 3: 0.027}  # the clean run's arrival order: rank 1 first, rank 3 last
+    for s in range(2, 22):
+        step = 0.068
+        for r in range(4):
+            fwd = t + late[r] + rng.uniform(0, 0.001)
+            per_rank[r].append([s, step, t + step, fwd, fwd + 0.02, 0.0])
+        t += step
+    table = scores(per_rank)
+    assert table[3]["score"] < 0.65 and table[3]["lateness_s"] > 0.02  # what the score alone named
+    assert 0.65 < table[0]["score"] < 0.8 and 0.62 < table[2]["score"] < 0.75 and table[1]["score"] == 1.0
+    assert verdicts(table, floor_s=0.02) == []
+    slow = rows(4, slow=2, late=0.050)  # one rank 50 ms late every step among 4: named
+    ((rank, cause, _),) = verdicts(scores(slow), floor_s=0.02)
+    assert (rank, cause) == (2, "compute")
