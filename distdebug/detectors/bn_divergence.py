@@ -252,8 +252,8 @@ class BatchNormDivergence(ExchangeUser, Detector):
                     severity=Severity.WARNING, detector=self.name, ranks=sorted(stats), step=step, subject=label,
                     message=f"plain BatchNorm {label} normalises each rank's batch with its own statistics, and they "
                             f"disagree at step {step}: by {typical:.2f} standard deviations across ranks over its "
-                            f"channels, more than sampling explains for batches of {min(stats[r]['n'] for r in stats)} "
-                            f"(about {1 / math.sqrt(min(stats[r]['n'] for r in stats)):.2f}); channel {channel} batch "
+                            f"channels, more than sampling explains for batches of {judged['n']} "
+                            f"(about {1 / math.sqrt(judged['n']):.2f}); channel {channel} batch "
                             f"means {means} spread by {spread:.2f} (SyncBatchNorm: not in use)",
                     evidence={"spread_std": spread, "channel": channel, "batch_means": means, "typical_std": typical,
                               "chi2": judged["t"], "dof": judged["dof"], "material_std": MATERIAL_SPREAD,

@@ -361,7 +361,9 @@ class NanOrigin(Detector):
                         names.clear()
                     key = names[which] = tuple(named[i][0] for i in which)
                 grads = [g for _, g in present]
-                flags = torch._foreach_norm(grads, _finite_norm(grads[0]))
+                # in float32: an fp16 gradient's own 2-norm overflows past 65504, a finite gradient (the sum the
+                # per-parameter hook takes accumulates in float32 too)
+                flags = torch._foreach_norm(grads, _finite_norm(grads[0]), dtype=torch.float32)
                 fold_in(local.local, key, torch.stack(flags))
         return read
 
@@ -405,7 +407,8 @@ class NanOrigin(Detector):
         with torch.no_grad():
             scalars = [f for _, f in fwd] + [v for _, v in local if not v.dim()]
             if tensors:
-                scalars += torch._foreach_norm(tensors, _finite_norm(tensors[0]))
+                # float32: an fp16 parameter's own norm overflows past 65504
+                scalars += torch._foreach_norm(tensors, _finite_norm(tensors[0]), dtype=torch.float32)
             # one vector per end-of-backward reading (a value per local gradient)
             pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()]
             if not pieces:

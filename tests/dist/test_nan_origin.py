@@ -180,3 +180,17 @@ def test_modules_that_cannot_start_a_nan_get_no_hook_and_a_bad_batch_is_named(tm
     assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 3, [1], "(input of Sequential)")
     assert "NaN/Inf started on rank 1 at step 3" in f["message"]
     assert findings(tmp_path, 0)[0]["severity"] == "warning"  # received through all-reduce
+
+
+def test_large_finite_fp16_gradients_are_not_read_as_non_finite():
+    """The end-of-backward reading takes each local gradient's norm in float32: an fp16 gradient of 60000s has
+    a 2-norm past fp16's 65504, and in fp16 it read as Inf (a false NaN); a real Inf still reads as one."""
+    det = NanOrigin()
+    big = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    big.grad = torch.full((4,), 60000.0, dtype=torch.float16)
+    bad = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    bad.grad = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    det._local_grads([("big", big), ("bad", bad)])()
+    ((names, flags),) = det.local.items()
+    assert names == ("big", "bad") and flags.dtype == torch.float32
+    assert torch.isfinite(flags).tolist() == [True, False]
