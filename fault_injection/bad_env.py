@@ -8,10 +8,13 @@ once per node, before the script's first line).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class BadEnv(Fault):
@@ -29,6 +32,18 @@ class BadEnv(Fault):
         super().setup(ctx)
         os.environ[self.var] = self.value
         self.injected(var=self.var, value=self.value)
+
+    needs = 0
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if facts.backend not in ("gloo", "nccl"):
+            return f"the backend is {facts.backend or 'unknown'}: no socket variable of gloo or NCCL to spoil"
+        return super().applicable(facts)
+
+    @classmethod
+    def fit(cls, facts: Facts) -> dict[str, Any]:
+        return {"var": "NCCL_SOCKET_IFNAME"} if facts.backend == "nccl" else {}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("env_check", subject=next((i["var"] for i in injected), self.var))]

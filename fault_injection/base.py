@@ -23,11 +23,14 @@ a bad spec is a one-line error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.errors import UserError
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,42 @@ class Fault(Detector):
     steps: ClassVar[int] = 10
     """Optimizer steps its replay run on a recipe needs (the fault's step and the detector's checks after it)."""
 
+    earliest: ClassVar[int] = 2
+    """The earliest step it may act in on a user's script (a loss spike needs the detector's history first)."""
+    needs: ClassVar[int] = 1
+    """Steps the script must run after the fault's step for its detector to see it (1: the fault never acts
+    in the last step); for a fault without a step, the steps of the whole run."""
+
+    # ---------------------------------------------------------------- fitting to a user's script
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        """Why this fault cannot act on the probed script, or '' when it can. Subclasses add their own
+        reasons (nothing it acts through was there) to these common ones (ranks, steps)."""
+        if facts.world < cls.min_world:
+            return f"needs {cls.min_world} ranks, the script ran on {facts.world} (give --nproc)"
+        rank = next((p.default for p in cls.params if p.name == "rank"), -1)
+        if rank >= facts.world:
+            return f"acts on rank {rank}, the script ran on {facts.world}"
+        least = (cls.earliest if cls.has_step() else 0) + cls.needs
+        if facts.steps < least:
+            at = f"acts at step {cls.earliest} or later and " if cls.has_step() else ""
+            return (f"the script ran {facts.steps} steps; {cls.name} {at}needs {least} steps for "
+                    f"{cls.catcher} to see it (run the script longer)")
+        return ""
+
+    @classmethod
+    def fit(cls, facts: Facts) -> dict[str, Any]:
+        """Spec parameters fitted to the script: the step from the number of steps it runs (the default
+        when there is room, never at or past the last step); subclasses add targets from the model."""
+        if not cls.has_step():
+            return {}
+        default = next(p.default for p in cls.params if p.name == "step")
+        return {"step": max(cls.earliest, min(default, facts.steps - cls.needs))}
+
+    @classmethod
+    def has_step(cls) -> bool:
+        return any(p.name == "step" for p in cls.params)
+
     def __init__(self, **params: Any) -> None:
         for p in self.params:
             setattr(self, p.name, params.get(p.name, p.default))
@@ -106,10 +145,10 @@ class Fault(Detector):
         return rank == -1 or (self.ctx is not None and rank == self.ctx.rank)
 
     def injected(self, **what: Any) -> None:
-        """Record that the fault acted (once per step at most)."""
+        """Record that the fault acted (once per step at most); ``step`` defaults to the step in progress."""
         self.acted = True
         if self.ctx is not None and self.ctx.emit is not None:
-            self.ctx.emit("injected", fault=self.name, step=self.current, **what)
+            self.ctx.emit("injected", **{"fault": self.name, "step": self.current, **what})
 
     def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx

@@ -13,11 +13,14 @@ its tensor's replica group (the ranks that hold the same shard), which is where 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection._targets import local, parameter
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class BitflipParam(Fault):
@@ -51,6 +54,20 @@ class BitflipParam(Fault):
         with torch.no_grad():
             local(p).view(-1)[:1].view(torch.int32).bitwise_xor_(1 << self.bit)
         self.injected(param=name, bit=self.bit, replicas=group)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.optimizers or not facts.param:
+            return "no model and optimizer were found: no parameter to flip a bit in"
+        if facts.replicas < 2:
+            return "no two ranks hold the same parameters: nothing to compare a flipped bit with"
+        if facts.wrappers & {"fsdp2", "deepspeed"}:
+            return f"not replayed under sharded parameters ({facts.wrapper_names}): each rank holds its own shard"
+        return super().applicable(facts)
+
+    @classmethod
+    def fit(cls, facts: Facts) -> dict[str, Any]:
+        return {**super().fit(facts), "param": facts.param}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         # Found among the ranks that hold the same tensor (every rank unless the layout says fewer).

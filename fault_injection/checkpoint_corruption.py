@@ -6,10 +6,13 @@ the script (or DeepSpeed) loads from.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class CheckpointCorruption(Fault):
@@ -33,10 +36,24 @@ class CheckpointCorruption(Fault):
             if not fault.acted:
                 hit = _alter_first(obj, "")
                 if hit is not None:
-                    fault.injected(tensor=hit, file=str(args[0]) if args else "?")
+                    # A restore is placed at the step it follows, as checkpoint_roundtrip places it
+                    # (a load between two steps belongs to neither's forward and backward).
+                    fault.injected(tensor=hit, file=str(args[0]) if args else "?", step=fault.current - 1)
             return obj
 
         ctx.patch(torch, "load", load)
+
+    needs = 1
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.loads:
+            return "the script restores no checkpoint it saved in the same run (torch.save/torch.load of a path)"
+        return super().applicable(facts)
+
+    @classmethod
+    def fit(cls, facts: Facts) -> dict[str, Any]:
+        return {"rank": 1 if 1 in facts.loads else min(facts.loads)}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("checkpoint_roundtrip", ranks=[i["rank"]], subject=i["tensor"]) for i in injected]

@@ -8,7 +8,7 @@ from fault_injection.matrix import Cell
 from fault_injection.registry import FAULTS
 
 STYLE = {"caught-localised": "green", "clean": "green", "caught": "yellow", "miss": "red", "false-alarm": "red",
-         "error": "red"}
+         "error": "red", "not-applicable": "dim"}
 
 
 def catalogue(console: Any) -> None:
@@ -35,6 +35,17 @@ def matrix(console: Any, cells: list[Cell]) -> None:
                   "-" if c.steps_to_detection is None else str(c.steps_to_detection), f"{c.wall_s:.1f}",
                   esc(c.reason or ""))
     console.print(t)
+    console.print(summary(cells))
+
+
+def summary(cells: list[Cell]) -> str:
+    """The replay's last line: what could act, what was caught, what could not act, the clean runs, failures."""
+    faults = [c for c in cells if c.fault != "clean"]
+    cleans = [c for c in cells if c.fault == "clean"]
+    applicable = [c for c in faults if c.applicable]
+    caught = sum(c.status == "caught-localised" for c in applicable)
     bad = [c for c in cells if not c.ok]
-    console.print(f"{len(cells) - len(bad)} of {len(cells)} cells caught and localised (or clean); "
-                  f"{len(bad)} missed" + (": " + ", ".join(f"{c.fault}/{c.engine}" for c in bad) if bad else ""))
+    line = (f"{len(applicable)} applicable, {caught} caught-localised, {len(faults) - len(applicable)} not applicable; "
+            f"{sum(c.status == 'clean' for c in cleans)} of {len(cleans)} clean runs clean; ")
+    return line + (f"{len(bad)} failed: " + ", ".join(f"{c.fault}/{c.engine} ({c.status})" for c in bad)
+                   if bad else "0 failed")

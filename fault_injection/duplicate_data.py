@@ -4,10 +4,13 @@ so the ranks repeat each other's work: the mistake of a missing DistributedSampl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class DuplicateData(Fault):
@@ -32,6 +35,15 @@ class DuplicateData(Fault):
             fault.injected(sampler="DistributedSampler")
 
         ctx.patch(DistributedSampler, "__init__", init)
+
+    needs = 2  # found at step 2
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.distributed_sampler:
+            return ("no DistributedSampler: " + ("the script makes its batches itself" if not facts.dataloader
+                                                 else "its DataLoader shards data some other way"))
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("data_order", ranks=list(range(world)), step=2, subject="input batches")] if injected else []

@@ -7,10 +7,13 @@ The hang diagnosis (launcher side, after --stall-timeout) must name that rank an
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class Hang(Fault):
@@ -31,6 +34,14 @@ class Hang(Fault):
             self.injected(where="forward")
             while True:  # stuck until the job is ended
                 time.sleep(3600)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.module and not facts.param:
+            return "no model was found: no forward to block in"
+        if not (facts.collectives or facts.wrappers & {"ddp", "fsdp2", "deepspeed", "manual"}):
+            return "no collective was seen: no rank would wait for the blocked one"
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("hang", ranks=[i["rank"]], step=i["step"]) for i in injected]

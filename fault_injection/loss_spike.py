@@ -8,11 +8,14 @@ also makes that rank's loss depart from the others' (loss_spike's cross-rank che
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection._targets import inner
 from fault_injection.base import Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class LossSpike(Fault):
@@ -53,6 +56,14 @@ class LossSpike(Fault):
             self.injected(factor=self.factor, output="first")
             return type(out)([out[0] * self.factor, *out[1:]])
         return None
+
+    earliest = 12  # loss_spike's MIN_HISTORY steps of history, and a step of margin
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.loss:
+            return "no loss was read from the steps (the model's output is not a loss the harness can see)"
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         out = [Expect("loss_spike", ranks=[i["rank"]], step=i["step"], subject="loss") for i in injected]

@@ -9,12 +9,19 @@ A cell is
 - caught: a finding of the fault's detector, not before the fault acted;
 - localised: every finding the fault declares (``Fault.expect``, built from what the fault actually
   hit: rank, step, parameter, module, file) is there;
-- a miss otherwise, also when the detector is not built yet or the fault never acted.
+- a miss otherwise, also when the detector is not built yet;
+- an error when the fault was scheduled but never acted (the replay aimed it wrong: not the
+  detector's miss), the run timed out, or its exit code was not the expected one.
 A clean run per engine must have no finding at all.
+
+On a user's script (``replay_script``) the clean run is also a probe (fault_injection.probe): what
+the script has decides which faults can act on it (the others are not-applicable cells, with the
+reason, skipped in JUnit) and fits each fault's step and target to it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -88,7 +95,7 @@ class Cell:
     engine: str
     spec: str
     status: str = "miss"
-    """caught-localised | caught | miss | clean | false-alarm | error"""
+    """caught-localised | caught | miss | clean | false-alarm | error | not-applicable"""
     detector: str = ""
     steps_to_detection: int | None = None
     wall_s: float = 0.0
@@ -100,7 +107,11 @@ class Cell:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("caught-localised", "clean")
+        return self.status in ("caught-localised", "clean", "not-applicable")
+
+    @property
+    def applicable(self) -> bool:
+        return self.status != "not-applicable"
 
 
 def _matches(f: dict[str, Any], e: Expect) -> bool:
@@ -127,7 +138,9 @@ def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findi
         return cell
     cell.detector = fault.catcher
     if not injected:
-        cell.status, cell.reason = "miss", "the fault never acted on this run (nothing it targets was there)"
+        # Its schedule or target was wrong for this run: the replay's error, not the detector's miss.
+        cell.status = "error"
+        cell.reason = "the fault was scheduled but never acted (nothing it targets was there at its step)"
         return cell
     first = min((i["step"] for i in injected if i.get("step") is not None), default=None)
     # A finding before the fault acted is not its catch (a fault that acts at set-up, step 1, can be
@@ -168,8 +181,11 @@ def _steps(fault: Fault | None) -> int:
 
 
 def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, script: list[str] | None = None,
-             timeout: float = REPLAY_TIMEOUT_S) -> Cell:
-    """Run one cell (a fault on an engine, or the clean run when fault is None) and judge it."""
+             timeout: float = REPLAY_TIMEOUT_S, probe: bool = False, standalone: bool = False) -> Cell:
+    """Run one cell (a fault on an engine, or the clean run when fault is None) and judge it.
+
+    ``probe``: the clean run also records what the script has (fault_injection.probe); ``standalone``:
+    the run's rendezvous on a free port of its own (cells run side by side)."""
     from distdebug.artifacts.reader import load_run
     from distdebug.procs import run_tree
 
@@ -179,7 +195,7 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    base = [*_cli(), "attach", "--nproc-per-node", str(nproc)]
+    base = [*_cli(), "attach", "--nproc-per-node", str(nproc), *(["--standalone"] if standalone else [])]
     if script is not None:
         target = list(script)
     else:
@@ -200,12 +216,14 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     argv = [*base, "--run-dir", str(run_dir)]
     if fault is not None:
         argv += [*fault.attach_args, "--inject", fault.spec()]
+    elif probe:
+        argv += ["--inject", "probe"]
     t0 = time.monotonic()
     r = run_tree([*argv, *target], timeout=timeout, env=env)
     cell.wall_s = time.monotonic() - t0
     cell.exit_code = r.returncode
     if r.timed_out:
-        cell.status, cell.reason = "error", f"timed out after {timeout:.0f} s"
+        cell.status, cell.reason = "error", f"timed out after {timeout:.0f} s (--cell-timeout)"
         return cell
     if not run_dir.is_dir():
         cell.status, cell.reason = "error", f"attach failed ({r.returncode}): {r.stderr.strip()[-300:]}"
@@ -221,12 +239,10 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     return cell
 
 
-def plan(faults: list[str] | None, engines: list[str] | None, script: list[str] | None) -> list[tuple[str, str]]:
-    """(fault or 'clean', engine) cells in run order: each engine's clean run first."""
+def plan(faults: list[str] | None, engines: list[str] | None) -> list[tuple[str, str]]:
+    """(fault or 'clean', engine) cells on the recipes, in run order: each engine's clean run first."""
     chosen = faults or list(FAULTS)
     cells: list[tuple[str, str]] = []
-    if script is not None:
-        return [("clean", "script")] + [(f, "script") for f in chosen]
     used: list[str] = []
     for f in chosen:
         for e in FAULTS[f].engines:
@@ -238,37 +254,114 @@ def plan(faults: list[str] | None, engines: list[str] | None, script: list[str] 
     return [("clean", e) for e in used if ENGINES[e].prepare is None] + cells
 
 
-def replay(cells: list[tuple[str, str]], work: Path, nproc: int = 2, script: list[str] | None = None,
-           on_cell: Callable[[Cell], None] | None = None) -> list[Cell]:
-    out = []
-    for fault_name, engine in cells:
-        recipe = ENGINES.get(engine)
-        aim = recipe.aim.get(fault_name, {}) if recipe is not None else {}
-        fault = FAULTS[fault_name](**aim) if fault_name != "clean" else None
-        # A fault that needs more ranks (a slow pair among others) gets them, and so does a recipe.
-        world = max(nproc, fault.min_world if fault is not None else 1, recipe.nproc if recipe is not None else 1)
-        cell = run_cell(fault, engine, work, world, script=script)
-        out.append(cell)
+def _run_all(jobs: list[Callable[[], Cell]], parallel: int, on_cell: Callable[[Cell], None] | None) -> list[Cell]:
+    """Run the cells, ``parallel`` at a time (each is its own process tree); results in the given order."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    def done(cell: Cell) -> Cell:
         if on_cell is not None:
             on_cell(cell)
+        return cell
+
+    if parallel <= 1 or len(jobs) <= 1:
+        return [done(job()) for job in jobs]
+    with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="distdebug-replay") as pool:
+        futures = {pool.submit(job): i for i, job in enumerate(jobs)}
+        out: list[Cell | None] = [None] * len(jobs)
+        for fut in as_completed(futures):
+            out[futures[fut]] = done(fut.result())
+    return [c for c in out if c is not None]
+
+
+def _prune(cells: list[Cell], keep: bool) -> None:
+    """Remove the run directories of the cells that passed (kept: the failed ones, to look into)."""
+    if keep:
+        return
+    for c in cells:
+        if c.ok and c.run_dir:
+            shutil.rmtree(Path(c.run_dir).parent, ignore_errors=True)
+            c.run_dir = ""
+
+
+def replay(cells: list[tuple[str, str]], work: Path, nproc: int = 2, on_cell: Callable[[Cell], None] | None = None,
+           jobs: int = 1, timeout: float = REPLAY_TIMEOUT_S, keep: bool = True) -> list[Cell]:
+    """Replay faults on the project's recipes (``plan``'s cells)."""
+    todo: list[Callable[[], Cell]] = []
+    for fault_name, engine in cells:
+        recipe = ENGINES[engine]
+        fault = FAULTS[fault_name](**recipe.aim.get(fault_name, {})) if fault_name != "clean" else None
+        # A fault that needs more ranks (a slow pair among others) gets them, and so does a recipe.
+        world = max(nproc, fault.min_world if fault is not None else 1, recipe.nproc)
+        todo.append(functools.partial(run_cell, fault, engine, work, world, timeout=timeout, standalone=jobs > 1))
+    out = _run_all(todo, jobs, on_cell)
+    _prune(out, keep)
+    return out
+
+
+def replay_script(script: list[str], faults: list[str], work: Path, nproc: int = 2,
+                  overrides: dict[str, dict[str, Any]] | None = None, jobs: int = 1,
+                  timeout: float = REPLAY_TIMEOUT_S, keep: bool = False,
+                  on_cell: Callable[[Cell], None] | None = None,
+                  on_plan: Callable[[int], None] | None = None) -> list[Cell]:
+    """Replay faults on a user's script: a clean probe run first (it is the clean cell too), then each
+    fault the probe shows can act on the script, fitted to it (``Fault.fit``: its step from the number
+    of steps, its target from the model; ``overrides``: the user's parameters per fault, which win);
+    the others are not-applicable cells with the reason. ``on_plan`` gets the number of runs to come."""
+    from distdebug.artifacts.reader import load_run
+    from fault_injection.probe import Facts
+
+    clean = run_cell(None, "script", work, nproc, script=script, timeout=timeout, probe=True, standalone=jobs > 1)
+    if on_cell is not None:
+        on_cell(clean)
+    if clean.status == "error" or clean.exit_code != 0:
+        clean.status = "error"
+        what = clean.reason if clean.status == "error" else f"exit code {clean.exit_code}"
+        clean.reason = (f"the clean run of the script failed ({what}): the replay needs a script that runs to "
+                        "its end without faults")
+        return [clean]
+    facts = Facts.load(load_run(Path(clean.run_dir)))
+    cells: list[Cell | None] = [clean]  # None: a run to come, in this order
+    todo: list[Callable[[], Cell]] = []
+    for name in faults:
+        cls = FAULTS[name]
+        reason = cls.applicable(facts)
+        if reason:
+            cells.append(Cell(fault=name, engine="script", spec="", status="not-applicable", detector=cls.catcher,
+                              reason=reason))
+            continue
+        cells.append(None)
+        fault = cls(**{**cls.fit(facts), **(overrides or {}).get(name, {})})
+        world = max(nproc, fault.min_world)
+        todo.append(functools.partial(run_cell, fault, "script", work, world, script=script, timeout=timeout,
+                                      standalone=jobs > 1))
+    if on_plan is not None:
+        on_plan(len(todo))
+    ran = iter(_run_all(todo, jobs, on_cell))
+    out = [c if c is not None else next(ran) for c in cells]
+    _prune(out, keep)
     return out
 
 
 def junit_xml(cells: list[Cell]) -> str:
-    """JUnit XML: one test case per cell; a miss, false alarm or error is a failure."""
+    """JUnit XML: one test case per cell; a miss, false alarm or error is a failure, a fault that cannot act
+    on the script is skipped (with the reason)."""
     from xml.etree import ElementTree as ET
 
     suite = ET.Element("testsuite", name="distdebug-faults", tests=str(len(cells)),
                        failures=str(sum(not c.ok for c in cells)),
+                       skipped=str(sum(not c.applicable for c in cells)),
                        time=f"{sum(c.wall_s for c in cells):.1f}")
     for c in cells:
         case = ET.SubElement(suite, "testcase", classname=f"faults.{c.engine}", name=c.fault,
                              time=f"{c.wall_s:.1f}")
-        if not c.ok:
+        if not c.applicable:
+            ET.SubElement(case, "skipped", message=f"not applicable: {c.reason}"[:500])
+        elif not c.ok:
             fail = ET.SubElement(case, "failure", message=f"{c.status}: {c.reason}"[:500])
             fail.text = "\n".join([f"spec: {c.spec}", f"expected: {c.expected}", f"missing: {c.missing}",
                                    f"run dir: {c.run_dir}"])
         else:
             ET.SubElement(case, "system-out").text = (
-                f"{c.status}; steps to detection {c.steps_to_detection}; run dir {c.run_dir}")
+                f"{c.status}; spec {c.spec or '-'}; steps to detection {c.steps_to_detection}; "
+                f"run dir {c.run_dir or '(removed: passed)'}")
     return ET.tostring(suite, encoding="unicode")

@@ -7,11 +7,14 @@ every later hook (nan_origin's included) sees the poisoned tensor.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection._targets import module
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class NanActivation(Fault):
@@ -44,6 +47,17 @@ class NanActivation(Fault):
             return None
 
         mod.register_forward_hook(hook)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.module:
+            return ("no module whose output can turn non-finite (no model, or only embeddings, normalisations "
+                    "and activations, which nan_origin checks by their inputs)")
+        return super().applicable(facts)
+
+    @classmethod
+    def fit(cls, facts: Facts) -> dict[str, Any]:
+        return {**super().fit(facts), "module": facts.module}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"],

@@ -7,11 +7,14 @@ DDP's reducer (or a hand-written all_reduce) sees the gradient.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection._targets import parameter
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class NanGrad(Fault):
@@ -36,6 +39,19 @@ class NanGrad(Fault):
             return grad
 
         p.register_hook(hook)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.optimizers or not facts.param:
+            return "no model and optimizer were found: no gradient to plant a NaN in"
+        if not facts.wrappers <= {"ddp", "manual", "plain"}:
+            return (f"replayed under DDP and hand-written loops; this script uses {facts.wrapper_names} "
+                    "(nan_activation covers it)")
+        return super().applicable(facts)
+
+    @classmethod
+    def fit(cls, facts: Facts) -> dict[str, Any]:
+        return {**super().fit(facts), "param": facts.param}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"], subject=i["param"]) for i in injected]

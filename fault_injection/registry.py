@@ -14,6 +14,7 @@ from fault_injection.hang import Hang
 from fault_injection.loss_spike import LossSpike
 from fault_injection.nan_activation import NanActivation
 from fault_injection.nan_grad import NanGrad
+from fault_injection.probe import Probe
 from fault_injection.seed_mismatch import SeedMismatch
 from fault_injection.skip_step import SkipStep
 from fault_injection.slow_dataloader import SlowDataloader
@@ -27,8 +28,9 @@ FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
 
 
 def resolve(spec: str) -> dict[str, Any]:
-    """``--inject`` spec -> what the ranks load (import path and typed parameters)."""
-    cls, params = parse_spec(spec, FAULTS)
+    """``--inject`` spec -> what the ranks load (import path and typed parameters). ``probe`` (the replay's
+    clean run, which acts on nothing) is accepted too, but not listed in the catalogue."""
+    cls, params = parse_spec(spec, FAULTS) if spec.strip() != "probe" else (Probe, {})
     return {"target": f"{cls.__module__}:{cls.__name__}", "params": params}
 
 

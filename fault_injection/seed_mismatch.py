@@ -6,10 +6,13 @@ so the initial parameters differ per rank. In a hand-written loop the replicas d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class SeedMismatch(Fault):
@@ -33,6 +36,17 @@ class SeedMismatch(Fault):
 
         ctx.patch(torch, "manual_seed", manual_seed)
         ctx.patch(torch.random, "manual_seed", manual_seed)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.manual_seed:
+            return "torch.manual_seed is not called before the first step"
+        if not facts.hand_written:
+            return (f"{facts.wrapper_names} makes the initial parameters equal (or shards them): per-rank "
+                    "seeds are no fault there")
+        if facts.replicas < 2:
+            return "no two ranks hold the same parameters: nothing to compare"
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("init_seed", step=0)] if injected else []

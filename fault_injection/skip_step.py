@@ -4,10 +4,13 @@ disagrees across ranks): its replica falls one update behind and stays behind.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class SkipStep(Fault):
@@ -40,6 +43,16 @@ class SkipStep(Fault):
             return original(*args, **kwargs)
 
         ctx.patch(opt, "step", step)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.optimizers:
+            return "no optimizer was found: no step to skip"
+        if facts.replicas < 2:
+            return "no two ranks hold the same parameters: nothing to compare a skipped step with"
+        if not facts.wrappers <= {"ddp", "manual", "plain"}:
+            return f"replayed under DDP and hand-written loops; this script uses {facts.wrapper_names}"
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         # Two ranks: which one skipped and which one stepped twice cannot be told apart; both are named.

@@ -6,10 +6,13 @@ The straggler detector must name it and blame its data loader.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import RANK, Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class SlowDataloader(Fault):
@@ -36,6 +39,14 @@ class SlowDataloader(Fault):
             return original(it)
 
         ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
+
+    needs = 20  # the scores need medians over 8 steps every rank reported
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.dataloader:
+            return "no DataLoader: the script makes its batches itself"
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("straggler", ranks=[i["rank"]], subject="data loader", evidence={"cause": "data loader"})

@@ -7,10 +7,13 @@ pair named.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class SlowLink(Fault):
@@ -45,6 +48,10 @@ class SlowLink(Fault):
                 return _orig(tensor, other, *args, **kwargs)
 
             ctx.patch(dist, fn, slowed)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        return "acts on distdebug doctor --bandwidth's link matrix (replayed on the doctor's worker), not on a script"
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         a, b = sorted((self.a, self.b))

@@ -7,10 +7,13 @@ that it computes slower (its data loader is not the cause).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class Straggler(Fault):
@@ -31,6 +34,14 @@ class Straggler(Fault):
             if not self.acted:
                 self.injected(delay=self.delay)
             time.sleep(self.delay)
+
+    needs = 17  # the scores need medians over 8 steps every rank reported: found 13-15 steps after it starts
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.module and not facts.param:
+            return "no model was found: no forward to slow down"
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("straggler", ranks=[i["rank"]], subject="compute") for i in injected[:1]]

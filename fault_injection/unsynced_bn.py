@@ -13,10 +13,13 @@ catalogue's default, ``mode=buffers``, is found on every run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 from fault_injection.base import Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
 
 
 class UnsyncedBn(Fault):
@@ -49,6 +52,21 @@ class UnsyncedBn(Fault):
             original(ddp, module, *args, **kwargs)
 
         ctx.patch(DDP, "__init__", init)
+
+    needs = 2  # found at step 2
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.batchnorm:
+            return "no BatchNorm in the model"
+        if "ddp" not in facts.wrappers:
+            return f"acts through DDP's broadcast_buffers; this script uses {facts.wrapper_names}"
+        if facts.syncbatchnorm:
+            return ("the model's SyncBatchNorm keeps statistics equal whatever DDP broadcasts (skipping the "
+                    "conversion shows only on data that differs by rank)")
+        if facts.broadcast_buffers is False:
+            return "the script already keeps per-rank BatchNorm buffers (broadcast_buffers=False)"
+        return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         mods: list[str] = next((i["modules"] for i in injected if i.get("modules")), [])

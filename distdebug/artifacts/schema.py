@@ -20,6 +20,7 @@ PG_INIT = "pg_init"        # init_process_group entered (phase "begin") or retur
 STALL = "stall"            # no progress for stall_timeout: phase, last step, collective in flight, stacks
 STALL_CLEARED = "stall_cleared"  # progress resumed after a stall record
 INJECTED = "injected"      # a fault acted (distdebug attach --inject): fault, step, what it did
+PROBE = "probe"            # faults replay's clean run: a fact about the script (a DataLoader, a load, ...)
 STRAGGLER_SCORES = "straggler_scores"  # rank 0: per-rank relative speed score, work, data wait, lateness
 MEMORY = "memory"          # bytes: parameters, gradients, optimizer_state, activations, other (GPU), total
 MEMORY_PEAK = "memory_peak"  # the step and breakdown with the largest total
@@ -27,7 +28,7 @@ TRACE = "trace"            # a profiler window written: steps [A, B], path of th
 HARNESS_COST = "harness_cost"  # cumulative: steps, training-thread ms per detector, threads' CPU ms, host reads
 OVERHEAD_BLOCK = "overhead_block"  # attach --measure-overhead: block, on (detectors running), step_times_s
 KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED,
-         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK)
+         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK, PROBE)
 
 
 def record(kind: str, **fields: object) -> dict:

@@ -8,7 +8,9 @@ import pytest
 
 from distdebug.errors import UserError
 from fault_injection.base import parse_spec
+from fault_injection.console import summary
 from fault_injection.matrix import ENGINES, Cell, judge, junit_xml, plan
+from fault_injection.probe import Facts
 from fault_injection.registry import FAULTS, resolve
 
 CATALOGUE = {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "unsynced_bn", "bad_env", "hang",
@@ -74,8 +76,9 @@ def test_verdicts_caught_localised_mislocalised_and_missed():
     early = _judge("nan_grad", NAN, [_finding("nan_origin", [1], 2, "head.weight"),
                                      _finding("loss_nonfinite", [1], 3, "loss")])
     assert early.status == "miss"
+    # Scheduled but never acted: the replay aimed it wrong, which is its own error, not the detector's miss.
     never = _judge("nan_grad", [], [right])
-    assert never.status == "miss" and "never acted" in never.reason
+    assert never.status == "error" and "never acted" in never.reason
 
 
 def test_detector_not_built_is_a_miss_and_clean_runs_need_no_finding():
@@ -106,19 +109,23 @@ def test_expectations_follow_what_the_fault_hit_and_the_world_size():
 
 
 def test_plan_and_junit():
-    cells = plan(["nan_grad", "unsynced_bn"], None, None)
+    cells = plan(["nan_grad", "unsynced_bn"], None)
     assert cells == [("clean", "ddp"), ("clean", "manual"), ("nan_grad", "ddp"), ("nan_grad", "manual"),
                      ("unsynced_bn", "ddp")]
-    assert plan(["checkpoint_corruption"], None, None) == [("checkpoint_corruption", "zero2_resume")]
-    assert plan(["nan_grad"], ["fsdp2"], None) == []
-    assert plan(["hang"], None, ["train.py"]) == [("clean", "script"), ("hang", "script")]
+    assert plan(["checkpoint_corruption"], None) == [("checkpoint_corruption", "zero2_resume")]
+    assert plan(["nan_grad"], ["fsdp2"]) == []
     ok = Cell(fault="nan_grad", engine="ddp", spec="nan_grad:rank=1,step=3", status="caught-localised", wall_s=1.5)
     bad = Cell(fault="straggler", engine="ddp", spec="straggler", status="miss", reason="no finding")
-    suite = ET.fromstring(junit_xml([ok, bad]))
-    assert (suite.get("tests"), suite.get("failures")) == ("2", "1")
+    na = Cell(fault="duplicate_data", engine="script", spec="", status="not-applicable", reason="no DataLoader")
+    suite = ET.fromstring(junit_xml([ok, bad, na]))
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
     cases = {c.get("name"): c for c in suite}
-    assert cases["nan_grad"].find("failure") is None
+    assert cases["nan_grad"].find("failure") is None and cases["nan_grad"].find("skipped") is None
     assert cases["straggler"].find("failure").get("message") == "miss: no finding"
+    assert cases["duplicate_data"].find("failure") is None
+    assert cases["duplicate_data"].find("skipped").get("message") == "not applicable: no DataLoader"
+    assert summary([ok, bad, na]) == ("2 applicable, 1 caught-localised, 1 not applicable; 0 of 0 clean runs clean; "
+                                      "1 failed: straggler/ddp (miss)")
 
 
 def test_the_replay_help_names_every_recipe():
@@ -161,3 +168,94 @@ def test_loss_spike_scales_the_loss_a_model_returns_in_any_shape():
     assert acted and isinstance(got, tuple) and float(got[0]) == 5.0 and got[1] is t
     got, acted = post({"logits": t})  # no loss to scale: untouched, not acted (the replay says so)
     assert got is None and not acted
+
+
+# ---------------------------------------------------------------- fitting faults to a user's script (replay)
+GPT = Facts(steps=14, world=2, backend="gloo", exit_code=0, wrappers={"manual"}, replicas=2, optimizers=1,
+            loss=True, collectives=True, manual_seed=True, param="head.weight", module="blocks.1.attn")
+"""A GPT-style loop: random batches, gradients averaged by hand, no BatchNorm, no DataLoader, no checkpoint."""
+LOADER = Facts(steps=20, world=2, backend="gloo", exit_code=0, wrappers={"ddp"}, replicas=2, batchnorm=1,
+               broadcast_buffers=True, optimizers=1, loss=True, dataloader=True, distributed_sampler=True,
+               manual_seed=True, loads={0: ["/c/model.pt"], 1: ["/c/model.pt"]}, param="5.weight", module="3")
+"""DDP with a DataLoader and DistributedSampler, BatchNorm, and a checkpoint every rank restores."""
+
+
+def _applicable(facts):
+    return {name for name, cls in FAULTS.items() if not cls.applicable(facts)}
+
+
+def test_which_faults_can_act_follows_what_the_script_has():
+    assert _applicable(GPT) == {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "bad_env", "hang",
+                                "loss_spike", "seed_mismatch"}
+    assert _applicable(LOADER) == set(FAULTS) - {"seed_mismatch", "slow_link"}
+    reasons = {name: cls.applicable(GPT) for name, cls in FAULTS.items()}
+    assert reasons["unsynced_bn"] == "no BatchNorm in the model"
+    assert reasons["duplicate_data"] == "no DistributedSampler: the script makes its batches itself"
+    assert reasons["slow_dataloader"] == "no DataLoader: the script makes its batches itself"
+    assert reasons["checkpoint_corruption"].startswith("the script restores no checkpoint it saved")
+    assert reasons["straggler"] == ("the script ran 14 steps; straggler acts at step 2 or later and needs 19 steps "
+                                    "for straggler to see it (run the script longer)")
+    assert "per-rank seeds are no fault" in FAULTS["seed_mismatch"].applicable(LOADER)
+    # What the script already does decides too: SyncBatchNorm, or buffers it keeps per rank itself.
+    assert "SyncBatchNorm" in FAULTS["unsynced_bn"].applicable(Facts(**{**LOADER.__dict__, "syncbatchnorm": 1}))
+    assert "broadcast_buffers=False" in FAULTS["unsynced_bn"].applicable(
+        Facts(**{**LOADER.__dict__, "broadcast_buffers": False}))
+    # A DataLoader with another sampler; one rank; sharded parameters.
+    other = Facts(**{**LOADER.__dict__, "distributed_sampler": False})
+    assert FAULTS["duplicate_data"].applicable(other) == ("no DistributedSampler: its DataLoader shards data some "
+                                                          "other way")
+    alone = Facts(**{**GPT.__dict__, "world": 1, "replicas": 1})
+    assert FAULTS["nan_grad"].applicable(alone) == "needs 2 ranks, the script ran on 1 (give --nproc)"
+    sharded = Facts(**{**GPT.__dict__, "wrappers": {"fsdp2"}})
+    assert "sharded" in FAULTS["bitflip_param"].applicable(sharded)
+    assert not FAULTS["nan_activation"].applicable(sharded)
+
+
+def test_faults_are_fitted_to_the_script_steps_and_model():
+    # Steps: the default when there is room, never at or past the last step, after the detector's warm-up.
+    assert FAULTS["nan_grad"].fit(GPT) == {"step": 3, "param": "head.weight"}
+    assert FAULTS["nan_activation"].fit(GPT) == {"step": 3, "module": "blocks.1.attn"}
+    assert FAULTS["loss_spike"].fit(GPT) == {"step": 13}  # 14 steps: the last but one
+    assert FAULTS["loss_spike"].fit(Facts(**{**GPT.__dict__, "steps": 100})) == {"step": 20}
+    assert FAULTS["loss_spike"].applicable(Facts(**{**GPT.__dict__, "steps": 12})).startswith("the script ran 12")
+    assert FAULTS["hang"].fit(Facts(**{**GPT.__dict__, "steps": 3})) == {"step": 2}
+    assert FAULTS["hang"].applicable(Facts(**{**GPT.__dict__, "steps": 2})).startswith("the script ran 2 steps")
+    assert FAULTS["straggler"].fit(LOADER) == {"step": 3}
+    # Targets: the rank that restores a checkpoint; the backend's own socket variable.
+    assert FAULTS["checkpoint_corruption"].fit(Facts(**{**LOADER.__dict__, "loads": {0: ["/c/m.pt"]}})) == {"rank": 0}
+    assert FAULTS["checkpoint_corruption"].fit(LOADER) == {"rank": 1}
+    assert FAULTS["bad_env"].fit(Facts(**{**GPT.__dict__, "backend": "nccl"})) == {"var": "NCCL_SOCKET_IFNAME"}
+    for cls in FAULTS.values():  # whatever is fitted is a spec the ranks accept
+        if not cls.applicable(LOADER):
+            fault = cls(**cls.fit(LOADER))
+            assert parse_spec(fault.spec(), FAULTS)[0] is cls
+
+
+def test_facts_are_read_from_the_probe_run_records():
+    from distdebug.artifacts.reader import RankStream, Run
+
+    def stream(rank, extra):
+        return RankStream(rank, [
+            {"kind": "start", "rank": rank, "world_size": 2},
+            {"kind": "discovery", "step": 1, "models": [{"wrapper": "ddp", "wrappers": ["torch.compile", "ddp"],
+                                                         "options": {"ddp": {"broadcast_buffers": True}},
+                                                         "batchnorm_modules": 2, "syncbatchnorm_modules": 0}],
+             "optimizers": [{"class": "SGD"}], "layout": {"data_parallel_group": [0, 1]},
+             "process_group": {"backend": "gloo"}},
+            *[{"kind": "step", "step": s, "loss": 1.0, "collectives": 0} for s in range(1, 9)],
+            *extra, {"kind": "end", "exit_code": 0}])
+
+    run = Run(path=None, manifest=None, nodes={}, ranks={
+        0: stream(0, [{"kind": "probe", "fact": "save", "path": "/c/a.pt", "step": 4},
+                      {"kind": "probe", "fact": "load", "path": "/c/a.pt", "step": 5},
+                      {"kind": "probe", "fact": "manual_seed", "step": 1},
+                      {"kind": "probe", "fact": "dataloader", "sampler": "DistributedSampler", "distributed": True},
+                      {"kind": "probe", "fact": "targets", "param": "fc.weight", "module": "fc"}]),
+        1: stream(1, [{"kind": "probe", "fact": "load", "path": "/c/a.pt", "step": 5},
+                      {"kind": "probe", "fact": "load", "path": "/elsewhere/b.pt", "step": 5}])})
+    f = Facts.load(run)
+    assert (f.steps, f.world, f.backend, f.exit_code, f.wrappers, f.replicas) == (8, 2, "gloo", 0, {"ddp"}, 2)
+    assert (f.batchnorm, f.broadcast_buffers, f.optimizers, f.loss) == (2, True, 1, True)
+    assert (f.dataloader, f.distributed_sampler, f.manual_seed) == (True, True, True)
+    assert f.loads == {0: ["/c/a.pt"], 1: ["/c/a.pt"]}  # a file saved outside this run is nothing to compare with
+    assert (f.param, f.module) == ("fc.weight", "fc")

@@ -1,0 +1,211 @@
+"""What a user's script really has, learned from one clean run: the replay's probe.
+
+``distdebug faults replay SCRIPT`` first runs the script once under attach with this probe injected
+(it changes nothing: every patch calls straight through) and with every default detector on, so the
+same run is the clean cell. The probe watches the very points the faults act through (a DataLoader
+iterator's ``__next__``, ``DistributedSampler.__init__``, ``torch.load`` / ``torch.save`` of a path,
+``torch.manual_seed``) and, once the models are known, the parameter and module a fault would aim at
+by default. It writes one ``probe`` record per fact and rank, the first time it sees it.
+
+``Facts.load`` folds those records with the run's own (discovery: wrappers, BatchNorm, optimizers,
+the layout; steps: how many, with a loss or not; start: world size and backend) into what
+``Fault.applicable`` and ``Fault.fit`` decide from: which faults can act on this script, and when
+and where (the step chosen from the number of steps the script runs, the target from the model).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from distdebug.context import RankContext
+from fault_injection.base import Fault
+
+
+class Probe(Fault):
+    name = "probe"
+    description = "the replay's clean run: records what the script has (acts on nothing)"
+    params = ()
+    catcher = ""
+
+    def setup(self, ctx: RankContext) -> None:
+        super().setup(ctx)
+        self.seen: set[str] = set()
+        import torch
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+        from torch.utils.data.distributed import DistributedSampler
+
+        probe = self
+        next_ = _BaseDataLoaderIter.__next__
+
+        def __next__(it: Any) -> Any:
+            if "dataloader" not in probe.seen:
+                sampler = getattr(it, "_index_sampler", None)
+                inner = getattr(sampler, "sampler", sampler)
+                probe.fact("dataloader", sampler=type(inner).__name__,
+                           distributed=isinstance(inner, DistributedSampler))
+            return next_(it)
+
+        ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
+        init = DistributedSampler.__init__
+
+        def sampler_init(sampler: Any, *args: Any, **kwargs: Any) -> None:
+            init(sampler, *args, **kwargs)
+            probe.fact("distributed_sampler")
+
+        ctx.patch(DistributedSampler, "__init__", sampler_init)
+        load, save, seed = torch.load, torch.save, torch.manual_seed
+
+        def load_(f: Any, *args: Any, **kwargs: Any) -> Any:
+            obj = load(f, *args, **kwargs)
+            if isinstance(f, (str, os.PathLike)) and _has_float(obj):
+                path = os.path.abspath(os.fspath(f))
+                probe.fact("load", key=path, path=path)
+            return obj
+
+        def save_(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            out = save(obj, f, *args, **kwargs)
+            if isinstance(f, (str, os.PathLike)):
+                path = os.path.abspath(os.fspath(f))
+                probe.fact("save", key=path, path=path)
+            return out
+
+        def manual_seed(s: Any) -> Any:
+            probe.fact("manual_seed")
+            return seed(s)
+
+        ctx.patch(torch, "load", load_)
+        ctx.patch(torch, "save", save_)
+        ctx.patch(torch, "manual_seed", manual_seed)
+        ctx.patch(torch.random, "manual_seed", manual_seed)
+
+    def attach(self, ctx: RankContext) -> None:
+        super().attach(ctx)
+        from fault_injection import _targets
+
+        param = _targets.parameter(ctx, "")
+        module = _targets.module(ctx, "")
+        self.fact("targets", param=param[0] if param else None, module=module[0] if module else None)
+
+    def fact(self, what: str, key: str = "", **details: Any) -> None:
+        """One record per fact (and key: each saved path) and rank."""
+        tag = f"{what}:{key}"
+        if tag in self.seen or self.ctx is None or self.ctx.emit is None:
+            return
+        self.seen.add(tag)
+        self.ctx.emit("probe", fact=what, step=self.current, **details)
+
+
+def _has_float(obj: Any, depth: int = 0) -> bool:
+    """Whether a loaded object holds a floating-point tensor (what checkpoint_corruption alters)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.is_floating_point()
+    if depth > 6:
+        return False
+    if isinstance(obj, dict):
+        return any(_has_float(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_float(v, depth + 1) for v in obj)
+    return False
+
+
+@dataclass
+class Facts:
+    """What the probe run showed about the script (pure data; built by ``load``, or by hand in tests)."""
+
+    steps: int = 0
+    """Optimizer steps every rank finished."""
+    world: int = 0
+    backend: str = ""
+    exit_code: int | None = None
+    wrappers: set[str] = field(default_factory=set)
+    """Wrappers of the discovered models: ddp, fsdp2, deepspeed; manual (a loop that all-reduces its gradients
+    itself) or plain (no wrapper, no gradient all-reduce seen)."""
+    replicas: int = 0
+    """Ranks holding the same parameters (the data-parallel group's size; 0: unknown)."""
+    batchnorm: int = 0
+    syncbatchnorm: int = 0
+    broadcast_buffers: bool | None = None
+    optimizers: int = 0
+    loss: bool = False
+    """The steps carried a loss the harness could read."""
+    collectives: bool = False
+    dataloader: bool = False
+    distributed_sampler: bool = False
+    manual_seed: bool = False
+    """torch.manual_seed was called before the first step ended (before the model was known)."""
+    loads: dict[int, list[str]] = field(default_factory=dict)
+    """Rank -> paths it restored tensors from that a rank of this run saved (checked by checkpoint_roundtrip)."""
+    param: str | None = None
+    """The parameter a fault aims at by default (the last weight)."""
+    module: str | None = None
+    """The module a NaN is planted in by default (one that can make a NaN of finite numbers)."""
+
+    @property
+    def hand_written(self) -> bool:
+        """Every model is trained without a data-parallel wrapper."""
+        return bool(self.wrappers) and self.wrappers <= {"manual", "plain"}
+
+    @property
+    def wrapper_names(self) -> str:
+        return ", ".join(sorted(self.wrappers)) or "no model"
+
+    @classmethod
+    def load(cls, run: Any) -> Facts:
+        """From a loaded run directory (``distdebug.artifacts.reader.Run``) of the probe run."""
+        f = cls()
+        saved: set[str] = set()
+        loads: dict[int, list[str]] = {}
+        steps: list[int] = []
+        for rank, stream in run.ranks.items():
+            records = stream.last_attempt()
+            done = [r["step"] for r in records if r.get("kind") == "step" and isinstance(r.get("step"), int)]
+            steps.append(max(done, default=0))
+            for r in records:
+                kind = r.get("kind")
+                if kind == "start":
+                    f.world = max(f.world, int(r.get("world_size") or 0))
+                elif kind == "end" and rank == 0:
+                    f.exit_code = r.get("exit_code")
+                elif kind == "step":
+                    f.loss = f.loss or r.get("loss") is not None
+                    f.collectives = f.collectives or bool(r.get("collectives"))
+                elif kind == "discovery":
+                    f._discovery(r)
+                elif kind == "probe":
+                    what = r.get("fact")
+                    if what == "dataloader":
+                        f.dataloader = True
+                        f.distributed_sampler = f.distributed_sampler or bool(r.get("distributed"))
+                    elif what == "distributed_sampler":
+                        f.distributed_sampler = True
+                    elif what == "manual_seed" and r.get("step") == 1:
+                        f.manual_seed = True
+                    elif what == "save":
+                        saved.add(r.get("path"))
+                    elif what == "load":
+                        loads.setdefault(rank, []).append(r.get("path"))
+                    elif what == "targets" and rank == 0:
+                        f.param, f.module = r.get("param"), r.get("module")
+        f.steps = min(steps, default=0)
+        f.loads = {rank: [p for p in paths if p in saved] for rank, paths in loads.items()}
+        f.loads = {rank: paths for rank, paths in f.loads.items() if paths}
+        return f
+
+    def _discovery(self, r: dict[str, Any]) -> None:
+        for m in r.get("models") or []:
+            chain = [w for w in m.get("wrappers") or [] if w != "torch.compile"]
+            self.wrappers.update(chain or [m.get("wrapper") or "plain"])
+            self.batchnorm = max(self.batchnorm, int(m.get("batchnorm_modules") or 0))
+            self.syncbatchnorm = max(self.syncbatchnorm, int(m.get("syncbatchnorm_modules") or 0))
+            ddp = (m.get("options") or {}).get("ddp")
+            if ddp is not None:
+                self.broadcast_buffers = bool(ddp.get("broadcast_buffers", True))
+        self.optimizers = max(self.optimizers, len(r.get("optimizers") or []))
+        group = (r.get("layout") or {}).get("data_parallel_group") or []
+        self.replicas = max(self.replicas, len(group))
+        pg = r.get("process_group") or {}
+        self.backend = self.backend or str(pg.get("backend") or "")
