@@ -343,19 +343,26 @@ def replay_script(script: list[str], faults: list[str], work: Path, nproc: int =
 
 
 def junit_xml(cells: list[Cell]) -> str:
-    """JUnit XML: one test case per cell; a miss, false alarm or error is a failure, a fault that cannot act
-    on the script is skipped (with the reason)."""
+    """JUnit XML in pytest's shape (``testsuites`` > ``testsuite`` > ``testcase``, the attributes pytest
+    writes), which CI viewers read: one test case per cell; a miss, false alarm or error is a failure,
+    a fault that cannot act on the script is skipped (with the reason)."""
+    import socket
+    from datetime import datetime, timezone
     from xml.etree import ElementTree as ET
 
-    suite = ET.Element("testsuite", name="distdebug-faults", tests=str(len(cells)),
-                       failures=str(sum(not c.ok for c in cells)),
-                       skipped=str(sum(not c.applicable for c in cells)),
-                       time=f"{sum(c.wall_s for c in cells):.1f}")
+    root = ET.Element("testsuites", name="distdebug faults replay")
+    suite = ET.SubElement(root, "testsuite", name="distdebug-faults", errors="0",
+                          failures=str(sum(not c.ok for c in cells)),
+                          skipped=str(sum(not c.applicable for c in cells)), tests=str(len(cells)),
+                          time=f"{sum(c.wall_s for c in cells):.3f}",
+                          timestamp=datetime.now(timezone.utc).isoformat(), hostname=socket.gethostname())
     for c in cells:
         case = ET.SubElement(suite, "testcase", classname=f"faults.{c.engine}", name=c.fault,
-                             time=f"{c.wall_s:.1f}")
+                             time=f"{c.wall_s:.3f}")
         if not c.applicable:
-            ET.SubElement(case, "skipped", message=f"not applicable: {c.reason}"[:500])
+            skip = ET.SubElement(case, "skipped", type="distdebug.not_applicable",
+                                 message=f"not applicable: {c.reason}"[:500])
+            skip.text = c.reason
         elif not c.ok:
             fail = ET.SubElement(case, "failure", message=f"{c.status}: {c.reason}"[:500])
             fail.text = "\n".join([f"spec: {c.spec}", f"expected: {c.expected}", f"missing: {c.missing}",
@@ -364,4 +371,4 @@ def junit_xml(cells: list[Cell]) -> str:
             ET.SubElement(case, "system-out").text = (
                 f"{c.status}; spec {c.spec or '-'}; steps to detection {c.steps_to_detection}; "
                 f"run dir {c.run_dir or '(removed: passed)'}")
-    return ET.tostring(suite, encoding="unicode")
+    return '<?xml version="1.0" encoding="utf-8"?>' + ET.tostring(root, encoding="unicode")

@@ -186,7 +186,7 @@ def test_fault_replay_on_every_layout_recipe(tmp_path):
     r = distdebug("faults", "replay", "--keep-runs", "--work-dir", str(work), "--junit", str(junit), *args,
                   timeout=1200)
     assert r.returncode == 0, r.output
-    cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).getroot()}
+    cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).iter("testcase")}
     assert set(cases) == {(e, "clean") for e in LAYOUT_RECIPES} | {
         ("tp", "nan_activation"), ("hsdp_tp", "nan_activation"), ("pp", "nan_activation"),
         ("ddp_tp", "bitflip_param"), ("hsdp_tp", "bitflip_param"), ("pp_dp", "bitflip_param")}

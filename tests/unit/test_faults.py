@@ -117,7 +117,7 @@ def test_plan_and_junit():
     ok = Cell(fault="nan_grad", engine="ddp", spec="nan_grad:rank=1,step=3", status="caught-localised", wall_s=1.5)
     bad = Cell(fault="straggler", engine="ddp", spec="straggler", status="miss", reason="no finding")
     na = Cell(fault="duplicate_data", engine="script", spec="", status="not-applicable", reason="no DataLoader")
-    suite = ET.fromstring(junit_xml([ok, bad, na]))
+    suite = ET.fromstring(junit_xml([ok, bad, na])).find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
     cases = {c.get("name"): c for c in suite}
     assert cases["nan_grad"].find("failure") is None and cases["nan_grad"].find("skipped") is None
@@ -126,6 +126,34 @@ def test_plan_and_junit():
     assert cases["duplicate_data"].find("skipped").get("message") == "not applicable: no DataLoader"
     assert summary([ok, bad, na]) == ("2 applicable, 1 caught-localised, 1 not applicable; 0 of 0 clean runs clean; "
                                       "1 failed: straggler/ddp (miss)")
+
+
+def test_junit_has_the_shape_pytest_writes(tmp_path):
+    """CI viewers read pytest's JUnit: the same elements and attributes, skipped shown as skipped."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_x.py").write_text("import pytest\ndef test_ok(): pass\ndef test_bad(): assert False\n"
+                                        "def test_skip(): pytest.skip('why')\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "out.xml",
+                    "test_x.py"], cwd=tmp_path, capture_output=True, check=False)
+    theirs = ET.parse(tmp_path / "out.xml").getroot()
+    ours = ET.fromstring(junit_xml([
+        Cell(fault="nan_grad", engine="script", spec="s", status="caught-localised"),
+        Cell(fault="hang", engine="script", spec="s", status="miss", reason="no finding"),
+        Cell(fault="duplicate_data", engine="script", spec="", status="not-applicable", reason="no DataLoader")]))
+
+    def shape(root):
+        suite = root.find("testsuite")
+        cases = {c.get("name").removeprefix("test_"): c for c in suite.iter("testcase")}
+        return (root.tag, set(suite.attrib), {k: (suite.get(k)) for k in ("tests", "failures", "skipped", "errors")},
+                {set(c.attrib) == {"classname", "name", "time"} for c in cases.values()},
+                [child.tag for c in cases.values() for child in c if child.tag in ("failure", "skipped")],
+                {child.tag: "message" in child.attrib and "type" in child.attrib if child.tag == "skipped"
+                 else "message" in child.attrib for c in cases.values() for child in c
+                 if child.tag in ("failure", "skipped")})
+
+    assert shape(ours) == shape(theirs)
 
 
 def test_the_replay_help_names_every_recipe():
