@@ -67,7 +67,8 @@ class BitflipParam(Fault):
 
     @classmethod
     def fit(cls, facts: Facts) -> dict[str, Any]:
-        return {**super().fit(facts), "param": facts.param}
+        rank, target = facts.aim(0) or (1, "")
+        return {**super().fit(facts), "rank": rank, "param": target}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         # Found among the ranks that hold the same tensor (every rank unless the layout says fewer).

@@ -39,8 +39,9 @@ class Hang(Fault):
     def applicable(cls, facts: Facts) -> str:
         if not facts.module and not facts.param:
             return "no model was found: no forward to block in"
-        if not (facts.collectives or facts.wrappers & {"ddp", "fsdp2", "deepspeed", "manual"}):
-            return "no collective was seen: no rank would wait for the blocked one"
+        if not (facts.collectives or facts.pipeline or facts.tensor_parallel
+                or facts.wrappers & {"ddp", "fsdp2", "deepspeed", "manual"}):
+            return "no collective or pipeline send/recv was seen: no rank would wait for the blocked one"
         return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:

@@ -43,17 +43,22 @@ class LossSpike(Fault):
         def scalable(t: Any) -> bool:
             return isinstance(t, torch.Tensor) and t.is_floating_point()
 
-        if not self.here():
+        # Every forward of the step: its micro-batches (accumulation, a pipeline's schedule) all corrupted.
+        if not (self.mine() and self.current == self.step):
             return None
+        first = not self.acted
         if scalable(out):
-            self.injected(factor=self.factor)
+            if first:
+                self.injected(factor=self.factor)
             return out * self.factor
         if hasattr(out, "keys") and "loss" in out.keys() and scalable(out["loss"]):
             out["loss"] = out["loss"] * self.factor  # a ModelOutput keeps its attribute in step with the key
-            self.injected(factor=self.factor, output="loss")
+            if first:
+                self.injected(factor=self.factor, output="loss")
             return out
         if type(out) in (tuple, list) and out and scalable(out[0]):
-            self.injected(factor=self.factor, output="first")
+            if first:
+                self.injected(factor=self.factor, output="first")
             return type(out)([out[0] * self.factor, *out[1:]])
         return None
 
@@ -64,6 +69,14 @@ class LossSpike(Fault):
         if not facts.loss:
             return "no loss was read from the steps (the model's output is not a loss the harness can see)"
         return super().applicable(facts)
+
+    @classmethod
+    def fit(cls, facts: Facts) -> dict[str, Any]:
+        """On every rank, or, where only some ranks compute the loss (a pipeline's last stage), on the last
+        of those: a rank without a loss has no spike to show."""
+        ranks = sorted(facts.loss_ranks)
+        every = not ranks or len(ranks) == facts.world
+        return {**super().fit(facts), **({} if every else {"rank": ranks[-1]})}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         out = [Expect("loss_spike", ranks=[i["rank"]], step=i["step"], subject="loss") for i in injected]

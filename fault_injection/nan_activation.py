@@ -57,7 +57,8 @@ class NanActivation(Fault):
 
     @classmethod
     def fit(cls, facts: Facts) -> dict[str, Any]:
-        return {**super().fit(facts), "module": facts.module}
+        rank, target = facts.aim(1) or (1, "")
+        return {**super().fit(facts), "rank": rank, "module": target}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"],

@@ -47,11 +47,15 @@ class NanGrad(Fault):
         if not facts.wrappers <= {"ddp", "manual", "plain"}:
             return (f"replayed under DDP and hand-written loops; this script uses {facts.wrapper_names} "
                     "(nan_activation covers it)")
+        if facts.tensor_parallel:
+            return ("a NaN born in a tensor-parallel backward reaches the TP peers through its all-reduce before any "
+                    "hook can tell who made it (a known limit; nan_activation covers the forward)")
         return super().applicable(facts)
 
     @classmethod
     def fit(cls, facts: Facts) -> dict[str, Any]:
-        return {**super().fit(facts), "param": facts.param}
+        rank, target = facts.aim(0) or (1, "")
+        return {**super().fit(facts), "rank": rank, "param": target}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"], subject=i["param"]) for i in injected]

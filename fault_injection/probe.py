@@ -132,6 +132,13 @@ class Facts:
     optimizers: int = 0
     loss: bool = False
     """The steps carried a loss the harness could read."""
+    loss_ranks: set[int] = field(default_factory=set)
+    """The ranks whose steps carried a loss (a pipeline's last stage only)."""
+    pipeline: bool = False
+    """Pipeline stages that exchange activations by send/recv (a rank can wait for another without a collective)."""
+    tensor_parallel: bool = False
+    """Layers split across ranks (DTensor meshes, TP plans, model parallelism by hand): they communicate inside
+    the forward and backward."""
     collectives: bool = False
     dataloader: bool = False
     distributed_sampler: bool = False
@@ -139,15 +146,34 @@ class Facts:
     """torch.manual_seed was called before the first step ended (before the model was known)."""
     loads: dict[int, list[str]] = field(default_factory=dict)
     """Rank -> paths it restored tensors from that a rank of this run saved (checked by checkpoint_roundtrip)."""
-    param: str | None = None
-    """The parameter a fault aims at by default (the last weight)."""
-    module: str | None = None
-    """The module a NaN is planted in by default (one that can make a NaN of finite numbers)."""
+    targets: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    """Rank -> (the parameter a fault aims at by default, the last weight; the module a NaN is planted in by
+    default, one that can make a NaN of finite numbers): per rank, as a pipeline's stages hold other modules."""
 
     @property
     def hand_written(self) -> bool:
         """Every model is trained without a data-parallel wrapper."""
         return bool(self.wrappers) and self.wrappers <= {"manual", "plain"}
+
+    def aim(self, which: int) -> tuple[int, str] | None:
+        """(rank, name) of the default parameter (``which`` 0) or module (1): on rank 1, where faults act by
+        default, else on the first rank that has one (a pipeline stage holding a single layer has no inner
+        module to plant a NaN in)."""
+        for rank in sorted(self.targets, key=lambda r: (r != 1, r)):
+            name = self.targets[rank][which]
+            if name:
+                return rank, name
+        return None
+
+    @property
+    def param(self) -> str | None:
+        found = self.aim(0)
+        return found[1] if found else None
+
+    @property
+    def module(self) -> str | None:
+        found = self.aim(1)
+        return found[1] if found else None
 
     @property
     def wrapper_names(self) -> str:
@@ -171,7 +197,9 @@ class Facts:
                 elif kind == "end" and rank == 0:
                     f.exit_code = r.get("exit_code")
                 elif kind == "step":
-                    f.loss = f.loss or r.get("loss") is not None
+                    if r.get("loss") is not None:
+                        f.loss = True
+                        f.loss_ranks.add(rank)
                     f.collectives = f.collectives or bool(r.get("collectives"))
                 elif kind == "discovery":
                     f._discovery(r)
@@ -188,8 +216,8 @@ class Facts:
                         saved.add(r.get("path"))
                     elif what == "load":
                         loads.setdefault(rank, []).append(r.get("path"))
-                    elif what == "targets" and rank == 0:
-                        f.param, f.module = r.get("param"), r.get("module")
+                    elif what == "targets":
+                        f.targets[rank] = (r.get("param"), r.get("module"))
         f.steps = min(steps, default=0)
         f.loads = {rank: [p for p in paths if p in saved] for rank, paths in loads.items()}
         f.loads = {rank: paths for rank, paths in f.loads.items() if paths}
@@ -205,7 +233,11 @@ class Facts:
             if ddp is not None:
                 self.broadcast_buffers = bool(ddp.get("broadcast_buffers", True))
         self.optimizers = max(self.optimizers, len(r.get("optimizers") or []))
-        group = (r.get("layout") or {}).get("data_parallel_group") or []
+        layout = r.get("layout") or {}
+        self.pipeline = self.pipeline or bool(layout.get("pipeline"))
+        self.tensor_parallel = self.tensor_parallel or any(
+            layout.get(k) for k in ("tensor_parallel", "meshes", "model_parallel_by_hand"))
+        group = layout.get("data_parallel_group") or []
         self.replicas = max(self.replicas, len(group))
         pg = r.get("process_group") or {}
         self.backend = self.backend or str(pg.get("backend") or "")

@@ -151,6 +151,26 @@ def test_replay_on_a_gpt_style_script_skips_what_it_lacks(tmp_path):
     assert "runs kept in" in r.stdout
 
 
+def test_replay_on_a_pipeline_script_aims_at_the_stage_that_has_it(tmp_path):
+    """A pipeline (2 stages, send/recv, the loss on the last stage only) replayed as a user's script: the NaN
+    is planted on the stage with an inner module (stage 0; stage 1 is one layer), the loss spike on the stage
+    that computes the loss, the hang is found through send/recv, and a bit flip has no replica to compare."""
+    junit = tmp_path / "faults.xml"
+    r = distdebug("faults", "replay", "-j", "2", *[a for f in ("nan_activation", "loss_spike", "hang", "bitflip_param")
+                                                   for a in ("--fault", f)],
+                  "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
+                  str(RECIPES / "pipeline_parallel.py"), "--steps", "14", timeout=900)
+    assert r.returncode == 0, r.output[-4000:]
+    assert "3 applicable, 3 caught-localised, 1 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    cases = _cases(junit)
+    assert _skipped(cases) == {"bitflip_param": "not applicable: no two ranks hold the same parameters: nothing to "
+                                                "compare a flipped bit with"}
+    out = {n: c.find("system-out").text for n, c in cases.items() if c.find("system-out") is not None}
+    assert "spec nan_activation:rank=0,step=3,module=" in out["nan_activation"]
+    assert "spec loss_spike:rank=1,step=13,factor=30.0;" in out["loss_spike"]
+    assert out["hang"].startswith("caught-localised")
+
+
 def test_replay_of_a_script_whose_clean_run_fails_says_so(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text("import time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"

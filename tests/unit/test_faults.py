@@ -200,11 +200,12 @@ def test_loss_spike_scales_the_loss_a_model_returns_in_any_shape():
 
 # ---------------------------------------------------------------- fitting faults to a user's script (replay)
 GPT = Facts(steps=14, world=2, backend="gloo", exit_code=0, wrappers={"manual"}, replicas=2, optimizers=1,
-            loss=True, collectives=True, manual_seed=True, param="head.weight", module="blocks.1.attn")
+            loss=True, collectives=True, manual_seed=True,
+            targets={0: ("head.weight", "blocks.1.attn"), 1: ("head.weight", "blocks.1.attn")})
 """A GPT-style loop: random batches, gradients averaged by hand, no BatchNorm, no DataLoader, no checkpoint."""
 LOADER = Facts(steps=20, world=2, backend="gloo", exit_code=0, wrappers={"ddp"}, replicas=2, batchnorm=1,
                broadcast_buffers=True, optimizers=1, loss=True, dataloader=True, distributed_sampler=True,
-               manual_seed=True, loads={0: ["/c/model.pt"], 1: ["/c/model.pt"]}, param="5.weight", module="3")
+               manual_seed=True, loads={0: ["/c/model.pt"], 1: ["/c/model.pt"]}, targets={1: ("5.weight", "3")})
 """DDP with a DataLoader and DistributedSampler, BatchNorm, and a checkpoint every rank restores."""
 
 
@@ -241,9 +242,21 @@ def test_which_faults_can_act_follows_what_the_script_has():
 
 def test_faults_are_fitted_to_the_script_steps_and_model():
     # Steps: the default when there is room, never at or past the last step, after the detector's warm-up.
-    assert FAULTS["nan_grad"].fit(GPT) == {"step": 3, "param": "head.weight"}
-    assert FAULTS["nan_activation"].fit(GPT) == {"step": 3, "module": "blocks.1.attn"}
-    assert FAULTS["loss_spike"].fit(GPT) == {"step": 13}  # 14 steps: the last but one
+    assert FAULTS["nan_grad"].fit(GPT) == {"step": 3, "rank": 1, "param": "head.weight"}
+    assert FAULTS["nan_activation"].fit(GPT) == {"step": 3, "rank": 1, "module": "blocks.1.attn"}
+    # A pipeline: each stage its own modules; the last stage a single layer (no inner module), the loss there.
+    pipe = Facts(**{**GPT.__dict__, "wrappers": {"plain"}, "replicas": 1, "collectives": False, "pipeline": True,
+                    "loss_ranks": {1}, "targets": {0: ("2.weight", "1"), 1: ("weight", None)}})
+    assert FAULTS["nan_activation"].fit(pipe) == {"step": 3, "rank": 0, "module": "1"}
+    assert FAULTS["nan_grad"].fit(pipe) == {"step": 3, "rank": 1, "param": "weight"}
+    assert FAULTS["loss_spike"].fit(pipe) == {"step": 13, "rank": 1}  # where the loss is
+    assert FAULTS["loss_spike"].fit(GPT) == {"step": 13}  # every rank has a loss: every rank's step
+    assert not FAULTS["hang"].applicable(pipe)  # stages wait for each other in send/recv
+    tp = Facts(**{**GPT.__dict__, "wrappers": {"plain"}, "replicas": 1, "collectives": False, "tensor_parallel": True})
+    assert not FAULTS["hang"].applicable(tp)  # TP peers all-reduce inside the forward
+    assert "tensor-parallel backward" in FAULTS["nan_grad"].applicable(tp)
+    assert "no collective" in FAULTS["hang"].applicable(Facts(**{**tp.__dict__, "tensor_parallel": False}))
+    assert FAULTS["loss_spike"].fit(Facts(**{**GPT.__dict__, "loss_ranks": {0, 1}})) == {"step": 13}  # 14 steps
     assert FAULTS["loss_spike"].fit(Facts(**{**GPT.__dict__, "steps": 100})) == {"step": 20}
     assert FAULTS["loss_spike"].applicable(Facts(**{**GPT.__dict__, "steps": 12})).startswith("the script ran 12")
     assert FAULTS["hang"].fit(Facts(**{**GPT.__dict__, "steps": 3})) == {"step": 2}
@@ -286,4 +299,5 @@ def test_facts_are_read_from_the_probe_run_records():
     assert (f.batchnorm, f.broadcast_buffers, f.optimizers, f.loss) == (2, True, 1, True)
     assert (f.dataloader, f.distributed_sampler, f.manual_seed) == (True, True, True)
     assert f.loads == {0: ["/c/a.pt"], 1: ["/c/a.pt"]}  # a file saved outside this run is nothing to compare with
-    assert (f.param, f.module) == ("fc.weight", "fc")
+    assert (f.param, f.module) == ("fc.weight", "fc")  # rank 0's: rank 1 recorded none
+    assert f.loss_ranks == {0, 1} and not f.pipeline
