@@ -115,14 +115,24 @@ class Fault(Detector):
                     f"{cls.catcher} to see it (run the script longer)")
         return ""
 
+    aims: ClassVar[tuple[int, str] | None] = None
+    """What it aims at in the model, fitted from the probe: (0, spec key) the default parameter, (1, spec key)
+    the default module, with the rank that holds it (``Facts.aim``)."""
+
     @classmethod
     def fit(cls, facts: Facts) -> dict[str, Any]:
         """Spec parameters fitted to the script: the step from the number of steps it runs (the default
-        when there is room, never at or past the last step); subclasses add targets from the model."""
-        if not cls.has_step():
-            return {}
-        default = next(p.default for p in cls.params if p.name == "step")
-        return {"step": max(cls.earliest, min(default, facts.steps - cls.needs))}
+        when there is room, never at or past the last step), the target (``aims``) and its rank from the
+        model; subclasses add their own."""
+        out: dict[str, Any] = {}
+        if cls.has_step():
+            default = next(p.default for p in cls.params if p.name == "step")
+            out["step"] = max(cls.earliest, min(default, facts.steps - cls.needs))
+        if cls.aims is not None:
+            which, key = cls.aims
+            rank, target = facts.aim(which) or (1, "")
+            out.update(rank=rank, **{key: target})
+        return out
 
     @classmethod
     def has_step(cls) -> bool:

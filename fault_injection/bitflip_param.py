@@ -30,6 +30,7 @@ class BitflipParam(Fault):
     bit: int
     params = (RANK, STEP, Param("param", str, "", "parameter name (default: the last weight)"),
               Param("bit", int, 20, "bit of the first element's float32 word (0-31)"))
+    aims = (0, "param")
     catcher = "replica_divergence"
     engines = ("ddp", "manual", "ddp_tp", "hsdp_tp", "pp_dp")
 
@@ -64,11 +65,6 @@ class BitflipParam(Fault):
         if facts.wrappers & {"fsdp2", "deepspeed"}:
             return f"not replayed under sharded parameters ({facts.wrapper_names}): each rank holds its own shard"
         return super().applicable(facts)
-
-    @classmethod
-    def fit(cls, facts: Facts) -> dict[str, Any]:
-        rank, target = facts.aim(0) or (1, "")
-        return {**super().fit(facts), "rank": rank, "param": target}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         # Found among the ranks that hold the same tensor (every rank unless the layout says fewer).

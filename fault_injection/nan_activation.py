@@ -22,6 +22,7 @@ class NanActivation(Fault):
     description = "one module's output on one rank holds a NaN in one step"
     module: str
     params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
+    aims = (1, "module")
     catcher = "nan_origin"
     # FSDP2/ZeRO reduce inside: the forward names the origin. In tensor and pipeline layouts the NaN
     # reaches the other ranks through forward communication: born on one rank, received by the others.
@@ -54,11 +55,6 @@ class NanActivation(Fault):
             return ("no module whose output can turn non-finite (no model, or only embeddings, normalisations "
                     "and activations, which nan_origin checks by their inputs)")
         return super().applicable(facts)
-
-    @classmethod
-    def fit(cls, facts: Facts) -> dict[str, Any]:
-        rank, target = facts.aim(1) or (1, "")
-        return {**super().fit(facts), "rank": rank, "module": target}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"],

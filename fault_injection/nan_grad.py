@@ -22,6 +22,7 @@ class NanGrad(Fault):
     description = "one rank's local gradient of one parameter is NaN in one step (before all-reduce)"
     param: str
     params = (RANK, STEP, Param("param", str, "", "parameter name (default: the last weight)"))
+    aims = (0, "param")
     catcher = "nan_origin"
     engines = ("ddp", "manual")
 
@@ -51,11 +52,6 @@ class NanGrad(Fault):
             return ("a NaN born in a tensor-parallel backward reaches the TP peers through its all-reduce before any "
                     "hook can tell who made it (a known limit; nan_activation covers the forward)")
         return super().applicable(facts)
-
-    @classmethod
-    def fit(cls, facts: Facts) -> dict[str, Any]:
-        rank, target = facts.aim(0) or (1, "")
-        return {**super().fit(facts), "rank": rank, "param": target}
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("nan_origin", ranks=[i["rank"]], step=i["step"], subject=i["param"]) for i in injected]

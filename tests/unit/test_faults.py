@@ -262,6 +262,7 @@ def test_faults_are_fitted_to_the_script_steps_and_model():
     assert FAULTS["hang"].fit(Facts(**{**GPT.__dict__, "steps": 3})) == {"step": 2}
     assert FAULTS["hang"].applicable(Facts(**{**GPT.__dict__, "steps": 2})).startswith("the script ran 2 steps")
     assert FAULTS["straggler"].fit(LOADER) == {"step": 3}
+    assert FAULTS["bitflip_param"].fit(LOADER) == {"step": 3, "rank": 1, "param": "5.weight"}
     # Targets: the rank that restores a checkpoint; the backend's own socket variable.
     assert FAULTS["checkpoint_corruption"].fit(Facts(**{**LOADER.__dict__, "loads": {0: ["/c/m.pt"]}})) == {"rank": 0}
     assert FAULTS["checkpoint_corruption"].fit(LOADER) == {"rank": 1}
