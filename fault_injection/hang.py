@@ -20,7 +20,7 @@ class Hang(Fault):
     name = "hang"
     description = "one rank blocks in its forward at one step and never joins the next collective"
     catcher = "hang"
-    engines = ("ddp", "manual")
+    engines = ("ddp", "manual", "ddp_tp")  # DDP x TP: the blocked rank's TP peer waits in a functional collective
     attach_args = ("--stall-timeout", "4")
     exit_codes = (124,)
 

@@ -365,6 +365,26 @@ def _inflight_of(st: RankState) -> dict[str, Any] | None:
     return None
 
 
+FUNCTIONAL_WAIT = {"op": "wait_tensor", "seq": "?", "shapes": None, "functional": True}
+"""What a rank blocked on a functional collective's result is said to wait in (no in-flight record of ours)."""
+
+
+def functional_wait(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A rank blocked waiting for a functional collective's result (DTensor's redistribution, tensor
+    parallelism's all-reduce, ``torch.distributed._functional_collectives``): the collective was issued
+    asynchronously and the wait runs where its result is first used, inside torch, not inside any
+    collective the harness wraps. Its innermost frame (past the operator call) is ``wait_tensor``: it
+    waits for its peers like a rank inside a collective, and is no culprit."""
+    for f in reversed(frames):
+        name = str(f.get("file", "")).replace("\\", "/")
+        if name.endswith("/torch/_ops.py"):
+            continue
+        if name.endswith("/torch/distributed/_functional_collectives.py") and f.get("func") == "wait_tensor":
+            return dict(FUNCTIONAL_WAIT)
+        return None
+    return None
+
+
 def _fix(kind: str) -> str:
     return {
         "init": "make every rank reach init_process_group: look at the stack of the ranks that did not",
@@ -539,8 +559,14 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
             evidence={**evidence_common, "flight_recorder": fr}, fix=_fix("mismatch"),
         )]
 
-    # C) missing ranks: some ranks wait in a collective that others never reached.
+    # C) missing ranks: some ranks wait in a collective that others never reached (or for a functional
+    # collective's result: after the ranks in a collective of ours, so that one of those is quoted).
     waiting = {r: i for r, i in inflight.items() if states[r].status in (Status.STALLED, Status.RAISED)}
+    for r, st in sorted(states.items()):
+        if r not in waiting and st.status == Status.STALLED:
+            fw = functional_wait(st.stack)
+            if fw is not None:
+                waiting[r] = fw
     odd = odd_ranks_out(count_diff, states)
     ended = [s for s in states.values()
              if s.status in (Status.RAISED, Status.CRASHED, Status.EXITED, Status.ABSENT) or s.killed_by]
@@ -551,7 +577,9 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
     seq: Any
     sizes: Any
     if fr and fr.get("missing_ranks"):
-        culprits = list(fr["missing_ranks"])
+        # Missing from the Flight Recorder's collective, but waiting in an earlier one of their own (a TP peer
+        # waiting for the blocked rank's functional all-reduce): waiters, not culprits, while another is not.
+        culprits = [r for r in fr["missing_ranks"] if r not in waiting] or list(fr["missing_ranks"])
         op, seq, sizes = fr["op"], fr["seq"], f"{fr['input_sizes']}, group {fr['process_group']}"
         at = where([{"file": f["file"], "line": f["line"], "func": f["func"]} for f in reversed(fr["frames"])]) \
             if fr["frames"] else "?"
@@ -583,8 +611,16 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
             step = count_diff["step"]
     located = f" (step {count_diff['step']} is the first with different collective counts: " \
               f"{count_diff['collectives_per_rank']})" if count_diff else ""
-    head = f"ranks {waiters} wait in {op} #{seq} (sizes {sizes}, called at {at}); " if waiters else \
+    functional = [r for r in waiters if (waiting.get(r) or {}).get("functional")]
+    plain = [r for r in waiters if r not in functional]
+    head = f"ranks {plain} wait in {op} #{seq} (sizes {sizes}, called at {at}); " if plain else \
         f"{op} #{seq} (sizes {sizes}, called at {at}) never completed; "
+    subject = f"{op} #{seq}"
+    if functional and not plain:
+        subject = "a functional collective (DTensor, tensor parallelism)"
+        head = f"ranks {waiters} wait for {subject} to complete (at {at}); "
+    elif functional:
+        head += f"ranks {functional} wait for a functional collective (DTensor, tensor parallelism) to complete; "
     described = [r for r in culprits if r in states]
     p2p = [r for r in waiters if (waiting.get(r) or {}).get("op") in P2P_OPS]
     if p2p:
@@ -594,7 +630,7 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         described = [r for r in described if r not in p2p]
     return [Finding(
         severity=Severity.CRITICAL, detector=DETECTOR, ranks=list(culprits), step=step,
-        subject=f"{op} #{seq}",
+        subject=subject,
         message=(head + "; ".join(_describe(states[r]) for r in described)).rstrip("; ") + located,
         evidence={**evidence_common, "flight_recorder": fr,
                   "stacks": {r: states[r].stack[-8:] for r in culprits if r in states}},

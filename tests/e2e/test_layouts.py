@@ -189,10 +189,15 @@ def test_fault_replay_on_every_layout_recipe(tmp_path):
     cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).iter("testcase")}
     assert set(cases) == {(e, "clean") for e in LAYOUT_RECIPES} | {
         ("tp", "nan_activation"), ("hsdp_tp", "nan_activation"), ("pp", "nan_activation"),
-        ("ddp_tp", "bitflip_param"), ("hsdp_tp", "bitflip_param"), ("pp_dp", "bitflip_param")}
+        ("ddp_tp", "bitflip_param"), ("hsdp_tp", "bitflip_param"), ("pp_dp", "bitflip_param"), ("ddp_tp", "hang")}
     for key, c in cases.items():
         assert c.find("failure") is None, (key, c.find("failure").get("message"))
-    assert "6 applicable, 6 caught-localised, 0 not applicable; 5 of 5 clean runs clean; 0 failed" in r.stdout
+    assert "7 applicable, 7 caught-localised, 0 not applicable; 5 of 5 clean runs clean; 0 failed" in r.stdout
+    # The hang under DDP x TP: rank 1 alone, though its TP peer (rank 0) waits in no collective of ours
+    # but for the TP all-reduce's result (wait_tensor), and the Flight Recorder misses both from a later one.
+    (h,) = [f for f in _all_findings(work / "hang-ddp_tp" / "run") if f["detector"] == "hang"]
+    assert (h["ranks"], h["step"]) == ([1], 3)
+    assert "ranks [0] wait for a functional collective (DTensor, tensor parallelism) to complete" in h["message"]
     for recipe in ("ddp_tp", "hsdp_tp"):
         (f,) = [f for f in findings(work / f"bitflip_param-{recipe}" / "run", 4) if f["severity"] != "info"]
         # rank 1 flipped after step 3's update: its dp peer is rank 3 (TP peers 0 and 1 hold other shards)

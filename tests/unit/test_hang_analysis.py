@@ -6,6 +6,7 @@ from distdebug.analysis.hang import (
     _crash_frames,
     diagnose,
     first_collective_count_difference,
+    functional_wait,
     is_busy_stall,
     rank_states,
     where,
@@ -192,6 +193,44 @@ def test_extra_collective_is_named_by_the_majority_of_counts(tmp_path):
     _stalled(tmp_path, 2, [1, 1, 1, 1])
     (f,) = diagnose(load_run(tmp_path))
     assert (f.ranks, f.step) == ([0], 2)
+
+
+FUNCOL = [{"file": "/x/site-packages/torch/distributed/_functional_collectives.py", "line": 142,
+           "func": "wait_tensor", "code": "return torch.ops._c10d_functional.wait_tensor(tensor)"},
+          {"file": "/x/site-packages/torch/_ops.py", "line": 1279, "func": "__call__",
+           "code": "return self._op(*args)"}]
+"""The innermost frames of a rank waiting for a functional collective's result (DTensor's TP all-reduce)."""
+
+
+def test_a_rank_waiting_for_a_functional_collective_is_a_waiter_not_a_culprit(tmp_path):
+    # DDP x TP on 4 ranks: rank 1 blocks in its forward; its TP peer, rank 0, waits for the TP all-reduce's
+    # result (wait_tensor: no collective of ours in flight); ranks 2 and 3 wait in DDP's scatter. Only
+    # rank 1 is the culprit.
+    def stalled(rank, stack, inflight=None):
+        write(tmp_path, rank, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training",
+                                                             main_stack=stack)], world=4)
+        if inflight:
+            InflightSlot(layout.inflight_path(tmp_path, rank)).enter(inflight)
+
+    stalled(0, [USER, *FUNCOL])
+    stalled(1, [USER])
+    for r in (2, 3):
+        stalled(r, [USER, TORCH], {"op": "scatter", "seq": 1, "step": 3, "shapes": []})
+    (f,) = diagnose(load_run(tmp_path))
+    assert (f.ranks, f.step, f.subject) == ([1], 3, "scatter #1")
+    assert "ranks [0] wait for a functional collective (DTensor, tensor parallelism) to complete" in f.message
+    # Only functional waiters (pure tensor parallelism on 2 ranks): the same culprit, said so.
+    tp = tmp_path / "tp"
+    for rank, stack in ((0, [USER, *FUNCOL]), (1, [USER])):
+        write(tp, rank, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training", main_stack=stack)],
+              world=2)
+    (f,) = diagnose(load_run(tp))
+    assert (f.ranks, f.step, f.subject) == ([1], 3, "a functional collective (DTensor, tensor parallelism)")
+    assert f.message.startswith("ranks [0] wait for a functional collective")
+    # Issuing a functional collective, or any other frame of torch, is not waiting for one.
+    assert functional_wait([USER, {**FUNCOL[0], "func": "all_reduce"}]) is None
+    assert functional_wait([*FUNCOL, USER]) is None
+    assert functional_wait(FUNCOL) == {"op": "wait_tensor", "seq": "?", "shapes": None, "functional": True}
 
 
 def test_collective_shapes_are_read_however_the_collective_was_called():
