@@ -314,8 +314,8 @@ def replay_script(script: list[str], faults: list[str], work: Path, nproc: int =
     if on_cell is not None:
         on_cell(clean)
     if clean.status == "error" or clean.exit_code != 0:
-        clean.status = "error"
         what = clean.reason if clean.status == "error" else f"exit code {clean.exit_code}"
+        clean.status = "error"
         clean.reason = (f"the clean run of the script failed ({what}): the replay needs a script that runs to "
                         "its end without faults")
         return [clean]
