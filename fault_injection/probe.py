@@ -37,44 +37,53 @@ class Probe(Fault):
         from torch.utils.data.distributed import DistributedSampler
 
         probe = self
-        next_ = _BaseDataLoaderIter.__next__
+        next_, init = _BaseDataLoaderIter.__next__, DistributedSampler.__init__
+        load, save, seed = torch.load, torch.save, torch.manual_seed
 
+        def loader(it: Any) -> None:
+            sampler = getattr(it, "_index_sampler", None)
+            inner = getattr(sampler, "sampler", sampler)
+            probe.fact("dataloader", sampler=type(inner).__name__, distributed=isinstance(inner, DistributedSampler))
+
+        def path(f: Any) -> str | None:
+            return os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else None
+
+        def loaded(f: Any, obj: Any) -> None:
+            where = path(f)
+            if where is not None and _has_float(obj):
+                probe.fact("load", key=where, path=where)
+
+        def saved(f: Any) -> None:
+            where = path(f)
+            if where is not None:
+                probe.fact("save", key=where, path=where)
+
+        # Every observation is quiet (an exception of ours never reaches the script) and calls straight through.
         def __next__(it: Any) -> Any:
-            if "dataloader" not in probe.seen:
-                sampler = getattr(it, "_index_sampler", None)
-                inner = getattr(sampler, "sampler", sampler)
-                probe.fact("dataloader", sampler=type(inner).__name__,
-                           distributed=isinstance(inner, DistributedSampler))
+            if "dataloader:" not in probe.seen:
+                _quietly(loader, it)
             return next_(it)
-
-        ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
-        init = DistributedSampler.__init__
 
         def sampler_init(sampler: Any, *args: Any, **kwargs: Any) -> None:
             init(sampler, *args, **kwargs)
-            probe.fact("distributed_sampler")
-
-        ctx.patch(DistributedSampler, "__init__", sampler_init)
-        load, save, seed = torch.load, torch.save, torch.manual_seed
+            _quietly(probe.fact, "distributed_sampler")
 
         def load_(f: Any, *args: Any, **kwargs: Any) -> Any:
             obj = load(f, *args, **kwargs)
-            if isinstance(f, (str, os.PathLike)) and _has_float(obj):
-                path = os.path.abspath(os.fspath(f))
-                probe.fact("load", key=path, path=path)
+            _quietly(loaded, f, obj)
             return obj
 
         def save_(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
             out = save(obj, f, *args, **kwargs)
-            if isinstance(f, (str, os.PathLike)):
-                path = os.path.abspath(os.fspath(f))
-                probe.fact("save", key=path, path=path)
+            _quietly(saved, f)
             return out
 
         def manual_seed(s: Any) -> Any:
-            probe.fact("manual_seed")
+            _quietly(probe.fact, "manual_seed")
             return seed(s)
 
+        ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
+        ctx.patch(DistributedSampler, "__init__", sampler_init)
         ctx.patch(torch, "load", load_)
         ctx.patch(torch, "save", save_)
         ctx.patch(torch, "manual_seed", manual_seed)
@@ -95,6 +104,13 @@ class Probe(Fault):
             return
         self.seen.add(tag)
         self.ctx.emit("probe", fact=what, step=self.current, **details)
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the probe only watches: its failure must not reach the script
+        pass
 
 
 def _has_float(obj: Any, depth: int = 0) -> bool:
