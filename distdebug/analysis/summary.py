@@ -50,6 +50,9 @@ class RunSummary:
     discovery: dict[str, Any] | None = None
     injected: list[dict[str, Any]] = field(default_factory=list)
     """Faults injected on purpose (attach --inject), as each rank recorded them acting."""
+    never_acted: list[str] = field(default_factory=list)
+    """Faults given to attach --inject that no rank recorded acting (nothing they act through was there, or
+    their step was never reached): said, so that a clean report is not read as the fault being missed."""
     windows: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """Damage in the run directory (unreadable manifest, skipped lines)."""
@@ -161,6 +164,7 @@ def summarize(run: Run) -> RunSummary:
         failure=failure,
         ranks=ranks,
         injected=injected,
+        never_acted=never_acted(manifest.get("faults"), injected),
         windows=analyze_run(run.path),
         findings=_merge(findings),
         discovery=_with_layouts(discovery, per_rank_layout),
@@ -204,3 +208,11 @@ def _job_label(layout: dict[str, Any], per_rank: dict[int, dict[str, Any]]) -> s
                 for r, i in sorted(stages.items(), key=lambda x: int(x[0]))) + ")"
     return label
 
+
+def never_acted(faults: Any, injected: list[dict[str, Any]]) -> list[str]:
+    """Names of the faults the manifest lists (``{"target": "fault_injection.NAME:Class", ...}``, one module
+    per fault) without an ``injected`` record; the replay's probe (which acts on nothing) is not one."""
+    acted = {str(i.get("fault")) for i in injected}
+    names = [str(f.get("target", "")).partition(":")[0].rpartition(".")[2] for f in faults or []
+             if isinstance(f, dict)]
+    return [n for n in dict.fromkeys(names) if n and n != "probe" and n not in acted]

@@ -44,6 +44,10 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         what = ", ".join(f"{k} {v}" for k, v in inj.items() if k not in ("v", "kind", "rank", "time", "fault", "step"))
         console.print(f"[magenta]fault injected on purpose[/magenta]: {esc(str(inj.get('fault')))} on rank "
                       f"{inj.get('rank')} at step {inj.get('step')}" + (f" ({esc(what)})" if what else ""))
+    for name in summary.never_acted:
+        console.print(f"[magenta]fault injected on purpose[/magenta]: {esc(name)} [bold]never acted[/bold]: nothing it "
+                      "acts through was there, or its step never came (distdebug faults replay SCRIPT says which "
+                      "faults can act on a script)")
     if summary.exit_code is not None:
         style = "green" if summary.exit_code == 0 else "bold red"
         tail = f" ({esc(summary.failure)})" if summary.failure else ""

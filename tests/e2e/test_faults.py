@@ -29,8 +29,20 @@ def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
     assert (origin["ranks"], origin["step"], origin["subject"]) == ([1], 4, "4.weight")
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["faults"] == [{"target": "fault_injection.nan_grad:NanGrad", "params": {"rank": 1, "step": 4}}]
-    assert "fault injected on purpose: nan_grad on rank 1 at step 4 (param 4.weight)" in \
-        distdebug("report", str(tmp_path)).stdout
+    text = distdebug("report", str(tmp_path)).stdout
+    assert "fault injected on purpose: nan_grad on rank 1 at step 4 (param 4.weight)" in text
+    assert "never acted" not in text
+
+
+def test_a_fault_that_never_acted_is_said_in_the_report(tmp_path):
+    """duplicate_data on a script that draws its own batches (no DistributedSampler): the run is clean, and
+    the report says the fault never acted rather than leaving a clean report to read as a miss."""
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--inject", "duplicate_data",
+                  str(DATA / "scripts" / "replay_gpt.py"), "--iters", "3")
+    assert r.returncode == 0, r.output[-3000:]  # the training's exit code passes through
+    text = " ".join(distdebug("report", str(tmp_path)).stdout.split())
+    assert "fault injected on purpose: duplicate_data never acted: nothing it acts through was there" in text
+    assert json.loads(distdebug("report", "--json", str(tmp_path)).stdout)["never_acted"] == ["duplicate_data"]
 
 
 def test_skip_step_runs_the_closure_it_is_given(tmp_path):

@@ -302,3 +302,12 @@ def test_facts_are_read_from_the_probe_run_records():
     assert f.loads == {0: ["/c/a.pt"], 1: ["/c/a.pt"]}  # a file saved outside this run is nothing to compare with
     assert (f.param, f.module) == ("fc.weight", "fc")  # rank 0's: rank 1 recorded none
     assert f.loss_ranks == {0, 1} and not f.pipeline
+
+
+def test_faults_that_never_acted_are_named_from_the_manifest():
+    from distdebug.analysis.summary import never_acted
+
+    faults = [resolve("nan_grad"), resolve("duplicate_data"), resolve("probe"), resolve("duplicate_data")]
+    assert never_acted(faults, [{"kind": "injected", "fault": "nan_grad", "rank": 1, "step": 3}]) == ["duplicate_data"]
+    assert never_acted(faults, [{"fault": "nan_grad"}, {"fault": "duplicate_data"}]) == []
+    assert never_acted(None, []) == [] and never_acted([{"params": {}}], []) == []
