@@ -46,21 +46,18 @@ class LossSpike(Fault):
         # Every forward of the step: its micro-batches (accumulation, a pipeline's schedule) all corrupted.
         if not (self.mine() and self.current == self.step):
             return None
-        first = not self.acted
         if scalable(out):
-            if first:
-                self.injected(factor=self.factor)
-            return out * self.factor
-        if hasattr(out, "keys") and "loss" in out.keys() and scalable(out["loss"]):
+            what, new = {}, out * self.factor
+        elif hasattr(out, "keys") and "loss" in out.keys() and scalable(out["loss"]):
             out["loss"] = out["loss"] * self.factor  # a ModelOutput keeps its attribute in step with the key
-            if first:
-                self.injected(factor=self.factor, output="loss")
-            return out
-        if type(out) in (tuple, list) and out and scalable(out[0]):
-            if first:
-                self.injected(factor=self.factor, output="first")
-            return type(out)([out[0] * self.factor, *out[1:]])
-        return None
+            what, new = {"output": "loss"}, out
+        elif type(out) in (tuple, list) and out and scalable(out[0]):
+            what, new = {"output": "first"}, type(out)([out[0] * self.factor, *out[1:]])
+        else:
+            return None
+        if not self.acted:  # recorded once, at its first micro-batch
+            self.injected(factor=self.factor, **what)
+        return new
 
     earliest = 12  # loss_spike's MIN_HISTORY steps of history, and a step of margin
 
