@@ -75,6 +75,7 @@ class Fault(Detector):
 
     default: ClassVar[bool] = False
     paused: ClassVar[bool] = False
+    follows_phases: ClassVar[bool] = True
     """A fault acts whatever the detectors do: never paused by ``--measure-overhead``'s off blocks."""
     params: ClassVar[tuple[Param, ...]] = (RANK, STEP)
     """The spec's parameters; each becomes an attribute of the instance (``rank``, ``step``, ...)."""

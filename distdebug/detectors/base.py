@@ -38,6 +38,9 @@ class Detector:
     """Whether the detector runs when ``--detectors`` is not given."""
     needs_model: ClassVar[bool] = False
     """Watches the model found by discovery (its modules, parameters or gradients): blind when none is."""
+    follows_phases: ClassVar[bool] = False
+    """Not rebuilt at a new training phase (runtime.session._new_phase) but attached again to its models
+    (injected faults that have not acted yet: the step they act at may lie in the new phase)."""
     Config: ClassVar[type | None] = None
     """A configurable detector's options: a kw_only dataclass, one docstring per field (defaults live
     there and nowhere else). The detector is then built as ``cls(config)``; ``distdebug attach

@@ -133,6 +133,15 @@ class Session:
         self._released_defaults: list[str] = []
         self._exchange: Exchange | None = None
         self._closed = False
+        # Training phases (see _new_phase): the parameters the detectors watch, by id (weakly: an id is
+        # reused once its tensor is freed); another optimizer that stepped in a row without the primary.
+        self._watched: dict[int, weakref.ref[Any]] = {}
+        self._rival: weakref.ref[Any] | None = None
+        self._rival_steps = 0
+        self._to_attach: list[Detector] | None = None  # detectors of a new phase, attached at its discovery
+        self._next_phase: list[Detector] = []  # built when the phase changed; set up after that boundary
+        self._phase_order: list[Detector] = []
+        self.phases = 1
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -384,10 +393,111 @@ class Session:
             # The first optimizer to step marks the boundaries; if the script drops it and builds
             # another (a fresh optimizer per step, a rebuild after a restart), the next one does.
             self._primary_ref = weakref.ref(opt)
+            if not self._discovering and self.step > 0 and not self._watches(opt):
+                self._new_phase(opt)  # and it trains parameters no detector watches: a new model
+        elif opt is self._primary():
+            self._rival = None
+        elif not self._discovering and self.step_source == "optimizer":
+            self._note_rival(opt)
         self.ctx.add_optimizer(opt)
         if opt is self._primary():
             self.step_source = "optimizer"
             self.boundary()
+
+    # ------------------------------------------------------------------ training phases
+    def _watches(self, opt: Any) -> bool:
+        """Whether ``opt`` updates parameters the detectors watch (its first one tells: an optimizer
+        over a model is built from that model's parameters)."""
+        try:
+            p = opt.param_groups[0]["params"][0]
+        except Exception:  # nothing to tell by: stay with what is watched
+            return True
+        ref = self._watched.get(id(p))
+        return ref is not None and ref() is p
+
+    def _note_rival(self, opt: Any) -> None:
+        """Another optimizer stepped while the primary is alive. Twice in a row without the primary, over
+        parameters nobody watches: the script moved on to a new model (a second ``Trainer.fit`` that
+        resumes from a checkpoint, the next fold, the next trial) and the old one is merely kept alive.
+        A GAN's or a critic's optimizers step between the primary's steps, over watched parameters."""
+        if self._rival is not None and self._rival() is opt:
+            self._rival_steps += 1
+        else:
+            self._rival, self._rival_steps = weakref.ref(opt), 1
+        if self._rival_steps >= 2 and not self._watches(opt):
+            self.step += 1  # its first step, which came before it could be told from a rival's: a bare record
+            self.emit(schema.record(schema.STEP, rank=self.identity.rank, step=self.step, attempt=self.identity.attempt,
+                                    time=time.time(), loss=None, step_time_s=0.0, backward_calls=0, collectives=0))
+            self._primary_ref = weakref.ref(opt)
+            self._rival = None
+            self._new_phase(opt)
+
+    def _new_phase(self, opt: Any) -> None:
+        """A new training phase: ``opt`` trains a model the detectors never saw. Without this the harness
+        would go on watching the old model (unchanged, so every check passes) and see nothing of the
+        training that goes on. The detectors that watch a model are retired (hooks removed, patches
+        passed through) and built afresh, with their options and accounting; the next step is a
+        discovery step again (its forward finds the new model), at whose end they attach. The others,
+        and injected faults, go on: a checkpoint saved in one phase is compared when the next restores
+        it. Every rank runs the same script, so every rank changes phase at the same step."""
+        retired, fresh, order = [], [], []  # order: the detectors with the fresh ones in the retired's places
+        for det in self.detectors:
+            order.append(det)
+            if not det.needs_model or det.off:
+                continue
+            cls = type(det)
+            try:
+                new = cls(det.config) if cls.Config is not None else cls()  # type: ignore[call-arg]
+            except Exception:  # cannot be rebuilt: it stays, watching what it watched
+                continue
+            new.name = det.name  # type: ignore[misc]
+            new.cost_ns, new.cost_calls = det.cost_ns, det.cost_calls  # the run's accounting goes on
+            det.off = True
+            det.remove_hooks()
+            retired.append(det)
+            fresh.append(new)
+            order[-1] = new
+        gone = {id(d) for d in retired}
+        lists: list[list[Any]] = [self.ctx.end_of_backward, self.ctx.finding_listeners,
+                                  self.ctx.communication_observers]
+        for callables in lists:  # what the retired detectors registered with the context
+            callables[:] = [c for c in callables if id(getattr(c, "__self__", None)) not in gone]
+        self.detectors = [d for d in self.detectors if id(d) not in gone]
+        self._next_phase = fresh
+        self._phase_order = order
+        self.phases += 1
+        self.ctx.models = []
+        self.ctx.optimizers = [opt]
+        self._root_refs = []
+
+    def _start_phase_discovery(self) -> None:
+        """After the boundary that ended the old phase: the new detectors are set up and the next step
+        discovers the model, as the first step did."""
+        fresh, self._next_phase = self._next_phase, []
+        for det in fresh:
+            det.on_failure = self._detector_failed
+            self._run_detector(det, "setup", lambda d: d.setup(self.ctx))
+        # In the order of the first phase (injected faults first: a fault's hook on a module runs before
+        # the detectors' hooks on it, which then see what it did); detectors added meanwhile stay.
+        placed = {id(d) for d in self._phase_order}
+        self.detectors = self._phase_order + [d for d in self.detectors if id(d) not in placed]
+        self._phase_order = []
+        self._after_backward = [d for d in self.detectors if type(d).after_backward is not Detector.after_backward]
+        again = [d for d in self.detectors if d.follows_phases and not d.off and not getattr(d, "acted", False)]
+        for det in again:
+            det.remove_hooks()
+        self._to_attach = [d for d in self.detectors if any(d is x for x in fresh + again)]
+        self._loss_modules, self._reduced_ptrs, self._forward_groups = [], {}, set()
+        self._discovering = True
+        if self._discovery_inert:
+            self._discovery_inert = False  # a compiled model's: the hooks stayed, inert
+        elif not self._discovery_handles:
+            from torch.nn.modules import module as nn_module
+
+            self._discovery_handles = [
+                nn_module.register_module_forward_pre_hook(self._fwd_pre),
+                nn_module.register_module_forward_hook(self._fwd_post, always_call=True),
+            ]
 
     def release_stale_defaults(self) -> None:
         """Free the destroyed groups that imported functions still hold as defaults (runtime.teardown)."""
@@ -440,6 +550,8 @@ class Session:
                 self._emit_cost()
             if self._ab is not None:
                 self._next_block()
+            if self._next_phase:
+                self._start_phase_discovery()
         except Exception:
             Detector.paused = False  # a failure of ours never leaves the detectors off
 
@@ -566,15 +678,28 @@ class Session:
             # Never a quiet "No findings.": a run in which these checks saw nothing says so.
             self.harness_finding(
                 Severity.WARNING, "discovery",
-                f"no model was found in step 1 (no module ran forward before the first optimizer step): "
+                f"no model was found in step {self.step} (no module ran forward before its optimizer step): "
                 f"{', '.join(blind)} watch nothing in this run",
                 fix="call distdebug.watch(model, optimizer) once they are built; or look for an optimizer.step() "
                     "before the first forward (a helper that steps once to create the optimizer's state)")
         self._open_exchange()
-        for det in list(self.detectors):
+        attach, self._to_attach = (self.detectors if self._to_attach is None else self._to_attach), []
+        for det in list(attach):
             self._run_detector(det, "attach", lambda d: d.attach(self.ctx))
+        self._watched = {}
+        for p in self._trained_parameters():
+            if len(self._watched) < 1_000_000:
+                self._watched[id(p)] = weakref.ref(p)
         if self._exchange is not None:
             self._exchange.flush()
+
+    def _trained_parameters(self) -> Any:
+        """The parameters of the models found and of the optimizers stepped (each may miss some)."""
+        for root in self.roots:
+            yield from root.parameters()
+        for opt in self.ctx.optimizers:
+            for group in getattr(opt, "param_groups", ()):
+                yield from group.get("params", ())
 
     def _end_discovery_hooks(self) -> None:
         # Forward hooks are only for discovery; removing them restores nn.Module's fast path. Not when a

@@ -12,6 +12,8 @@ ckpt       activation checkpointing (torch.utils.checkpoint)
 bf16       bf16 autocast
 gan        two models and two optimizers (a GAN's generator and discriminator)
 closure    optimizer.step(closure): the closure runs forward and backward (Lightning's training step)
+phase2     halfway, a new model and optimizer take over while the first stay alive (a second Trainer.fit
+           that resumes, a kept Trainer); the same with ``rebuild``, the first dropped (a new Trainer)
 """
 
 import copy
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 from recipes._common import base_parser, finish, param_digest, setup, write_digest  # noqa: E402
 
 SHAPES = {"sched", "clip", "eval", "infer", "ema", "frozen", "late", "accum", "tied", "workers", "ckpt", "bf16", "gan",
-          "closure"}
+          "closure", "phase2", "rebuild"}
 
 
 class Net(nn.Module):
@@ -105,7 +107,7 @@ def main() -> None:
         for x, y in batches:
             micro = [(x[:4], y[:4]), (x[4:], y[4:])] if "accum" in shapes else [(x, y)]
             if "closure" in shapes:
-                def closure(x=x, y=y):
+                def closure(x=x, y=y, ddp=ddp):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in shapes):
                         out = lossf(ddp(x).float(), y)
                     out.backward()
@@ -133,6 +135,12 @@ def main() -> None:
                 with torch.no_grad():
                     for e, q in zip(ema.parameters(), model.parameters(), strict=True):
                         e.mul_(0.9).add_(q.detach(), alpha=0.1)
+            if step == args.steps // 2 and shapes & {"phase2", "rebuild"}:
+                kept = (ddp, opt) if "phase2" in shapes else None  # noqa: F841 (alive on purpose)
+                model = Net("tied" in shapes, "ckpt" in shapes)
+                model.load_state_dict(ddp.module.state_dict())  # the second phase resumes from the first
+                ddp = DDP(model)
+                opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
             if step == 3 and late_params:
                 opt.add_param_group({"params": late_params, "lr": 0.01})
             if "eval" in shapes and step % 2 == 0:
