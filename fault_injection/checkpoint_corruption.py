@@ -38,7 +38,10 @@ class CheckpointCorruption(Fault):
                 if hit is not None:
                     # A restore is placed at the step it follows, as checkpoint_roundtrip places it
                     # (a load between two steps belongs to neither's forward and backward).
-                    fault.injected(tensor=hit, file=str(args[0]) if args else "?", step=fault.current - 1)
+                    from distdebug.detectors.checkpoint_roundtrip import target
+
+                    where = (target(args[0]) or "a buffer") if args else "?"
+                    fault.injected(tensor=hit, file=where, step=fault.current - 1)
             return obj
 
         ctx.patch(torch, "load", load)

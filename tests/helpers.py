@@ -47,8 +47,9 @@ def distdebug(*args: str, timeout: float = 180, env: dict[str, str] | None = Non
     return run([sys.executable, str(ROOT / "cli.py"), *args], timeout=timeout, env=env, cwd=cwd)
 
 
-def torchrun(*args: str, timeout: float = 180) -> Completed:
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args], timeout=timeout)
+def torchrun(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> Completed:
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args], timeout=timeout,
+               env=env)
 
 
 def free_port() -> int:

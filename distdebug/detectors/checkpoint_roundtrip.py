@@ -18,9 +18,18 @@ A rank that restores the file another rank saved, while it saved a sibling file 
 name but for the rank digits: ``ckpt_0.pt`` / ``ckpt_1.pt``) is restoring the wrong shard; loading
 rank 0's file everywhere, as replicated training does, is fine.
 
-Only paths (str / PathLike) are tracked; file objects and buffers pass through untouched. DCP
-``Stateful`` objects inside a state dict are not looked into (their ``state_dict()`` may run
-collectives, which the harness must never add), nor is ``async_save``.
+- file objects: a file opened on a path (``open()``, fsspec's local files: their ``name`` / ``path``)
+  counts as that path. A save into a buffer (``io.BytesIO``: Lightning serialises its checkpoint
+  there and writes the bytes through fsspec) has no path; it is recorded by content, and a load that
+  no save of its path explains is compared with the buffer saves of every rank that hold the same
+  tensor names: an exact match passes; the closest one differing in a few tensors (at most a tenth,
+  at least one) is a finding naming them; one differing in more is another checkpoint, not judged;
+- safetensors ``save_file`` / ``load_file`` (what Hugging Face ``save_pretrained`` and the Trainer's
+  resume from ``model.safetensors`` use), wrapped when the script imports ``safetensors.torch``.
+
+DCP ``Stateful`` objects inside a state dict are not looked into (their ``state_dict()`` may run
+collectives, which the harness must never add), nor is ``async_save``; nor safetensors' lazy
+``safe_open``, nor other file formats.
 """
 
 from __future__ import annotations
@@ -48,6 +57,36 @@ RECORDS = layout.CHECKPOINTS
 EARLIER_RUNS = 50
 """Newest sibling run directories searched for a checkpoint saved by an earlier run."""
 DCP_MODULE = "torch.distributed.checkpoint"
+SAFETENSORS_MODULE = "safetensors.torch"
+BUFFER_SAVES = 16
+"""Buffer saves this rank keeps in memory for a later load to be compared with (their records stay)."""
+
+
+def target(f: Any) -> str | None:
+    """The path a save or load goes to: a path, or a file object opened on one; None for a buffer."""
+    if isinstance(f, (str, os.PathLike)):
+        return os.fspath(f)  # type: ignore[return-value]
+    for attr in ("path", "name"):  # fsspec's local files; open()'s
+        value = getattr(f, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def closest(saves: list[dict[str, Any]], loaded: dict[str, int]) -> tuple[dict[str, Any], list[str]] | None:
+    """The save with the same tensor names that ``loaded`` differs least from, with the names that differ;
+    None when no save has those names, or when the closest differs in too many to be its corruption."""
+    best: tuple[dict[str, Any], list[str]] | None = None
+    for save in saves:
+        fps = save["fps"]
+        if fps.keys() != loaded.keys():
+            continue
+        differ = [k for k in fps if fps[k] != loaded[k]]
+        if best is None or len(differ) < len(best[1]):
+            best = (save, differ)
+    if best is None or len(best[1]) > max(1, len(loaded) // 10):
+        return None
+    return best
 
 
 def siblings(a: str, b: str) -> bool:
@@ -128,18 +167,21 @@ class CheckpointRoundTrip(Detector):
         self._loaded: set[str] = set()
         self._reported: set[tuple[str, tuple[str, ...]]] = set()
         self._foreign: list[dict[str, Any]] = []  # restores of another rank's sibling file, judged later
-        self._hook: _ImportHook | None = None
+        self._hooks: list[_ImportHook] = []
+        self._buffers: list[dict[str, Any]] = []  # this rank's latest saves into buffers: {"fps", "step", "rank"}
         self._lock = threading.Lock()
 
     def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
         self._patch(torch, "save", self._wrap_save)
         self._patch(torch, "load", self._wrap_load)
-        if DCP_MODULE in sys.modules:
-            self._patch_dcp(sys.modules[DCP_MODULE])
-        else:
-            self._hook = _ImportHook(DCP_MODULE, self._patch_dcp)
-            sys.meta_path.insert(0, self._hook)
+        for module, then in ((DCP_MODULE, self._patch_dcp), (SAFETENSORS_MODULE, self._patch_safetensors)):
+            if module in sys.modules:
+                then(sys.modules[module])
+            else:
+                hook = _ImportHook(module, then)
+                self._hooks.append(hook)
+                sys.meta_path.insert(0, hook)
 
     def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
         ctx = self.ctx
@@ -150,10 +192,14 @@ class CheckpointRoundTrip(Detector):
         self._patch(dcp, "save", self._wrap_dcp_save)
         self._patch(dcp, "load", self._wrap_dcp_load)
 
+    def _patch_safetensors(self, st: Any) -> None:
+        self._patch(st, "save_file", self._wrap_save)
+        self._patch(st, "load_file", self._wrap_load)
+
     def on_end(self) -> Iterable[Finding]:
-        hook = self._hook
-        if hook is not None and hook in sys.meta_path:
-            sys.meta_path.remove(hook)
+        for hook in self._hooks:
+            if hook in sys.meta_path:
+                sys.meta_path.remove(hook)
         return self._wrong_shards()
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
@@ -167,8 +213,11 @@ class CheckpointRoundTrip(Detector):
         @functools.wraps(original)
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(obj, f, *args, **kwargs)
-            if isinstance(f, (str, os.PathLike)):
-                det._guard(det._record_save, obj, f)
+            path = target(f)
+            if path is not None:
+                det._guard(det._record_save, obj, path)
+            elif hasattr(f, "write"):
+                det._guard(det._record_buffer_save, obj, "a buffer")
             return result
 
         return save
@@ -179,8 +228,7 @@ class CheckpointRoundTrip(Detector):
         @functools.wraps(original)
         def load(f: Any, *args: Any, **kwargs: Any) -> Any:
             obj = original(f, *args, **kwargs)
-            if isinstance(f, (str, os.PathLike)):
-                det._guard(det._check_load, obj, f)
+            det._guard(det._check_load, obj, target(f) or "a buffer")
             return obj
 
         return load
@@ -320,13 +368,85 @@ class CheckpointRoundTrip(Detector):
             return where, r, {"fps": fps, "step": rec.get("step"), "stamp": rec.get("stamp"), "own": mine_there}
         return None
 
+    def _record_buffer_save(self, obj: Any, f: Any) -> None:
+        """A save into a buffer: kept by content (this rank's latest few in memory, every one recorded)."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        fps = fingerprints(tensor_items(obj), portable=True)
+        if not fps:
+            return
+        with self._lock:
+            self._buffers = [*self._buffers[-(BUFFER_SAVES - 1):], {"fps": fps, "step": self.step, "rank": ctx.rank}]
+        records = self._records_path(ctx.rank)
+        if records is not None:
+            records.parent.mkdir(parents=True, exist_ok=True)
+            with open(records, "a") as out:
+                out.write(json.dumps({"v": 1, "op": "save", "path": None, "buffer": True, "step": self.step,
+                                      "rank": ctx.rank, "fps": {k: f"{v:016x}" for k, v in fps.items()}}) + "\n")
+
+    def _buffer_saves(self) -> list[dict[str, Any]]:
+        """Every rank's buffer saves in this run (this rank's from memory, the others' from their records)."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        with self._lock:
+            out = list(self._buffers)
+        if ctx.run_dir is None:
+            return out
+        for rank_dir in sorted(Path(ctx.run_dir).glob("rank-*")):
+            rank = layout.rank_of_dir(rank_dir.name)
+            if rank is None or rank == ctx.rank or not (rank_dir / RECORDS).exists():
+                continue
+            for line in (rank_dir / RECORDS).read_text().splitlines()[-1000:]:
+                try:
+                    rec = json.loads(line)
+                    if rec.get("buffer"):
+                        out.append({"fps": {k: int(v, 16) for k, v in rec["fps"].items()}, "step": rec.get("step"),
+                                    "rank": rank})
+                except (ValueError, KeyError, AttributeError):
+                    continue  # a line cut short by a kill
+        return out
+
+    def _check_by_content(self, obj: Any, path: str) -> None:
+        """A load that no save of its path explains, compared with the buffer saves (module docstring)."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        saves = self._buffer_saves()
+        if not saves:
+            return
+        loaded = fingerprints(tensor_items(obj), portable=True)
+        if len(loaded) < 2:
+            return  # one tensor: a different one and a corrupted one cannot be told apart
+        found = closest(saves, loaded)
+        if found is None or not found[1]:
+            return
+        save, differ = found
+        name = Path(path).name if path != "a buffer" else path
+        with self._lock:
+            if (path, tuple(differ)) in self._reported:
+                return
+            self._reported.add((path, tuple(differ)))
+        ctx.report(Finding(
+            severity=Severity.ERROR, detector=self.name, ranks=[ctx.rank], step=self.step or None, subject=differ[0],
+            message=f"restored {name} does not match what rank {save['rank']} saved at step {save['step']} "
+                    f"({len(differ)} of {len(loaded)} tensors differ, the rest are equal): " + ", ".join(differ[:10])
+                    + (" ..." if len(differ) > 10 else ""),
+            evidence={"path": path, "saved_by": save["rank"], "saved_at_step": save["step"], "differ": differ[:200],
+                      "matched_by": "content (the save went into a buffer: no path)"},
+            fix="the file changed after it was written (a partial write, another job, a wrong copy); "
+                "restore from a checkpoint whose round trip checks out",
+        ))
+
     def _check_load(self, obj: Any, f: Any) -> None:
         ctx = self.ctx
         assert ctx is not None  # set in setup()/attach(), which the session calls first
+        if f == "a buffer":
+            self._check_by_content(obj, f)
+            return
         path = str(Path(f).resolve())
         found = self._find_save(path)
         if found is None:
-            return  # never saved under distdebug: nothing to compare with
+            self._check_by_content(obj, path)  # saved into a buffer and written by other code, perhaps
+            return
         where, saver, rec = found
         loaded = fingerprints(tensor_items(obj), portable=True)
         diff = compare_saved(rec["fps"], loaded)

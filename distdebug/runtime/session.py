@@ -38,7 +38,7 @@ from distdebug.detectors.base import Detector
 from distdebug.envvars import MEASURE_OVERHEAD
 from distdebug.envvars import get as env_get
 from distdebug.findings import Finding, Severity
-from distdebug.runtime import cost, discovery, overhead
+from distdebug.runtime import cost, discovery, frameworks, overhead
 from distdebug.runtime import layout as layout_mod
 from distdebug.runtime import patches as patches_mod
 from distdebug.runtime.exchange import Exchange, checked_step
@@ -319,6 +319,10 @@ class Session:
             self._t_last = time.perf_counter()
         if isinstance(t, torch.Tensor) and t.numel() == 1:
             v = t.detach().to(torch.float64)
+            if frameworks.loaded():  # accelerate's or Lightning's division by the accumulation steps, undone
+                factor = frameworks.loss_factor(sys._getframe(2))
+                if factor != 1.0:
+                    v = v * factor
             scaler = next((sc() for out, sc in self._scaled if out() is t), None)
             scale = getattr(scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
