@@ -51,7 +51,8 @@ class CheckpointCorruption(Fault):
     @classmethod
     def applicable(cls, facts: Facts) -> str:
         if not facts.loads:
-            return "the script restores no checkpoint it saved in the same run (torch.save/torch.load of a path)"
+            return ("the script restores no checkpoint it saved in the same run (torch.save/torch.load of a path, "
+                    "a file object, or a buffer's bytes written to a file)")
         return super().applicable(facts)
 
     @classmethod

@@ -36,6 +36,8 @@ class Probe(Fault):
         from torch.utils.data.dataloader import _BaseDataLoaderIter
         from torch.utils.data.distributed import DistributedSampler
 
+        from distdebug.detectors.checkpoint_roundtrip import target
+
         probe = self
         next_, init = _BaseDataLoaderIter.__next__, DistributedSampler.__init__
         load, save, seed = torch.load, torch.save, torch.manual_seed
@@ -46,17 +48,18 @@ class Probe(Fault):
             probe.fact("dataloader", sampler=type(inner).__name__, distributed=isinstance(inner, DistributedSampler))
 
         def path(f: Any) -> str | None:
-            return os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else None
+            where = target(f)  # a path, or a file object opened on one; None: a buffer
+            return os.path.abspath(where) if where is not None else None
 
         def loaded(f: Any, obj: Any) -> None:
-            where = path(f)
-            if where is not None and _has_float(obj):
-                probe.fact("load", key=where, path=where)
+            if _has_float(obj):
+                where, names = path(f), _names(obj)
+                probe.fact("load", key=f"{where}:{names}", path=where, names=names)
 
-        def saved(f: Any) -> None:
-            where = path(f)
-            if where is not None:
-                probe.fact("save", key=where, path=where)
+        def saved(f: Any, obj: Any) -> None:
+            where, names = path(f), _names(obj)
+            if where is not None or hasattr(f, "write"):  # a buffer's save is known by its tensors' names
+                probe.fact("save", key=f"{where}:{names}", path=where, names=names)
 
         # Every observation is quiet (an exception of ours never reaches the script) and calls straight through.
         def __next__(it: Any) -> Any:
@@ -75,7 +78,7 @@ class Probe(Fault):
 
         def save_(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
             out = save(obj, f, *args, **kwargs)
-            _quietly(saved, f)
+            _quietly(saved, f, obj)
             return out
 
         def manual_seed(s: Any) -> Any:
@@ -111,6 +114,16 @@ def _quietly(fn: Any, *args: Any) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001 - the probe only watches: its failure must not reach the script
         pass
+
+
+def _names(obj: Any) -> str:
+    """The tensors' key paths of a saved or loaded object, hashed: a save into a buffer (Lightning's,
+    written through fsspec) is matched to its load by them, as checkpoint_roundtrip matches it."""
+    import hashlib
+
+    from distdebug.detectors.checkpoint_roundtrip import tensor_items
+
+    return hashlib.sha1("\n".join(name for name, _ in tensor_items(obj)).encode()).hexdigest()[:16]
 
 
 def _has_float(obj: Any, depth: int = 0) -> bool:
@@ -200,7 +213,7 @@ class Facts:
         """From a loaded run directory (``distdebug.artifacts.reader.Run``) of the probe run."""
         f = cls()
         saved: set[str] = set()
-        loads: dict[int, list[str]] = {}
+        loads: dict[int, list[tuple[str | None, str | None]]] = {}
         steps: list[int] = []
         for rank, stream in run.ranks.items():
             records = stream.last_attempt()
@@ -229,13 +242,15 @@ class Facts:
                     elif what == "manual_seed" and r.get("step") == 1:
                         f.manual_seed = True
                     elif what == "save":
-                        saved.add(r.get("path"))
+                        saved.add(r.get("path") or f"names:{r.get('names')}")
                     elif what == "load":
-                        loads.setdefault(rank, []).append(r.get("path"))
+                        loads.setdefault(rank, []).append((r.get("path"), r.get("names")))
                     elif what == "targets":
                         f.targets[rank] = (r.get("param"), r.get("module"))
         f.steps = min(steps, default=0)
-        f.loads = {rank: [p for p in paths if p in saved] for rank, paths in loads.items()}
+        # A restore of a path a rank saved, or of what a rank saved into a buffer (the same tensors' names).
+        f.loads = {rank: [p or "a buffer" for p, names in paths if p in saved or f"names:{names}" in saved]
+                   for rank, paths in loads.items()}
         f.loads = {rank: paths for rank, paths in f.loads.items() if paths}
         return f
 

@@ -62,6 +62,11 @@ class Detector:
     def attach(self, ctx: RankContext) -> None:
         """Called once per rank after discovery (first step boundary)."""
 
+    def handover(self, successor: Detector) -> None:
+        """A new training phase (runtime.session._new_phase) retires this detector for ``successor``, built
+        afresh for the new model: pass on what is about the training rather than the model (a loss's
+        history, say: a resumed training goes on where it stopped). Nothing by default."""
+
     def probe(self, step: int) -> dict[str, Any] | None:
         """Device values this detector needs on the host at this step boundary (flags, norms,
         fingerprint rows), as tensors, not read: the session reads them all, and the loss, in one

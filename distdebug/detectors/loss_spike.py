@@ -150,6 +150,17 @@ class LossSpike(ExchangeUser, Detector):
         self.losses: list[tuple[int, float]] = []  # (step, loss) since the last exchange
         self.cross = CrossRank(self.threshold, self.window)
         self.cross_found = 0
+        self._phase_start = False  # handed a loss history at a new training phase: its first loss may move it
+
+    def handover(self, successor: Detector) -> None:
+        """The loss goes on across a training phase (a fit that resumes: its spikes are judged against the
+        history before it); the gradient norm is the model's, and starts afresh with the new model."""
+        if not isinstance(successor, LossSpike):
+            return
+        successor.history["loss"] = self.history["loss"]
+        successor.found, successor.cross, successor.cross_found = self.found, self.cross, self.cross_found
+        successor.losses, self.losses = self.losses, []
+        successor._phase_start = True
 
     def attach(self, ctx: RankContext) -> None:
 
@@ -238,6 +249,10 @@ class LossSpike(ExchangeUser, Detector):
             if value is None or not math.isfinite(value):
                 continue  # NaN/Inf are nan_origin's and loss_nonfinite's
             hist = self.history[signal]
+            if signal == "loss" and self._phase_start:
+                self._phase_start = False
+                if spike(list(hist), value, self.threshold, both=True)[0]:
+                    hist.clear()  # a new phase that starts elsewhere (a fresh model, the next fold): a new level
             # The loss both ways (a collapse, a loss gone negative, is as wrong as a jump); the gradient
             # norm upward only (it falls as training converges).
             is_spike, med, z = spike(list(hist), value, self.threshold, both=signal == "loss")

@@ -456,6 +456,10 @@ class Session:
                 continue
             new.name = det.name  # type: ignore[misc]
             new.cost_ns, new.cost_calls = det.cost_ns, det.cost_calls  # the run's accounting goes on
+            try:
+                det.handover(new)
+            except Exception:  # nothing passed on: the new one starts as the first phase's did
+                pass
             det.off = True
             det.remove_hooks()
             retired.append(det)

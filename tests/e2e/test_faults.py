@@ -149,7 +149,8 @@ def test_replay_on_a_gpt_style_script_skips_what_it_lacks(tmp_path):
         "slow_dataloader": "not applicable: no DataLoader: the script makes its batches itself",
         "duplicate_data": "not applicable: no DistributedSampler: the script makes its batches itself",
         "checkpoint_corruption": "not applicable: the script restores no checkpoint it saved in the same run "
-                                 "(torch.save/torch.load of a path)",
+                                 "(torch.save/torch.load of a path, a file object, or a buffer's bytes written "
+                                 "to a file)",
         "straggler": "not applicable: the script ran 14 steps; straggler acts at step 2 or later and needs 19 "
                      "steps for straggler to see it (run the script longer)",
         "slow_link": "not applicable: acts on distdebug doctor --bandwidth's link matrix (replayed on the "
