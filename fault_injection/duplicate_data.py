@@ -1,5 +1,7 @@
-"""duplicate_data: every rank gets the same batches (DistributedSampler told there is one replica),
-so the ranks repeat each other's work: the mistake of a missing DistributedSampler.
+"""duplicate_data: every rank gets the same batches, so the ranks repeat each other's work: the mistake
+of a missing DistributedSampler. It acts on what shards the data: ``DistributedSampler`` (and its
+subclasses: Lightning's wrappers) is told there is one replica; accelerate's ``BatchSamplerShard``
+(what ``Accelerator.prepare`` and the Hugging Face Trainer shard with) one process.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ if TYPE_CHECKING:
 
 class DuplicateData(Fault):
     name = "duplicate_data"
-    description = "DistributedSampler sees one replica on every rank: every rank gets the same batches"
+    description = ("DistributedSampler (or accelerate's BatchSamplerShard) sees one replica on every rank: every "
+                   "rank gets the same batches")
     params = ()
     catcher = "data_order"
     engines = ("ddp",)
+
+    _hook: Any = None
 
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
@@ -35,14 +40,38 @@ class DuplicateData(Fault):
             fault.injected(sampler="DistributedSampler")
 
         ctx.patch(DistributedSampler, "__init__", init)
+        from distdebug.runtime.imports import when_imported
+
+        self._hook = when_imported("accelerate.data_loader", self._patch_accelerate)
+
+    def _patch_accelerate(self, module: Any) -> None:
+        shard = getattr(module, "BatchSamplerShard", None)
+        if shard is None or self.ctx is None:
+            return
+        original = shard.__init__
+        fault = self
+
+        def init(sampler: Any, *args: Any, **kwargs: Any) -> None:
+            original(sampler, *args, **kwargs)
+            if getattr(sampler, "num_processes", 1) > 1:
+                sampler.num_processes, sampler.process_index = 1, 0  # every rank iterates the whole sampler
+                fault.injected(sampler="BatchSamplerShard")
+
+        self.ctx.patch(shard, "__init__", init)
+
+    def on_end(self) -> tuple[()]:
+        if self._hook is not None:
+            self._hook.remove()
+        return ()
 
     needs = 2  # found at step 2
 
     @classmethod
     def applicable(cls, facts: Facts) -> str:
         if not facts.distributed_sampler:
-            return ("no DistributedSampler: " + ("the script makes its batches itself" if not facts.dataloader
-                                                 else "its DataLoader shards data some other way"))
+            return ("no DistributedSampler or accelerate BatchSamplerShard: "
+                    + ("the script makes its batches itself" if not facts.dataloader
+                       else "its DataLoader shards data some other way"))
         return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:

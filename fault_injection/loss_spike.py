@@ -1,6 +1,8 @@
-"""loss_spike: a corrupted step: the model's output is multiplied by `factor` in one step, which is
-what a corrupted batch does to the loss (scaling the input instead would be undone by the first
-BatchNorm).
+"""loss_spike: a corrupted step: the model's output is multiplied by `factor` in one step, and gets noise
+of `factor`'s size, which is what a corrupted batch does to the loss (scaling the input instead would be
+undone by the first BatchNorm; scaling alone barely moves a cross-entropy whose logits are still small,
+as an early classifier's are, and not at all a mean-squared error around zero). The noise is seeded by
+the step: a replay is repeatable.
 
 ``rank=-1`` (the default) corrupts every rank's step: each rank's own loss spikes. One rank only
 also makes that rank's loss depart from the others' (loss_spike's cross-rank check, 3+ ranks).
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 
 class LossSpike(Fault):
     name = "loss_spike"
-    description = "a corrupted step: the model's output times `factor` at one step"
+    description = "a corrupted step: the model's output times `factor`, plus noise of that size, at one step"
     factor: float
     params = (Param("rank", int, -1, "the rank it acts on (-1: every rank)"),
               Param("step", int, 20, "the step (>= 12: the spike rule needs a history)"),
@@ -47,17 +49,28 @@ class LossSpike(Fault):
         if not (self.mine() and self.current == self.step):
             return None
         if scalable(out):
-            what, new = {}, out * self.factor
+            what, new = {}, self._corrupt(out)
         elif hasattr(out, "keys") and "loss" in out.keys() and scalable(out["loss"]):
             out["loss"] = out["loss"] * self.factor  # a ModelOutput keeps its attribute in step with the key
             what, new = {"output": "loss"}, out
         elif type(out) in (tuple, list) and out and scalable(out[0]):
-            what, new = {"output": "first"}, type(out)([out[0] * self.factor, *out[1:]])
+            first = out[0] * self.factor if out[0].numel() == 1 else self._corrupt(out[0])  # a loss, or logits
+            what, new = {"output": "first"}, type(out)([first, *out[1:]])
         else:
             return None
         if not self.acted:  # recorded once, at its first micro-batch
             self.injected(factor=self.factor, **what)
         return new
+
+    def _corrupt(self, out: Any) -> Any:
+        import torch
+
+        if type(out) is not torch.Tensor:  # a DTensor or other subclass: scaled only (no plain tensor mixed in)
+            return out * self.factor
+        with torch.no_grad():
+            g = torch.Generator(device=out.device).manual_seed(self.step)
+            noise = torch.randn(out.shape, generator=g, device=out.device, dtype=out.dtype) * self.factor
+        return out * self.factor + noise
 
     earliest = 12  # loss_spike's MIN_HISTORY steps of history, and a step of margin
 

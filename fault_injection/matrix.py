@@ -130,7 +130,8 @@ def _matches(f: dict[str, Any], e: Expect) -> bool:
 def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findings: list[dict[str, Any]],
           cell: Cell) -> Cell:
     """Fill in the verdict of one cell from what the run recorded (pure)."""
-    if fault is None:  # the clean run
+    if fault is None:  # the clean run: a note (info: a framework default's cost, say) is no alarm
+        findings = [f for f in findings if f.get("severity") != "info"]
         cell.status = "clean" if not findings else "false-alarm"
         if findings:
             cell.reason = "; ".join(f"{f.get('detector')}: {f.get('subject')} (step {f.get('step')})"

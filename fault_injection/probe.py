@@ -45,7 +45,8 @@ class Probe(Fault):
         def loader(it: Any) -> None:
             sampler = getattr(it, "_index_sampler", None)
             inner = getattr(sampler, "sampler", sampler)
-            probe.fact("dataloader", sampler=type(inner).__name__, distributed=isinstance(inner, DistributedSampler))
+            probe.fact("dataloader", sampler=type(inner).__name__, distributed=isinstance(inner, DistributedSampler)
+                       or type(sampler).__name__ == "BatchSamplerShard")  # accelerate's sharding
 
         def path(f: Any) -> str | None:
             where = target(f)  # a path, or a file object opened on one; None: a buffer

@@ -35,11 +35,9 @@ collectives, which the harness must never add), nor is ``async_save``; nor safet
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import json
 import os
 import re
-import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -52,6 +50,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import fingerprints
+from distdebug.runtime.imports import ImportHook, when_imported
 
 RECORDS = layout.CHECKPOINTS
 EARLIER_RUNS = 50
@@ -107,30 +106,7 @@ def _file_stamp(path: str) -> dict[str, int] | None:
     return {"size": sum(st.st_size for st in stats), "mtime_ns": max((st.st_mtime_ns for st in stats), default=0)}
 
 
-class _ImportHook(importlib.abc.MetaPathFinder):
-    """Calls ``then(module)`` right after ``name`` is imported by anyone; never changes what is found."""
-
-    def __init__(self, name: str, then: Any) -> None:
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-        then = self.then
-
-        def exec_and_patch(module: Any) -> None:
-            exec_module(module)
-            then(module)
-
-        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
+_ImportHook = ImportHook  # the name the tests know it by
 
 
 def tensor_items(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -167,7 +143,7 @@ class CheckpointRoundTrip(Detector):
         self._loaded: set[str] = set()
         self._reported: set[tuple[str, tuple[str, ...]]] = set()
         self._foreign: list[dict[str, Any]] = []  # restores of another rank's sibling file, judged later
-        self._hooks: list[_ImportHook] = []
+        self._hooks: list[ImportHook] = []
         self._buffers: list[dict[str, Any]] = []  # this rank's latest saves into buffers: {"fps", "step", "rank"}
         self._lock = threading.Lock()
 
@@ -176,12 +152,9 @@ class CheckpointRoundTrip(Detector):
         self._patch(torch, "save", self._wrap_save)
         self._patch(torch, "load", self._wrap_load)
         for module, then in ((DCP_MODULE, self._patch_dcp), (SAFETENSORS_MODULE, self._patch_safetensors)):
-            if module in sys.modules:
-                then(sys.modules[module])
-            else:
-                hook = _ImportHook(module, then)
+            hook = when_imported(module, then)
+            if hook is not None:
                 self._hooks.append(hook)
-                sys.meta_path.insert(0, hook)
 
     def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
         ctx = self.ctx
@@ -198,8 +171,7 @@ class CheckpointRoundTrip(Detector):
 
     def on_end(self) -> Iterable[Finding]:
         for hook in self._hooks:
-            if hook in sys.meta_path:
-                sys.meta_path.remove(hook)
+            hook.remove()
         return self._wrong_shards()
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:

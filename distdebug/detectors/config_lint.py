@@ -178,7 +178,11 @@ class ConfigLint(Detector):
             builder = ddp_builder(ddp) if ddp is not None else None
             if not unused:
                 by = f" (set by {builder}, which built the DDP wrapper)" if builder else ""
-                out.append(self._finding(Severity.WARNING, "find_unused_parameters",
+                # A flag the script set (its own DDP, accelerate's DistributedDataParallelKwargs, Lightning's
+                # strategy) is its mistake to fix: a warning. The HF Trainer turns it on by itself for its
+                # models (ddp_find_unused_parameters=None): a note of what that costs, and the Trainer's knob.
+                severity = Severity.INFO if builder == "transformers" else Severity.WARNING
+                out.append(self._finding(severity, "find_unused_parameters",
                                          f"DDP(find_unused_parameters=True){by}, but every parameter got a gradient "
                                          "in step 1: the graph walk after each forward is wasted",
                                          FIND_UNUSED_FIX.get(builder or "", "remove find_unused_parameters=True"),

@@ -22,7 +22,7 @@ from typing import Any
 MAX_DEPTH = 12
 """Frames walked up from the backward call: the framework's backward is 2-4 above in practice."""
 _MODULES = ("accelerate", "lightning", "pytorch_lightning")
-_READERS: dict[Any, Any] = {}  # code object -> reader of the factor, or None: not a framework's backward
+_READERS: dict[Any, Any] = {}  # (code object, module) -> reader of the factor, or None: not a framework's backward
 
 
 def _accelerate(frame: Any) -> float:
@@ -60,12 +60,13 @@ def loss_factor(frame: Any) -> float:
     """What a framework divided the loss by before the backward called under ``frame`` (1.0: none)."""
     depth = 0
     while frame is not None and depth < MAX_DEPTH:
-        code = frame.f_code
-        reader = _READERS.get(code, False)
+        # Keyed by the module's name too: code objects compare equal by content, not by where they live.
+        key = (frame.f_code, frame.f_globals.get("__name__") or "")
+        reader = _READERS.get(key, False)
         if reader is False:
-            reader = _reader(code, frame.f_globals.get("__name__") or "")
+            reader = _reader(*key)
             if len(_READERS) < 10_000:  # bounded whatever the script's call sites
-                _READERS[code] = reader
+                _READERS[key] = reader
         if reader is not None:
             factor = reader(frame)
             return factor if factor > 0 else 1.0

@@ -96,11 +96,12 @@ def test_find_unused_parameters_fix_is_said_in_the_framework_that_set_it(tmp_pat
     from distdebug.detectors.config_lint import FIND_UNUSED_FIX
 
     got, fs = run(tmp_path / "t", "built_by_transformers")
-    assert got == [("warning", "find_unused_parameters", 1, [1])]
+    assert got == [("info", "find_unused_parameters", 1, [1])]  # the Trainer's own default: a note, no alarm
     assert fs[0]["fix"] == FIND_UNUSED_FIX["transformers"] and "ddp_find_unused_parameters=False" in fs[0]["fix"]
     assert fs[0]["evidence"]["built_by"] == "transformers" and "set by transformers" in fs[0]["message"]
-    _, fs = run(tmp_path / "a", "built_by_accelerate")
+    got, fs = run(tmp_path / "a", "built_by_accelerate")
     assert fs[0]["fix"] == FIND_UNUSED_FIX["accelerate"] and fs[0]["evidence"]["built_by"] == "accelerate"
+    assert got[0][0] == "warning"  # accelerate's default is False: the script asked for it
     _, fs = run(tmp_path / "s", "all_used")  # the script's own DDP: its own line to remove
     assert fs[0]["fix"] == "remove find_unused_parameters=True" and fs[0]["evidence"]["built_by"] == "the script"
 

@@ -147,7 +147,8 @@ def test_replay_on_a_gpt_style_script_skips_what_it_lacks(tmp_path):
     assert skipped == {
         "unsynced_bn": "not applicable: no BatchNorm in the model",
         "slow_dataloader": "not applicable: no DataLoader: the script makes its batches itself",
-        "duplicate_data": "not applicable: no DistributedSampler: the script makes its batches itself",
+        "duplicate_data": "not applicable: no DistributedSampler or accelerate BatchSamplerShard: the script makes its "
+                          "batches itself",
         "checkpoint_corruption": "not applicable: the script restores no checkpoint it saved in the same run "
                                  "(torch.save/torch.load of a path, a file object, or a buffer's bytes written "
                                  "to a file)",

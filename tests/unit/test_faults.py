@@ -186,13 +186,14 @@ def test_loss_spike_scales_the_loss_a_model_returns_in_any_shape():
         return fault._post(None, (), out), fault.acted
 
     t = torch.tensor([1.0, 2.0])
-    got, acted = post(t)
-    assert acted and torch.equal(got, t * 10)
+    got, acted = post(t)  # logits: times 10 plus noise of that size, seeded by the step (repeatable)
+    noise = torch.randn(2, generator=torch.Generator().manual_seed(1)) * 10
+    assert acted and torch.equal(got, t * 10 + noise) and torch.equal(post(t)[0], got)
     out = ModelOutput()
     out["loss"], out["logits"] = torch.tensor(0.5), t
     got, acted = post(out)
     assert acted and float(got["loss"]) == 5.0 and float(got.loss) == 5.0 and torch.equal(got["logits"], t)
-    got, acted = post((torch.tensor(0.5), t))
+    got, acted = post((torch.tensor(0.5), t))  # a loss first: scaled
     assert acted and isinstance(got, tuple) and float(got[0]) == 5.0 and got[1] is t
     got, acted = post({"logits": t})  # no loss to scale: untouched, not acted (the replay says so)
     assert got is None and not acted
@@ -219,7 +220,8 @@ def test_which_faults_can_act_follows_what_the_script_has():
     assert _applicable(LOADER) == set(FAULTS) - {"seed_mismatch", "slow_link"}
     reasons = {name: cls.applicable(GPT) for name, cls in FAULTS.items()}
     assert reasons["unsynced_bn"] == "no BatchNorm in the model"
-    assert reasons["duplicate_data"] == "no DistributedSampler: the script makes its batches itself"
+    assert reasons["duplicate_data"] == ("no DistributedSampler or accelerate BatchSamplerShard: the script makes "
+                                         "its batches itself")
     assert reasons["slow_dataloader"] == "no DataLoader: the script makes its batches itself"
     assert reasons["checkpoint_corruption"].startswith("the script restores no checkpoint it saved")
     assert reasons["straggler"] == ("the script ran 14 steps; straggler acts at step 2 or later and needs 19 steps "
@@ -231,8 +233,8 @@ def test_which_faults_can_act_follows_what_the_script_has():
         Facts(**{**LOADER.__dict__, "broadcast_buffers": False}))
     # A DataLoader with another sampler; one rank; sharded parameters.
     other = Facts(**{**LOADER.__dict__, "distributed_sampler": False})
-    assert FAULTS["duplicate_data"].applicable(other) == ("no DistributedSampler: its DataLoader shards data some "
-                                                          "other way")
+    assert FAULTS["duplicate_data"].applicable(other) == ("no DistributedSampler or accelerate BatchSamplerShard: "
+                                                          "its DataLoader shards data some other way")
     alone = Facts(**{**GPT.__dict__, "world": 1, "replicas": 1})
     assert FAULTS["nan_grad"].applicable(alone) == "needs 2 ranks, the script ran on 1 (give --nproc)"
     sharded = Facts(**{**GPT.__dict__, "wrappers": {"fsdp2"}})

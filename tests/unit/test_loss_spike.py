@@ -96,3 +96,32 @@ def test_a_loss_that_collapses_or_turns_negative_is_found_and_the_early_drop_is_
     assert run(values) == [41]
     assert spike([1.0] * 12, 0.5, 8.0) == (False, 1.0, -10.0)  # one-sided unless asked: the gradient norm
     assert spike([1.0] * 12, 0.5, 8.0, both=True)[0]
+
+
+def _feed(det, values, first_step=1):
+    return [f.step for step, v in enumerate(values, first_step)
+            for f in det.on_step(StepEvent(rank=0, step=step, loss=v, step_time_s=0.0, backward_calls=1,
+                                           collectives=0))]
+
+
+def test_a_new_training_phase_keeps_the_loss_history_or_starts_a_new_level():
+    """The session retires a model-watching detector at a new training phase (runtime.session._new_phase):
+    a fit that resumes goes on from the history before it, so a spike 3 steps into the new phase is found
+    (a fresh history would need MIN_HISTORY steps first); a phase that starts elsewhere (a fresh model,
+    the next fold) is a new level, not a spike."""
+    values = curve(40, 5)
+    old = LossSpike()
+    assert _feed(old, values[:20]) == []
+    resumed = LossSpike()
+    old.handover(resumed)
+    later = values[20:26]
+    later[3] *= 30
+    assert _feed(resumed, later, 21) == [24]
+    assert len(resumed.history["loss"]) == 20 + 5  # the spike is not added
+    assert _feed(LossSpike(), later, 21) == []  # without the handover: too little history to judge
+    fresh = LossSpike()
+    _feed(fresh, values[:20])
+    nxt = LossSpike()
+    fresh.handover(nxt)
+    assert _feed(nxt, curve(30, 6), 21) == []  # back at the start of a curve: 10x the level, then falling
+    assert len(nxt.history["loss"]) == 30  # the old level dropped at the new phase's first loss

@@ -19,12 +19,16 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+from _disk import corrupt_safetensors  # noqa: E402
+
 from recipes._common import base_parser, finish, param_digest, write_digest  # noqa: E402
 
 
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--save-at", type=int, default=6, help="optimizer step after which state is saved and loaded")
+    p.add_argument("--corrupt-on-disk", action="store_true",
+                   help="change one byte of one tensor in the saved model.safetensors before load_state")
     args = p.parse_args()
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
     set_seed(args.seed)
@@ -57,6 +61,10 @@ def main() -> None:
                 micro = []
                 if steps == args.save_at:
                     acc.save_state(where[0])
+                    acc.wait_for_everyone()
+                    if args.corrupt_on_disk and acc.is_main_process:
+                        changed = corrupt_safetensors(os.path.join(where[0], "model.safetensors"))
+                        print(f"corrupted on disk: {changed}", flush=True)
                     acc.wait_for_everyone()
                     acc.load_state(where[0])
                 if steps % 5 == 0:

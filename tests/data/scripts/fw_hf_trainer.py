@@ -6,7 +6,6 @@ then ``--resume``: a second ``train(resume_from_checkpoint=...)`` in the same pr
 transformers is a test extra of distdebug, never a runtime dependency: tests skip this script where it is missing.
 """
 
-import json
 import os
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from transformers import (
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+from _disk import corrupt_safetensors  # noqa: E402
+
 from recipes._common import base_parser, finish, param_digest, write_digest  # noqa: E402
 
 
@@ -42,22 +43,6 @@ class Tokens(Dataset):
         ids = self.ids[i]
         label = ids.clone() if self.causal else (ids[:4].sum() % 2).long()
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": label}
-
-
-def corrupt_one_tensor(checkpoint: str) -> str:
-    """One value changed on disk in the Trainer's ``model.safetensors`` (a bit of the first stored
-    tensor's first float), as a partial write or a bad copy would; returns the tensor's name."""
-    path = os.path.join(checkpoint, "model.safetensors")
-    with open(path, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        name = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
-        at = 8 + n + header[name]["data_offsets"][0] + 3
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x01]))
-    return name
 
 
 def build(kind: str):
@@ -95,7 +80,8 @@ def main() -> None:
     out = trainer.train()
     if args.resume:
         if args.corrupt_on_disk and dist.get_rank() == 0:
-            print(f"corrupted on disk: {corrupt_one_tensor(os.path.join(where[0], f'checkpoint-{half}'))}")
+            changed = corrupt_safetensors(os.path.join(where[0], f"checkpoint-{half}", "model.safetensors"))
+            print(f"corrupted on disk: {changed}", flush=True)
         dist.barrier()
         model = build(args.model)
         trainer = Trainer(model=model, args=training_args(args.steps), train_dataset=train, eval_dataset=val)

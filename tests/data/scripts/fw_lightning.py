@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+from _disk import corrupt_torch_zip  # noqa: E402
+
 from recipes._common import base_parser, finish, param_digest, write_digest  # noqa: E402
 
 BATCH_LOSSES: list[float] = []  # every training batch's loss, as the script computed it
@@ -52,23 +54,6 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def corrupt_first_storage(path: str) -> None:
-    """One value changed on disk (a bit of the first float's exponent in torch's zip file: the model's
-    first parameter, ``state_dict.net.0.weight``), as a partial write or a bad copy would."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-        at = info.header_offset + 30 + name_len + extra_len + 3
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x01]))
-
-
 def trainer(max_steps: int, accumulate: int) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), strategy="ddp",
                      max_steps=max_steps, val_check_interval=5 * accumulate, limit_val_batches=4, logger=False,
@@ -98,7 +83,7 @@ def main() -> None:
     ckpt = os.path.join(where[0], "last.ckpt")
     first.save_checkpoint(ckpt)  # Lightning writes on rank 0 and waits for it on every rank
     if args.corrupt_on_disk and first.global_rank == 0:
-        corrupt_first_storage(ckpt)
+        corrupt_torch_zip(ckpt)  # the model's first parameter, state_dict.net.0.weight
     dist.barrier()
     resumed = Net(args.lr)
     second = trainer(args.steps, args.accumulate)
