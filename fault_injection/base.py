@@ -76,6 +76,9 @@ class Fault(Detector):
     default: ClassVar[bool] = False
     paused: ClassVar[bool] = False
     follows_phases: ClassVar[bool] = True
+    continuing: ClassVar[bool] = False
+    """Acts at every step from its step on (a slow rank), not once: attached to a new phase's model even
+    after it has acted."""
     """A fault acts whatever the detectors do: never paused by ``--measure-overhead``'s off blocks."""
     params: ClassVar[tuple[Param, ...]] = (RANK, STEP)
     """The spec's parameters; each becomes an attribute of the instance (``rank``, ``step``, ...)."""

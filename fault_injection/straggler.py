@@ -22,6 +22,7 @@ class Straggler(Fault):
     delay: float
     params = (RANK, STEP, Param("delay", float, 0.05, "seconds added to each of its steps"))
     catcher = "straggler"
+    continuing = True
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
     def attach(self, ctx: RankContext) -> None:

@@ -342,6 +342,14 @@ class Straggler(ExchangeUser, Detector):
                      "on its GPU, a slower card; profile it with --profile-steps"),
             ))
 
+    def handover(self, successor: Detector) -> None:
+        """The ranks' speeds are the job's, not the model's: a new training phase goes on with the rows
+        gathered so far (rank 0's history, what is not posted yet), so a slow rank is judged over both."""
+        if not isinstance(successor, Straggler):
+            return  # (rows still waiting for their device times keep them unknown: no wait for the device here)
+        successor.history, successor.stages, successor.reported = self.history, self.stages, self.reported
+        successor.rows, self.rows = self.rows, []
+
     def flush_pending(self) -> None:
         self._resolve_device()
         mine, self.rows = self.rows, []

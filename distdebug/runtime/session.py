@@ -491,7 +491,8 @@ class Session:
         self.detectors = self._phase_order + [d for d in self.detectors if id(d) not in placed]
         self._phase_order = []
         self._after_backward = [d for d in self.detectors if type(d).after_backward is not Detector.after_backward]
-        again = [d for d in self.detectors if d.follows_phases and not d.off and not getattr(d, "acted", False)]
+        again = [d for d in self.detectors if d.follows_phases and not d.off
+                 and (not getattr(d, "acted", False) or getattr(d, "continuing", False))]
         for det in again:
             det.remove_hooks()
         self._to_attach = [d for d in self.detectors if any(d is x for x in fresh + again)]

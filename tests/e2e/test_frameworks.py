@@ -140,3 +140,34 @@ def test_safetensors_changed_on_disk_is_named(framework, script, args, tmp_path)
     found = [f for f in report["findings"] if f["detector"] == "checkpoint_roundtrip"]
     assert [(f["severity"], f["ranks"], f["step"], f["subject"]) for f in found] == [("error", [0, 1], 6, changed)]
     assert "restored model.safetensors does not match what rank 0 saved at step 6" in found[0]["message"]
+
+
+@pytest.mark.parametrize("framework,script,args,summary", [
+    ("lightning", "fw_lightning.py", ["--steps", "16"],
+     "10 applicable, 10 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
+    ("accelerate", "fw_accelerate.py", ["--steps", "16"],
+     "9 applicable, 9 caught-localised, 5 not applicable; 1 of 1 clean runs clean; 0 failed"),
+    ("transformers", "fw_hf_trainer.py", ["--steps", "16", "--resume"],
+     "9 applicable, 9 caught-localised, 5 not applicable; 1 of 1 clean runs clean; 0 failed"),
+])
+def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_path):
+    """The user's CI command on each framework's script: every applicable fault caught and localised, the
+    rest skipped with their reason (too few steps for the straggler faults, no BatchNorm...), exit 0."""
+    needs(framework)
+    junit = tmp_path / "replay.xml"
+    r = distdebug("faults", "replay", "--junit", str(junit), str(SCRIPTS / script), *args, timeout=1200, env=HF_ENV)
+    assert r.returncode == 0, r.output[-4000:]
+    assert summary in r.stdout
+    assert junit.exists()
+
+
+@pytest.mark.parametrize("fault", ["slow_dataloader", "straggler"])
+def test_a_slow_rank_is_named_behind_the_trainers_collectives(fault, tmp_path):
+    """The Trainer gathers the token count between loading and forward, so the others' wait for a slow
+    loader lands there, not in their own loading; and a slow forward is followed into the resumed Trainer
+    (a new training phase: the straggler fault slows the new model too, the scores carry over)."""
+    needs("transformers")
+    r = distdebug("faults", "replay", "--fault", fault, str(SCRIPTS / "fw_hf_trainer.py"), "--steps", "24", "--resume",
+                  timeout=900, env=HF_ENV)
+    assert r.returncode == 0, r.output[-4000:]
+    assert "1 applicable, 1 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
