@@ -297,10 +297,16 @@ class Session:
     def note_all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
         """An all_reduce the script called: during discovery, tells hand-written gradient sync apart, and
         over which group each tensor was reduced (a hand-written layout's data-parallel group)."""
-        if self._discovering and len(self._reduced_ptrs) < 100_000:
-            self._reduced_ptrs[tensor.data_ptr()] = group
-            if self._depth > 0 and group is not None:
+        if not self._discovering:
+            return
+        if self._depth > 0:
+            if group is not None:
                 self._forward_groups.add(group)  # inside a forward, over a sub-group: model parallelism by hand
+        elif len(self._reduced_ptrs) < 100_000:
+            # Outside a forward only: an activation all-reduced in the forward is freed by the end of the
+            # step, and a gradient allocated at its address would be taken for one reduced over its group
+            # (seen: a flattened-buffer loop with TP layers inferred the TP group as data-parallel).
+            self._reduced_ptrs[tensor.data_ptr()] = group
 
     def note_loss(self, tensors: Any) -> None:
         """What backward runs on (the loss): called by the backward and DeepSpeed engine patches."""
