@@ -141,7 +141,6 @@ class Session:
         self._to_attach: list[Detector] | None = None  # detectors of a new phase, attached at its discovery
         self._next_phase: list[Detector] = []  # built when the phase changed; set up after that boundary
         self._phase_order: list[Detector] = []
-        self.phases = 1
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -479,7 +478,6 @@ class Session:
         self.detectors = [d for d in self.detectors if id(d) not in gone]
         self._next_phase = fresh
         self._phase_order = order
-        self.phases += 1
         self.ctx.models = []
         self.ctx.optimizers = [opt]
         self._root_refs = []
