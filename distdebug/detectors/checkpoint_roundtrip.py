@@ -145,6 +145,7 @@ class CheckpointRoundTrip(Detector):
         self._foreign: list[dict[str, Any]] = []  # restores of another rank's sibling file, judged later
         self._hooks: list[ImportHook] = []
         self._buffers: list[dict[str, Any]] = []  # this rank's latest saves into buffers: {"fps", "step", "rank"}
+        self._others: tuple[int, list[dict[str, Any]]] = (-1, [])  # (step read at, the other ranks' buffer saves)
         self._lock = threading.Lock()
 
     def setup(self, ctx: RankContext) -> None:
@@ -357,16 +358,24 @@ class CheckpointRoundTrip(Detector):
                                       "rank": ctx.rank, "fps": {k: f"{v:016x}" for k, v in fps.items()}}) + "\n")
 
     def _buffer_saves(self) -> list[dict[str, Any]]:
-        """Every rank's buffer saves in this run (this rank's from memory, the others' from their records)."""
+        """Every rank's buffer saves in this run (this rank's from memory, the others' from their records,
+        read once a step at most: a script may torch.load many buffers in a step, its data among them)."""
         ctx = self.ctx
         assert ctx is not None  # set in setup()/attach(), which the session calls first
         with self._lock:
             out = list(self._buffers)
         if ctx.run_dir is None:
             return out
-        for rank_dir in sorted(Path(ctx.run_dir).glob("rank-*")):
+        if self._others[0] != self.step:
+            self._others = (self.step, self._read_buffer_saves(Path(ctx.run_dir), ctx.rank))
+        return out + self._others[1]
+
+    @staticmethod
+    def _read_buffer_saves(run_dir: Path, me: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for rank_dir in sorted(run_dir.glob("rank-*")):
             rank = layout.rank_of_dir(rank_dir.name)
-            if rank is None or rank == ctx.rank or not (rank_dir / RECORDS).exists():
+            if rank is None or rank == me or not (rank_dir / RECORDS).exists():
                 continue
             for line in (rank_dir / RECORDS).read_text().splitlines()[-1000:]:
                 try:
