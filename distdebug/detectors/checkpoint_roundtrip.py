@@ -29,7 +29,8 @@ rank 0's file everywhere, as replicated training does, is fine.
 
 DCP ``Stateful`` objects inside a state dict are not looked into (their ``state_dict()`` may run
 collectives, which the harness must never add), nor is ``async_save``; nor safetensors' lazy
-``safe_open``, nor other file formats.
+``safe_open`` itself: Hugging Face ``from_pretrained(directory)`` reads through it, so the model it
+returns is compared with what was saved in that directory's ``*.safetensors``; nor other file formats.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ EARLIER_RUNS = 50
 """Newest sibling run directories searched for a checkpoint saved by an earlier run."""
 DCP_MODULE = "torch.distributed.checkpoint"
 SAFETENSORS_MODULE = "safetensors.torch"
+TRANSFORMERS_MODULE = "transformers.modeling_utils"
 BUFFER_SAVES = 16
 """Buffer saves this rank keeps in memory for a later load to be compared with (their records stay)."""
 
@@ -145,6 +147,7 @@ class CheckpointRoundTrip(Detector):
         self._foreign: list[dict[str, Any]] = []  # restores of another rank's sibling file, judged later
         self._hooks: list[ImportHook] = []
         self._buffers: list[dict[str, Any]] = []  # this rank's latest saves into buffers: {"fps", "step", "rank"}
+        self._restore: list[tuple[Any, str, Any]] = []  # patched outside Detector.patch (a classmethod)
         self._others: tuple[int, list[dict[str, Any]]] = (-1, [])  # (step read at, the other ranks' buffer saves)
         self._lock = threading.Lock()
 
@@ -152,7 +155,8 @@ class CheckpointRoundTrip(Detector):
         self.ctx = ctx
         self._patch(torch, "save", self._wrap_save)
         self._patch(torch, "load", self._wrap_load)
-        for module, then in ((DCP_MODULE, self._patch_dcp), (SAFETENSORS_MODULE, self._patch_safetensors)):
+        for module, then in ((DCP_MODULE, self._patch_dcp), (SAFETENSORS_MODULE, self._patch_safetensors),
+                             (TRANSFORMERS_MODULE, self._patch_pretrained)):
             hook = when_imported(module, then)
             if hook is not None:
                 self._hooks.append(hook)
@@ -170,9 +174,64 @@ class CheckpointRoundTrip(Detector):
         self._patch(st, "save_file", self._wrap_save)
         self._patch(st, "load_file", self._wrap_load)
 
+    def _patch_pretrained(self, modeling: Any) -> None:
+        """``PreTrainedModel.from_pretrained(directory)`` reads through safetensors' lazy ``safe_open`` (a
+        native object, not wrapped): the model it returns is compared with what was saved in that
+        directory instead. A classmethod: patched and restored as one, so subclasses still bind to theirs."""
+        cls: Any = getattr(modeling, "PreTrainedModel", None)
+        descriptor = getattr(cls, "__dict__", {}).get("from_pretrained")
+        func = getattr(descriptor, "__func__", None)
+        if cls is None or func is None:
+            return
+        det = self
+
+        @functools.wraps(func)
+        def from_pretrained(klass: Any, *args: Any, **kwargs: Any) -> Any:
+            model = func(klass, *args, **kwargs)
+            if not det.off:
+                where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+                det._guard(det._check_pretrained, model, where)
+            return model
+
+        cls.from_pretrained = classmethod(from_pretrained)
+        self._restore.append((cls, "from_pretrained", descriptor))
+
+    def _check_pretrained(self, model: Any, where: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        if not isinstance(where, (str, os.PathLike)) or not os.path.isdir(where):
+            return  # a hub id (nothing saved here to compare with)
+        saved: dict[str, tuple[int, str, int, Any]] = {}  # tensor -> (fingerprint, file, saver, step)
+        for file in sorted(Path(where).resolve().glob("*.safetensors")):
+            found = self._find_save(str(file))
+            if found is not None:
+                _, saver, rec = found
+                saved.update({k: (v, file.name, saver, rec.get("step")) for k, v in rec["fps"].items()})
+        state = getattr(model, "state_dict", None)
+        if not saved or state is None:
+            return
+        loaded = fingerprints([(k, v) for k, v in state().items() if k in saved], portable=True)
+        differ = [k for k in loaded if loaded[k] != saved[k][0]]
+        if not differ or len(differ) > max(1, len(loaded) // 10):
+            return  # equal; or loaded otherwise (another dtype, a conversion): not judged
+        _, fname, saver, step = saved[differ[0]]
+        ctx.report(Finding(
+            severity=Severity.ERROR, detector=self.name, ranks=[ctx.rank], step=self.step or None, subject=differ[0],
+            message=f"from_pretrained({Path(where).name}) loaded {len(differ)} of {len(loaded)} tensors unlike what "
+                    f"rank {saver} saved in {fname} at step {step}: " + ", ".join(differ[:10])
+                    + (" ..." if len(differ) > 10 else ""),
+            evidence={"path": str(Path(where).resolve()), "file": fname, "saved_by": saver, "saved_at_step": step,
+                      "differ": differ[:200]},
+            fix="the file changed after it was written (a partial write, another job, a wrong copy); "
+                "restore from a checkpoint whose round trip checks out",
+        ))
+
     def on_end(self) -> Iterable[Finding]:
         for hook in self._hooks:
             hook.remove()
+        for obj, name, original in reversed(self._restore):
+            setattr(obj, name, original)
+        self._restore = []
         return self._wrong_shards()
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:

@@ -112,10 +112,10 @@ def test_accelerate_clean_and_losses_are_the_scripts(tmp_path):
         assert recorded_losses(run, rank) == pytest.approx(mine, rel=1e-6)
 
 
-@pytest.mark.parametrize("model", ["bert", "gpt2"])
-def test_hf_trainer_clean_through_a_resume(model, tmp_path):
+@pytest.mark.parametrize("model,how", [("bert", "--resume"), ("gpt2", "--resume"), ("bert", "--pretrained")])
+def test_hf_trainer_clean_through_a_resume(model, how, tmp_path):
     needs("transformers")
-    run = clean_and_bitwise("fw_hf_trainer.py", ["--model", model, "--steps", "12", "--resume"], tmp_path, HF_ENV)
+    run = clean_and_bitwise("fw_hf_trainer.py", ["--model", model, "--steps", "12", how], tmp_path, HF_ENV)
     # The Trainer turns find_unused_parameters on for its models by itself: a note of its cost, in its terms.
     assert findings(run) == [("info", "config_lint", [0, 1], 1, "find_unused_parameters")]
     report = json.loads(distdebug("report", "--json", str(run)).stdout)
@@ -125,11 +125,16 @@ def test_hf_trainer_clean_through_a_resume(model, tmp_path):
         assert [d["step"] for d in kinds(run, rank, "discovery")] == [1, 8]  # the second Trainer's model
 
 
-@pytest.mark.parametrize("framework,script,args", [
-    ("transformers", "fw_hf_trainer.py", ["--steps", "12", "--resume"]),  # the Trainer's resume
-    ("accelerate", "fw_accelerate.py", ["--steps", "8"]),  # save_state / load_state
+SAVED_AT_6 = "restored model.safetensors does not match what rank 0 saved at step 6"
+
+
+@pytest.mark.parametrize("framework,script,args,message", [
+    ("transformers", "fw_hf_trainer.py", ["--steps", "12", "--resume"], SAVED_AT_6),  # the Trainer's resume
+    ("transformers", "fw_hf_trainer.py", ["--steps", "12", "--pretrained"],  # save_model, then from_pretrained
+     "from_pretrained(pretrained) loaded 1 of "),
+    ("accelerate", "fw_accelerate.py", ["--steps", "8"], SAVED_AT_6),  # save_state / load_state
 ])
-def test_safetensors_changed_on_disk_is_named(framework, script, args, tmp_path):
+def test_safetensors_changed_on_disk_is_named(framework, script, args, message, tmp_path):
     needs(framework)
     run = tmp_path / "run"
     r = distdebug("attach", "--run-dir", str(run), str(SCRIPTS / script), *args, "--corrupt-on-disk", timeout=400,
@@ -139,7 +144,9 @@ def test_safetensors_changed_on_disk_is_named(framework, script, args, tmp_path)
     report = json.loads(distdebug("report", "--json", str(run)).stdout)
     found = [f for f in report["findings"] if f["detector"] == "checkpoint_roundtrip"]
     assert [(f["severity"], f["ranks"], f["step"], f["subject"]) for f in found] == [("error", [0, 1], 6, changed)]
-    assert "restored model.safetensors does not match what rank 0 saved at step 6" in found[0]["message"]
+    assert message in found[0]["message"], found[0]["message"]
+    if "--pretrained" in args:
+        assert "unlike what rank 0 saved in model.safetensors at step 6" in found[0]["message"]
 
 
 @pytest.mark.parametrize("framework,script,args,summary", [

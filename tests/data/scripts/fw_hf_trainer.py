@@ -1,7 +1,8 @@
 """A Hugging Face Trainer script written the usual way (CPU, gloo, under torchrun): a tiny model built from a
 config (``--model bert``: a sequence classifier; ``--model gpt2``: a causal LM), synthetic tokens, nothing
 downloaded; ``TrainingArguments`` with evaluation and ``save_steps`` (the Trainer's ``model.safetensors``),
-then ``--resume``: a second ``train(resume_from_checkpoint=...)`` in the same process. Final parameter digests.
+then ``--resume``: a second ``train(resume_from_checkpoint=...)`` in the same process, or ``--pretrained``:
+``save_model`` and a new model ``from_pretrained`` that directory, trained on. Final parameter digests.
 
 transformers is a test extra of distdebug, never a runtime dependency: tests skip this script where it is missing.
 """
@@ -57,8 +58,10 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--model", choices=["bert", "gpt2"], default="bert")
     p.add_argument("--resume", action="store_true", help="train half, then resume from the saved checkpoint")
+    p.add_argument("--pretrained", action="store_true",
+                   help="train half, save_model, then from_pretrained the saved directory and train on")
     p.add_argument("--corrupt-on-disk", action="store_true",
-                   help="with --resume: change one byte of one tensor in the saved model.safetensors")
+                   help="with --resume or --pretrained: change one byte of one tensor in the saved model.safetensors")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(args.seed)
@@ -75,9 +78,19 @@ def main() -> None:
     causal = args.model == "gpt2"
     train, val = Tokens(512, causal, 1), Tokens(64, causal, 2)
     model = build(args.model)
-    trainer = Trainer(model=model, args=training_args(half if args.resume else args.steps), train_dataset=train,
-                      eval_dataset=val)
+    trainer = Trainer(model=model, args=training_args(half if args.resume or args.pretrained else args.steps),
+                      train_dataset=train, eval_dataset=val)
     out = trainer.train()
+    if args.pretrained:  # save_pretrained, then a fresh model from that directory trains on
+        saved = os.path.join(where[0], "pretrained")
+        trainer.save_model(saved)
+        dist.barrier()
+        if args.corrupt_on_disk and dist.get_rank() == 0:
+            print(f"corrupted on disk: {corrupt_safetensors(os.path.join(saved, 'model.safetensors'))}", flush=True)
+        dist.barrier()
+        model = type(model).from_pretrained(saved)
+        trainer = Trainer(model=model, args=training_args(args.steps - half), train_dataset=train, eval_dataset=val)
+        out = trainer.train()
     if args.resume:
         if args.corrupt_on_disk and dist.get_rank() == 0:
             changed = corrupt_safetensors(os.path.join(where[0], f"checkpoint-{half}", "model.safetensors"))
