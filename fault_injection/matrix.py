@@ -235,8 +235,13 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     # Setup-time faults act on every rank the same way: judged once per rank that acted.
     judge(fault, world=nproc, injected=injected, findings=findings, cell=cell)
     expected_exits = fault.exit_codes if fault is not None else (0,)
-    if cell.ok and r.returncode not in expected_exits:
-        cell.status, cell.reason = "error", f"exit code {r.returncode}, expected {list(expected_exits)}"
+    if r.returncode not in expected_exits:
+        if cell.ok or fault is None:
+            cell.status, cell.reason = "error", f"exit code {r.returncode}, expected {list(expected_exits)}"
+        else:  # the fault broke the script (a framework that rejects what it did): not a detector's miss
+            cell.status, cell.reason = "error", (
+                f"the training failed under the fault (exit code {r.returncode}, expected {list(expected_exits)}): "
+                "a fault-injection error, not a detector's miss")
     return cell
 
 

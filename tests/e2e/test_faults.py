@@ -198,3 +198,15 @@ def test_replay_of_a_script_whose_clean_run_fails_says_so(tmp_path):
         "distdebug: 0 applicable, 0 caught-localised, 0 not applicable; 0 of 1 clean runs clean; 1 failed: "
         "clean/script (error)"]
     assert (tmp_path / "runs" / "clean-script").is_dir()  # the failed cell's runs are kept to look into
+
+
+def test_a_fault_that_breaks_the_training_is_the_replays_error_not_a_miss(tmp_path):
+    """Issue 22: a fault a script or framework rejects (here the script checks its own sharding and stops)
+    ends the training: the cell is an error of the fault injection, with the exit code, not a detector's
+    miss; the replay fails (exit 1) with that line."""
+    r = distdebug("faults", "replay", "--fault", "duplicate_data", "--work-dir", str(tmp_path / "runs"),
+                  str(DATA / "scripts" / "strict_loader.py"), "--steps", "6", timeout=600)
+    assert r.returncode == 1, r.output[-3000:]
+    assert "duplicate_data/script: error: the training failed under the fault (exit code 1, expected [0]): " \
+           "a fault-injection error, not a detector's miss" in " ".join(r.output.split())
+    assert "1 of 1 clean runs clean" in r.stdout
