@@ -32,18 +32,21 @@ from recipes._common import base_parser, finish, param_digest, write_digest  # n
 class Tokens(Dataset):
     """Synthetic token sequences; for the classifier, a label that depends on the tokens."""
 
-    def __init__(self, n: int, causal: bool, seed: int) -> None:
+    def __init__(self, n: int, causal: bool, seed: int, pad: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, 96, (n, 16), generator=g)
         self.causal = causal
+        # --pad: each sequence's own length, the rest padding (mask 0, labels -100): ranks' token counts differ
+        self.lengths = torch.randint(2, 17, (n,), generator=g) if pad else torch.full((n,), 16)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
-        ids = self.ids[i]
-        label = ids.clone() if self.causal else (ids[:4].sum() % 2).long()
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": label}
+        ids, n = self.ids[i], int(self.lengths[i])
+        mask = (torch.arange(16) < n).long()
+        label = ids.masked_fill(mask == 0, -100) if self.causal else (ids[:4].sum() % 2).long()
+        return {"input_ids": ids, "attention_mask": mask, "labels": label}
 
 
 def build(kind: str):
@@ -58,6 +61,7 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--model", choices=["bert", "gpt2"], default="bert")
     p.add_argument("--resume", action="store_true", help="train half, then resume from the saved checkpoint")
+    p.add_argument("--pad", action="store_true", help="gpt2: sequences of random lengths, padded (labels -100)")
     p.add_argument("--pretrained", action="store_true",
                    help="train half, save_model, then from_pretrained the saved directory and train on")
     p.add_argument("--corrupt-on-disk", action="store_true",
@@ -76,7 +80,7 @@ def main() -> None:
                                  use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
 
     causal = args.model == "gpt2"
-    train, val = Tokens(512, causal, 1), Tokens(64, causal, 2)
+    train, val = Tokens(512, causal, 1, args.pad), Tokens(64, causal, 2, args.pad)
     model = build(args.model)
     trainer = Trainer(model=model, args=training_args(half if args.resume or args.pretrained else args.steps),
                       train_dataset=train, eval_dataset=val)
