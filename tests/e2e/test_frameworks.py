@@ -193,3 +193,16 @@ def test_hf_trainer_token_weighted_losses_are_no_alarm(tmp_path):
     assert findings(run) == [("info", "config_lint", [0, 1], 1, "find_unused_parameters")]
     losses = [recorded_losses(run, rank) for rank in (0, 1)]
     assert max(abs(a - b) for a, b in zip(*losses, strict=True)) > 1.0  # the token weighting is really there
+
+
+def test_a_loss_spike_on_one_rank_blames_that_rank_under_accelerate(tmp_path):
+    """Issue 22: loss_spike:rank=1 under accelerate blamed the healthy rank 0 (losses recorded at half,
+    divided by accelerate before backward). Now rank 1's own loss spikes and it departs from the others'."""
+    needs("accelerate")
+    run = tmp_path / "run"
+    r = distdebug("attach", "--run-dir", str(run), "--inject", "loss_spike:rank=1,step=13",
+                  str(SCRIPTS / "fw_accelerate.py"), "--steps", "16", timeout=400)
+    assert r.returncode == 0, r.output[-3000:]
+    loss = [f for f in findings(run) if f[1] == "loss_spike" and f[4] in ("loss", "loss across ranks")]
+    assert sorted(loss) == [("warning", "loss_spike", [1], 13, "loss"),
+                            ("warning", "loss_spike", [1], 13, "loss across ranks")]
