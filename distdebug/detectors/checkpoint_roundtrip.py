@@ -60,6 +60,8 @@ DCP_MODULE = "torch.distributed.checkpoint"
 SAFETENSORS_MODULE = "safetensors.torch"
 TRANSFORMERS_MODULE = "transformers.modeling_utils"
 BUFFER_SAVES = 16
+RESTORE_FIX = ("the file changed after it was written (a partial write, another job, a wrong copy); "
+               "restore from a checkpoint whose round trip checks out")
 """Buffer saves this rank keeps in memory for a later load to be compared with (their records stay)."""
 
 
@@ -222,8 +224,7 @@ class CheckpointRoundTrip(Detector):
                     + (" ..." if len(differ) > 10 else ""),
             evidence={"path": str(Path(where).resolve()), "file": fname, "saved_by": saver, "saved_at_step": step,
                       "differ": differ[:200]},
-            fix="the file changed after it was written (a partial write, another job, a wrong copy); "
-                "restore from a checkpoint whose round trip checks out",
+            fix=RESTORE_FIX,
         ))
 
     def on_end(self) -> Iterable[Finding]:
@@ -472,8 +473,7 @@ class CheckpointRoundTrip(Detector):
                     + (" ..." if len(differ) > 10 else ""),
             evidence={"path": path, "saved_by": save["rank"], "saved_at_step": save["step"], "differ": differ[:200],
                       "matched_by": "content (the save went into a buffer: no path)"},
-            fix="the file changed after it was written (a partial write, another job, a wrong copy); "
-                "restore from a checkpoint whose round trip checks out",
+            fix=RESTORE_FIX,
         ))
 
     def _check_load(self, obj: Any, f: Any) -> None:
@@ -510,8 +510,7 @@ class CheckpointRoundTrip(Detector):
                         + ", ".join(names[:10]) + (" ..." if len(names) > 10 else "") + note,
                 evidence={"path": path, "saved_by": saver, "saved_in": where, "saved_at_step": rec.get("step"),
                           "rewritten_since": rewritten, **{k: v[:200] for k, v in diff.items()}},
-                fix="the file changed after it was written (a partial write, another job, a wrong copy); "
-                    "restore from a checkpoint whose round trip checks out",
+                fix=RESTORE_FIX,
             ))
         with self._lock:
             self._loaded.add(path)
