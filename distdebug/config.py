@@ -17,9 +17,13 @@ from distdebug.errors import UserError
 NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")
 
 EXIT_HANG = 124
+"""attach's exit code when it ended a hung job (as timeout(1) does); other failures pass through."""
 EXIT_NAN = 123
 """Exit code of a job stopped at its first NaN/Inf (``--stop-on-nan``)."""
-"""attach's exit code when it ended a hung job (as timeout(1) does); other failures pass through."""
+EXIT_NEVER_ACTED = 122
+"""attach's exit code when the training exited 0 but a fault injected on purpose (``--inject``) never
+acted: the run tested nothing, and a script or CI that checks "the detector caught it" must not read
+the clean run as a pass. Only under ``--inject``; a failing training's own code always wins."""
 
 ON_HANG = ("abort", "report")
 ON_STALL = ("warn", "abort")

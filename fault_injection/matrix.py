@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distdebug.config import EXIT_NEVER_ACTED
 from fault_injection.base import Expect, Fault
 from fault_injection.registry import FAULTS
 
@@ -234,13 +235,22 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     injected = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == "injected"]
     # Setup-time faults act on every rank the same way: judged once per rank that acted.
     judge(fault, world=nproc, injected=injected, findings=findings, cell=cell)
+    return judge_exit(fault, r.returncode, bool(injected), cell)
+
+
+def judge_exit(fault: Fault | None, code: int, acted: bool, cell: Cell) -> Cell:
+    """The verdict once attach's exit code is known (pure): an unexpected code is an error, said as the
+    fault-injection's error when the fault broke the training; attach's never-acted code keeps judge()'s
+    reason."""
     expected_exits = fault.exit_codes if fault is not None else (0,)
-    if r.returncode not in expected_exits:
+    if code == EXIT_NEVER_ACTED and fault is not None and not acted:
+        return cell  # attach's own word for it: judge() already gave the never-acted reason
+    if code not in expected_exits:
         if cell.ok or fault is None:
-            cell.status, cell.reason = "error", f"exit code {r.returncode}, expected {list(expected_exits)}"
+            cell.status, cell.reason = "error", f"exit code {code}, expected {list(expected_exits)}"
         else:  # the fault broke the script (a framework that rejects what it did): not a detector's miss
             cell.status, cell.reason = "error", (
-                f"the training failed under the fault (exit code {r.returncode}, expected {list(expected_exits)}): "
+                f"the training failed under the fault (exit code {code}, expected {list(expected_exits)}): "
                 "a fault-injection error, not a detector's miss")
     return cell
 

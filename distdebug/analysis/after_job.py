@@ -58,6 +58,9 @@ class AfterJob:
     world_size: int | None = None
     layout: dict[str, Any] = field(default_factory=dict)
     """rank -> {node, local_rank, host, pid, attempt}, from the ranks' start records."""
+    never_acted: list[str] = field(default_factory=list)
+    """Faults injected on purpose that no rank recorded acting (judged only when every rank's stream
+    is in the run directory: a node that sees its own ranks only cannot tell)."""
 
 
 def analyse(run_dir: Path, end: JobEnd) -> AfterJob:
@@ -75,6 +78,8 @@ def analyse(run_dir: Path, end: JobEnd) -> AfterJob:
     if end.primary:
         _guarded(out, "run the offline replica check", lambda: _replicas(run, run_dir, out))
     _guarded(out, "read the layout", lambda: _layout(run, out))
+    if run.manifest and run.manifest.get("faults"):
+        _guarded(out, "read which faults acted", lambda: _never_acted(run, out))
     if out.findings:
         append_run_findings(run_dir, out.findings)
     return out
@@ -128,6 +133,15 @@ def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
               for s in run.ranks.values() for d in s.of_kind("discovery") for m in d.get("models") or [])
     out.findings.append(divergence_finding(step, [d.to_dict() for d in diffs], compared, after_job=True,
                                            run_dir=str(run_dir), ddp=ddp))
+
+
+def _never_acted(run: Run, out: AfterJob) -> None:
+    from distdebug.analysis.summary import never_acted
+
+    if out.world_size is None or len(run.ranks) < out.world_size:
+        return  # another node's ranks write elsewhere: whether they acted is not known here
+    injected = [r for s in run.ranks.values() for r in s.last_attempt() if r.get("kind") == "injected"]
+    out.never_acted = never_acted((run.manifest or {}).get("faults"), injected)
 
 
 def _layout(run: Run, out: AfterJob) -> None:

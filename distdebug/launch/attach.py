@@ -24,7 +24,7 @@ from distdebug.analysis.teardown import how
 from distdebug.analysis.teardown import summary_line as teardown_summary
 from distdebug.artifacts import layout, runs
 from distdebug.artifacts.reader import read_json
-from distdebug.config import EXIT_HANG, AttachConfig, parse_nnodes
+from distdebug.config import EXIT_HANG, EXIT_NEVER_ACTED, AttachConfig, parse_nnodes
 from distdebug.detectors import registry
 from distdebug.errors import UserError
 from distdebug.launch import manifest as manifest_mod
@@ -41,7 +41,8 @@ class AttachResult:
     message: str | None = None
     """One line about how the job ended when it failed (None on success)."""
     completed: bool = False
-    """Every rank finished the script; the failure came after, at interpreter exit (results complete)."""
+    """Every rank finished the script; the failure came after (at interpreter exit: results complete), or
+    was attach's own verdict that a fault injected on purpose never acted."""
 
 
 def torchrun_argv(cfg: AttachConfig, nproc_per_node: str) -> list[str]:
@@ -199,13 +200,18 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         code, message = EXIT_HANG, supervisor_mod.summary_line(supervisor.verdict)
     elif result.completed:
         message = teardown_summary([f for f in result.findings if f.detector == "teardown"])
+    elif code == 0 and result.never_acted:
+        code, message = EXIT_NEVER_ACTED, (
+            f"the training exited 0, but the fault{'s' if len(result.never_acted) > 1 else ''} injected on purpose "
+            f"never acted: {', '.join(result.never_acted)} (nothing it acts through was there, or its step never "
+            "came; distdebug faults replay SCRIPT says which faults can act on a script)")
     node_info.update(ended=time.time(), exit_code=code, message=message)
     manifest_mod.write_json_atomic(node_file, node_info)
     if cfg.node_rank == 0:
         data = read_json(layout.manifest_path(run_dir)) or {}
         data.update(world_size=result.world_size, layout=result.layout)
         manifest_mod.write_json_atomic(layout.manifest_path(run_dir), data)
-    return AttachResult(code, run_dir, message, result.completed)
+    return AttachResult(code, run_dir, message, result.completed or code == EXIT_NEVER_ACTED)
 
 
 def _failures(err: Any) -> tuple[dict[int, int], int | None]:

@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
+from distdebug.config import EXIT_NEVER_ACTED
 from fault_injection.matrix import ENGINES
 from fault_injection.registry import FAULTS
 from tests.e2e.test_layouts import LAYOUT_RECIPES
@@ -36,12 +37,25 @@ def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
 
 def test_a_fault_that_never_acted_is_said_in_the_report(tmp_path):
     """duplicate_data on a script that draws its own batches (no DistributedSampler): the run is clean, and
-    the report says the fault never acted rather than leaving a clean report to read as a miss."""
+    the report and attach's exit code say the fault never acted rather than leaving a clean run to read as
+    the detector's pass (issue 22)."""
     r = distdebug("attach", "--run-dir", str(tmp_path), "--inject", "duplicate_data",
                   str(DATA / "scripts" / "replay_gpt.py"), "--iters", "3")
-    assert r.returncode == 0, r.output[-3000:]  # the training's exit code passes through
+    assert r.returncode == EXIT_NEVER_ACTED, r.output[-3000:]
+    assert "distdebug: the training exited 0, but the fault injected on purpose never acted: duplicate_data" \
+        in " ".join(r.stderr.split())
+    assert "training failed" not in r.stderr
     text = " ".join(distdebug("report", str(tmp_path)).stdout.split())
     assert "fault injected on purpose: duplicate_data never acted: nothing it acts through was there" in text
+    assert f"exit code: {EXIT_NEVER_ACTED} (the training exited 0" in text
+    assert json.loads(distdebug("report", "--json", str(tmp_path)).stdout)["never_acted"] == ["duplicate_data"]
+
+
+def test_a_failing_training_keeps_its_exit_code_when_a_fault_never_acted(tmp_path):
+    """The never-acted code replaces only a 0: a training that fails says its own code."""
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--inject", "duplicate_data",
+                  str(DATA / "scripts" / "teardown.py"), "--os-exit", "3")
+    assert r.returncode == 3, r.output[-3000:]
     assert json.loads(distdebug("report", "--json", str(tmp_path)).stdout)["never_acted"] == ["duplicate_data"]
 
 

@@ -81,6 +81,24 @@ def test_verdicts_caught_localised_mislocalised_and_missed():
     assert never.status == "error" and "never acted" in never.reason
 
 
+def test_exit_codes_judged_after_the_findings():
+    """attach's never-acted code (issue 22) keeps the never-acted reason; a fault that broke the training is
+    the fault injection's error; a clean run or a catch with an unexpected code is an error with the code."""
+    from distdebug.config import EXIT_NEVER_ACTED
+    from fault_injection.matrix import judge_exit
+
+    never = judge_exit(FAULTS["nan_grad"](), EXIT_NEVER_ACTED, False, _judge("nan_grad", [], []))
+    assert never.status == "error" and never.reason.startswith("the fault was scheduled but never acted")
+    broke = judge_exit(FAULTS["nan_grad"](), 1, True, _judge("nan_grad", NAN, []))
+    assert broke.status == "error" and "the training failed under the fault (exit code 1" in broke.reason
+    right = [_finding("nan_origin", [1], 3, "head.weight")]
+    assert judge_exit(FAULTS["nan_grad"](), 0, True, _judge("nan_grad", NAN, right)).status == "caught-localised"
+    odd = judge_exit(FAULTS["nan_grad"](), 7, True, _judge("nan_grad", NAN, right))
+    assert (odd.status, odd.reason) == ("error", "exit code 7, expected [0]")
+    clean = judge_exit(None, EXIT_NEVER_ACTED, False, _judge(None, [], []))
+    assert (clean.status, clean.reason) == ("error", f"exit code {EXIT_NEVER_ACTED}, expected [0]")
+
+
 def test_detector_not_built_is_a_miss_and_clean_runs_need_no_finding():
     class Future(FAULTS["straggler"]):  # a fault whose detector does not exist (yet)
         catcher = "not_built_yet"
