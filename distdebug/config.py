@@ -182,10 +182,23 @@ class ReplicaDivergenceConfig:
 
     every: int = 1
     """Cross-rank fingerprint check every K optimizer steps."""
+    state_every: int = 8
+    """Gradients and optimizer state join the parameters in the check at the first ``state_every``
+    checked steps and at every ``state_every``-th after (1: every check). The parameters show any
+    divergence in its step; the gradients tell how it came (reduced apart, or changed after the
+    reduction), which the first steps tell for a broken setup. Three quarters of an Adam model's
+    fingerprinting is gradients and moments (issue 18)."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise UserError(f"--fingerprint-every must be 1 or more, got {self.every}", 2)
+        if self.state_every < 1:
+            raise UserError(f"replica_divergence.state_every must be 1 or more, got {self.state_every}", 2)
+
+    def state_checked(self, step: int) -> bool:
+        """Whether a checked step fingerprints gradients and optimizer state too (the same on every rank)."""
+        n = step // self.every  # the n-th checked step
+        return self.state_every == 1 or n <= self.state_every or n % self.state_every == 0
 
 
 @dataclass(kw_only=True)

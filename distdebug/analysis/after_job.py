@@ -131,8 +131,9 @@ def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
     compared = sum(1 for s in snaps.values() if step in s)
     ddp = any("ddp" in (m.get("wrappers") or [])
               for s in run.ranks.values() for d in s.of_kind("discovery") for m in d.get("models") or [])
+    names = next(list(s[step][0]) for s in snaps.values() if step in s)
     out.findings.append(divergence_finding(step, [d.to_dict() for d in diffs], compared, after_job=True,
-                                           run_dir=str(run_dir), ddp=ddp))
+                                           run_dir=str(run_dir), ddp=ddp, compared=names))
 
 
 def _never_acted(run: Run, out: AfterJob) -> None:

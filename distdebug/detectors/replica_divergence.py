@@ -2,7 +2,10 @@
 
 Every K steps (``--fingerprint-every``, default 1), at the step boundary (after ``optimizer.step``,
 before gradients are cleared), each rank fingerprints its replicated tensors (see
-``fingerprint.collect``) on the training thread, because the next step changes them in place. On
+``fingerprint.collect``) on the training thread, because the next step changes them in place:
+parameters and buffers at every check, gradients and optimizer state at the first 8 checks and every
+8th after (``replica_divergence.state_every``): any divergence shows in the parameters at its step,
+and the gradients, which say how it came, cost three times as much on an Adam model (issue 18). On
 a device the fingerprints are computed there and read with the step's other values in its one
 host read (``probe``; runtime.readout): 16 bytes per tensor.
 Everything else happens on a background thread, so the training never waits for it: the snapshot
@@ -118,7 +121,7 @@ class ReplicaDivergence(ExchangeUser, Detector):
         self._parts = []
         if self.ctx is None or self.replicas is None or step % self.every:
             return None
-        parts = [PendingFingerprints(self.replicas.tensors()), *self.forward_pending]
+        parts = [PendingFingerprints(self.replicas.tensors(self.config.state_checked(step))), *self.forward_pending]
         if not self.replicas.ddp_sync:
             parts.append(PendingFingerprints(self.replicas.buffers))
         elif self.synced_buffers is not None:
@@ -235,7 +238,7 @@ class ReplicaDivergence(ExchangeUser, Detector):
             return ()
         run_dir = str(ctx.run_dir) if ctx.run_dir is not None else None
         ddp = any(find_ddp(m) is not None for m in ctx.models) or ddp_exists()
-        return self._emit(divergence_finding(step, diffs, world, run_dir=run_dir, ddp=ddp))
+        return self._emit(divergence_finding(step, diffs, world, run_dir=run_dir, ddp=ddp, compared=list(fps)))
 
     def _emit(self, finding: Finding) -> Iterable[Finding]:
         # Every rank reaches the same verdict; one writes it.

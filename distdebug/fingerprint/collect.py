@@ -101,11 +101,15 @@ class ReplicaSet:
         if not deepspeed:  # ZeRO partitions optimizer state across ranks
             self._optimizers = [weakref.ref(o) for o in optimizers if isinstance(o, torch.optim.Optimizer)]
 
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters, reduced gradients and optimizer state (buffers apart: see ``ddp_sync``)."""
+    def tensors(self, with_state: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """Parameters, reduced gradients and optimizer state (buffers apart: see ``ddp_sync``); ``with_state``
+        False: the parameters only."""
         # Called every checked step (every step by default) for a few hundred tensors: the names and groups,
         # the same every step, are worked out once (issue 18: this was a third of the fingerprints' time).
         out: list[tuple[str, torch.Tensor]] = []
+        if not with_state:
+            out.extend(self.params)
+            return out
         grad_names = self._grad_names
         for name, p in self.params:
             out.append((name, p))

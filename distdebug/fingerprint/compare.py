@@ -65,11 +65,21 @@ MAX_NAMED = 10
 """Tensors named in a divergence message (all of them are in the evidence, up to 200)."""
 
 
-def mechanism(diffs: list[dict[str, Any]], ddp: bool) -> str:
+def _state(base: str) -> bool:
+    return base.endswith(".grad") or base.startswith("optimizer.")
+
+
+def mechanism(diffs: list[dict[str, Any]], ddp: bool, compared: list[str] | None = None) -> str:
     """What the differing tensors say about how the replicas parted (checked at the step after the
     optimizer's, gradients still in place): gradients that differ were not reduced alike; equal
-    gradients with differing parameters mean a rank-local change after the reduction."""
+    gradients with differing parameters mean a rank-local change after the reduction. ``compared``:
+    every tensor fingerprinted at that step; when no gradient or optimizer state is among them (a
+    parameters-only check), nothing is claimed about the gradients."""
     bases = [split_group(d["tensor"])[0] for d in diffs]
+    if compared is not None and not any(_state(split_group(n)[0]) for n in compared):
+        return ("parameters or buffers differ; gradients and optimizer state were not fingerprinted at this "
+                "step (they are at the first checks and every few after: --detector-option "
+                "replica_divergence.state_every=1 tells whether the gradients parted first)")
     if any(b.endswith(".grad") for b in bases):
         if ddp:
             return ("gradients differ while a DDP wrapper exists: DDP reduced nothing for them (its hooks lost: "
@@ -83,7 +93,7 @@ def mechanism(diffs: list[dict[str, Any]], ddp: bool) -> str:
 
 
 def divergence_finding(step: int, diffs: list[dict[str, Any]], world: int, *, after_job: bool = False,
-                       run_dir: str | None = None, ddp: bool = False) -> Finding:
+                       run_dir: str | None = None, ddp: bool = False, compared: list[str] | None = None) -> Finding:
     """The replica-divergence verdict, one rule and one wording for the online check (the ranks'
     exchange) and the check after the job (the snapshots on disk).
 
@@ -104,8 +114,8 @@ def divergence_finding(step: int, diffs: list[dict[str, Any]], world: int, *, af
         severity=Severity.ERROR, detector="replica_divergence", ranks=culprits, step=step,
         subject=diffs[0]["tensor"],
         message=f"replicas diverged at step {step}{found}: {len(diffs)} tensor(s) differ ({named}); {who}; "
-                f"{mechanism(diffs, ddp)}",
-        evidence={"tensors": diffs[:200], "count": len(diffs), "mechanism": mechanism(diffs, ddp)},
+                f"{mechanism(diffs, ddp, compared)}",
+        evidence={"tensors": diffs[:200], "count": len(diffs), "mechanism": mechanism(diffs, ddp, compared)},
         fix=f"first divergent step and tensor are above; 'distdebug diff {run_dir or 'RUN'} --step {step}' lists "
             "all of them. Usual causes: a rank-local update (unsynchronised gradients or buffers), silent data "
             "corruption, non-deterministic kernels",

@@ -75,6 +75,17 @@ def test_one_flipped_bit_on_one_of_three_ranks_is_localised(tmp_path):
     assert findings(tmp_path, 1) == [] and findings(tmp_path, 2) == []  # written once
 
 
+def test_a_flip_between_the_gradient_checks_is_found_in_its_step_from_the_parameters(tmp_path):
+    """After the first 8 checks the gradients and optimizer state are fingerprinted every 8th (issue 18):
+    a flip at step 11 is still found at step 11, on its rank, and the finding claims nothing about the
+    gradients it did not fingerprint."""
+    spawn_ranks(_ddp, 3, tmp=tmp_path, fault="bitflip", fault_rank=2, steps=12, fault_step=11)
+    (f,) = findings(tmp_path, 0)
+    assert (f["detector"], f["step"], f["subject"], f["ranks"]) == ("replica_divergence", 11, "0.weight", [2])
+    assert "gradients and optimizer state were not fingerprinted at this step" in f["message"]
+    assert "gradients were equal" not in f["message"]
+
+
 def test_one_flipped_bit_with_two_ranks_names_both(tmp_path):
     spawn_ranks(_ddp, 2, tmp=tmp_path, fault="bitflip", fault_rank=1)
     (f,) = findings(tmp_path, 0)

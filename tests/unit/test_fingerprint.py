@@ -275,3 +275,23 @@ def test_the_divergence_says_how_the_replicas_parted():
         "gradients were equal but parameters")
     assert mechanism([{"tensor": "w.grad@replicas[0,2]"}], ddp=False).startswith("gradients differ")
     assert mechanism([{"tensor": "optimizer.w.momentum_buffer"}], ddp=True).startswith("only optimizer state")
+    # A parameters-only check (issue 18: gradients and optimizer state every few checks) claims nothing about
+    # the gradients; a full one at the same divergence does.
+    only_params = mechanism([{"tensor": "w"}], ddp=True, compared=["w", "b", "bn.running_mean"])
+    assert only_params.startswith("parameters or buffers differ; gradients and optimizer state were not "
+                                  "fingerprinted at this step") and "state_every=1" in only_params
+    assert mechanism([{"tensor": "w"}], ddp=True, compared=["w", "w.grad@replicas[0,1]"]).startswith(
+        "gradients were equal but parameters")
+
+
+def test_gradients_and_optimizer_state_are_checked_first_and_then_every_few_checks():
+    from distdebug.config import ReplicaDivergenceConfig
+    from distdebug.errors import UserError
+
+    every = ReplicaDivergenceConfig()
+    assert [s for s in range(1, 41) if every.state_checked(s)] == [*range(1, 9), 16, 24, 32, 40]
+    third = ReplicaDivergenceConfig(every=3, state_every=2)  # steps 3, 6, 9, ... are checked
+    assert [s for s in range(3, 40, 3) if third.state_checked(s)] == [3, 6, 12, 18, 24, 30, 36]
+    assert all(ReplicaDivergenceConfig(state_every=1).state_checked(s) for s in range(1, 50))
+    with pytest.raises(UserError, match="state_every must be 1 or more"):
+        ReplicaDivergenceConfig(state_every=0)
