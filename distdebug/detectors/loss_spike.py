@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -40,6 +41,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
+from distdebug.runtime.discovery import accumulating
 from distdebug.runtime.exchange import ExchangeUser, checked_step
 
 MIN_HISTORY = 10
@@ -144,6 +146,7 @@ class LossSpike(ExchangeUser, Detector):
         self.run: dict[str, int] = {"loss": 0, "grad_norm": 0}  # consecutive spiking steps
         self.params: list[torch.nn.Parameter] = []
         self._norm: Any = None  # the last backward's gradient norm (a device scalar), read at the boundary
+        self._ddps: list[weakref.ref[Any]] = []  # DDP wrappers: in their no_sync() the gradients are not read
         self.sharded = False
         self.rank = 0
         self.ctx: RankContext | None = None
@@ -163,11 +166,11 @@ class LossSpike(ExchangeUser, Detector):
         successor._phase_start = True
 
     def attach(self, ctx: RankContext) -> None:
-
-        from distdebug.runtime.discovery import unwrap
+        from distdebug.runtime.discovery import find_ddp, unwrap
 
         self.ctx = ctx
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
+        self._ddps = [weakref.ref(d) for d in (find_ddp(root) for root in ctx.models) if d is not None]
         self.sharded = any(type(p) is not torch.nn.Parameter for p in self.params)
         self.open_exchange(ctx)
 
@@ -217,8 +220,9 @@ class LossSpike(ExchangeUser, Detector):
 
     def after_backward(self) -> None:
         # The norm as backward left it, before the script's own clip_grad_norm_ (which would hide the
-        # spike); with accumulation, the last backward's (every micro-batch's gradients summed).
-        if self.params:
+        # spike); with accumulation, the last backward's (every micro-batch's gradients summed): under
+        # DDP's no_sync() the backwards before it are not read at all.
+        if self.params and not accumulating([d for d in (r() for r in self._ddps) if d is not None]):
             self._norm = self._grad_norm()
 
     def probe(self, step: int) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ NaN in the same step once it has been reduced).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,7 +54,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
-from distdebug.runtime.discovery import ddp_params, find_ddp, first_tensor, unwrap
+from distdebug.runtime.discovery import accumulating, ddp_params, find_ddp, first_tensor, unwrap
 
 INF = float("inf")
 
@@ -326,7 +327,7 @@ class NanOrigin(Detector):
                 # .grad when it finalises, at the end of the backward. Until then .grad is this rank's own:
                 # one reading of them all when the graph is done (ctx.end_of_backward), in place of a
                 # Python hook and a kernel per parameter.
-                reader = self.guarded(self._local_grads(named))
+                reader = self.guarded(self._local_grads(named, weakref.ref(ddp)))
                 self._readers.append(reader)
                 ctx.end_of_backward.append(reader)
             self.local_source = "ddp"
@@ -341,14 +342,17 @@ class NanOrigin(Detector):
                 fold_in(local.local, key, g.detach().sum(dtype=torch.float32))
         return hook
 
-    def _local_grads(self, named: list[tuple[str, torch.nn.Parameter]]) -> Any:
+    def _local_grads(self, named: list[tuple[str, torch.nn.Parameter]], ddp: Any) -> Any:
         """At the end of a backward, before DDP copies the reduced gradients back: one finiteness value per
         local gradient (a fused reduction on a device; one kernel each on the CPU), folded in under the
-        tuple of their names (one entry per set of parameters that had gradients)."""
+        tuple of their names (one entry per set of parameters that had gradients). Not in a ``no_sync()``
+        backward: its gradients accumulate, still local, into the one that syncs, which reads them all."""
         local = self
         names: dict[tuple[int, ...], tuple[str, ...]] = {}
 
         def read() -> None:
+            if accumulating([ddp()]):
+                return
             with torch.no_grad():
                 present = [(i, p.grad) for i, (_, p) in enumerate(named)
                            if p.grad is not None and p.grad.layout == torch.strided]

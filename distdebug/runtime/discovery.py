@@ -167,6 +167,14 @@ def runs_compiled(module: Any) -> bool:
     return ref is not None and ref() is module
 
 
+def accumulating(ddps: list[Any]) -> bool:
+    """Every DDP wrapper given is inside ``no_sync()`` (gradient accumulation, accelerate's and
+    Lightning's included): the running backward reduces nothing and its gradients are not the step's
+    yet. Readers of the step's gradients wait for the backward that syncs: the gradients keep
+    accumulating into it, and a NaN or Inf stays one (issue 18: one pass per step, not per micro-batch)."""
+    return bool(ddps) and all(not getattr(d, "require_backward_grad_sync", True) for d in ddps)
+
+
 def find_ddp(module: Any) -> Any:
     """The DistributedDataParallel wrapper anywhere in a root's wrapper chain (``torch.compile(DDP(m))``
     puts it under the compiled module), or None."""

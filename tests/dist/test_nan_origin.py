@@ -3,6 +3,8 @@ even after all-reduce has spread it to every rank."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,15 +21,15 @@ def _model():
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, bucket_view=False):
+def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, bucket_view=False, accum=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     s = start_session(tmp, rank, detectors=[NanOrigin()] if detector else [])
     model = _model()
     state = {"step": 0}
-    if fault == "grad":  # one rank's local gradient of 2.weight, before DDP reduces it
+    if fault == "grad":  # one rank's local gradient of 2.weight, before DDP reduces it (the first micro-batch's)
         model[2].weight.register_hook(
-            lambda g: g * float("nan") if rank == fault_rank and state["step"] == 3 else g)
+            lambda g: g * float("nan") if rank == fault_rank and state["step"] == 3 and state["micro"] == 0 else g)
     if fault == "activation":  # one module's output (the middle Linear, "2") on one rank
         def poison(module, args, out):
             if rank == fault_rank and state["step"] == 3:
@@ -38,10 +40,21 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, buc
     ddp = DDP(model, gradient_as_bucket_view=bucket_view)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     det = s.detectors[0] if detector else None
+    norms = []
+    counting = torch._foreach_norm
+
+    def counted(*args, **kwargs):
+        norms.append(1)
+        return counting(*args, **kwargs)
+
+    torch._foreach_norm = counted  # how many passes over a set of tensors the detector makes (restored below)
     for step in range(1, steps + 1):
         state["step"] = step
-        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
-        ddp(x).pow(2).mean().backward()
+        for micro in range(2 if accum else 1):  # accumulation: the first micro-batch under no_sync()
+            state["micro"] = micro
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+            with ddp.no_sync() if accum and micro == 0 else contextlib.nullcontext():
+                ddp(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         if det is not None and step == 1:
@@ -49,16 +62,18 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, buc
             # per parameter; gradients that are bucket views need one each
             per_param = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
             state["hooks"] = (len(s.ctx.end_of_backward), per_param)
+    torch._foreach_norm = counting
+    state["norms_per_step"] = len(norms) / steps
     out = [float(x) for p in model.parameters() for x in p.detach().flatten()]
     dist.destroy_process_group()
     s.close(0)
-    return out, state.get("hooks")
+    return out, state.get("hooks"), state["norms_per_step"]
 
 
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_nan_in_one_ranks_local_gradient_names_that_rank_step_and_parameter(tmp_path, bucket_view):
     res = spawn_ranks(_ddp, 3, tmp=tmp_path, fault="grad", fault_rank=1, bucket_view=bucket_view)
-    assert [hooks for _, hooks in res] == [(0, 6) if bucket_view else (1, 0)] * 3
+    assert [hooks for _, hooks, _ in res] == [(0, 6) if bucket_view else (1, 0)] * 3
     origin, summary = findings(tmp_path, 1)
     assert summary["message"] == "values stayed non-finite in 3 steps from step 3 on"  # one finding, then a count
     assert (origin["detector"], origin["severity"], origin["step"], origin["subject"], origin["ranks"]) == \
@@ -83,8 +98,24 @@ def test_clean_run_no_finding_and_training_bitwise_unchanged(tmp_path):
     # The DDP communication hook must reduce exactly as DDP does on its own (3 ranks: 1/3 is inexact).
     watched = spawn_ranks(_ddp, 3, tmp=tmp_path / "watched")
     bare = spawn_ranks(_ddp, 3, tmp=tmp_path / "bare", detector=False)
-    assert [params for params, _ in watched] == [params for params, _ in bare]
+    assert [params for params, _, _ in watched] == [params for params, _, _ in bare]
     assert all(findings(tmp_path / "watched", r) == [] for r in range(3))
+
+
+def test_accumulation_under_no_sync_reads_the_local_gradients_once_a_step(tmp_path):
+    """Two micro-batches a step, the first under DDP's no_sync(): its gradients accumulate, still local, into
+    the backward that syncs, so the one reading there finds a NaN born in the first micro-batch, on its rank
+    (issue 18: a pass over the gradients per step, not per micro-batch). Training stays bitwise."""
+    watched = spawn_ranks(_ddp, 3, tmp=tmp_path / "nan", fault="grad", fault_rank=1, accum=True)
+    origin = findings(tmp_path / "nan", 1)[0]
+    assert (origin["detector"], origin["step"], origin["subject"], origin["ranks"]) == ("nan_origin", 3, "2.weight", [1])
+    clean = spawn_ranks(_ddp, 3, tmp=tmp_path / "clean", accum=True)
+    bare = spawn_ranks(_ddp, 3, tmp=tmp_path / "bare", accum=True, detector=False)
+    assert [params for params, _, _ in clean] == [params for params, _, _ in bare]
+    assert all(findings(tmp_path / "clean", r) == [] for r in range(3))
+    # per step: one reading of the local gradients (at the syncing backward) and one of the parameters
+    assert [n for _, _, n in clean] == [2.0] * 3 and [n for _, _, n in bare] == [0.0] * 3
+    assert watched
 
 
 def _manual(rank, world, tmp, fault_rank=2):
@@ -190,7 +221,7 @@ def test_large_finite_fp16_gradients_are_not_read_as_non_finite():
     big.grad = torch.full((4,), 60000.0, dtype=torch.float16)
     bad = nn.Parameter(torch.zeros(2, dtype=torch.float16))
     bad.grad = torch.tensor([1.0, float("inf")], dtype=torch.float16)
-    det._local_grads([("big", big), ("bad", bad)])()
+    det._local_grads([("big", big), ("bad", bad)], lambda: None)()
     ((names, flags),) = det.local.items()
     assert names == ("big", "bad") and flags.dtype == torch.float32
     assert torch.isfinite(flags).tolist() == [True, False]
