@@ -37,10 +37,10 @@ from distdebug.procs import run_tree  # noqa: E402
 
 TARGETS = {
     # name: (script, script args, steps, block, check(overhead) -> (met, what))
-    "gpt": ("recipes/gpt_ddp.py", [], 98, 8,
+    "gpt": ("recipes/gpt_ddp.py", [], 402, 8,
             lambda o: (o["fraction"] <= 0.03 and o["ci"][1] <= 0.05, "overhead <= 3%, upper bound <= 5%")),
-    "convnet": ("recipes/ddp_convnet.py", [], 402, 16, lambda o: (o["fraction"] <= 0.10, "overhead <= 10%")),
-    "fixed": ("bench/hundred_modules.py", [], 402, 16,
+    "convnet": ("recipes/ddp_convnet.py", [], 1602, 16, lambda o: (o["fraction"] <= 0.10, "overhead <= 10%")),
+    "fixed": ("bench/hundred_modules.py", [], 1602, 16,
               lambda o: (o["per_step_ms"] <= 0.25, "per-step cost <= 0.25 ms for 100 modules")),
 }
 
