@@ -56,10 +56,15 @@ def spike(history: list[float], value: float, threshold: float, both: bool = Fal
     if len(history) < MIN_HISTORY or not math.isfinite(value):
         return False, float("nan"), 0.0
     level = statistics.median(history[-LEVEL:])
+    floor = max(REL_FLOOR * abs(level), 1e-12)
+    if abs(value - level) <= threshold * floor:
+        # Within the floor's reach: no noise estimate can make it a spike (the scale is at least the floor),
+        # so the noise is not estimated (every step, every signal: issue 18). z is then a bound, |z| <= threshold.
+        return False, level, (value - level) / floor
     diffs = [b - a for a, b in zip(history, history[1:], strict=False)]
     center = statistics.median(diffs)
     noise = 1.4826 * statistics.median(abs(d - center) for d in diffs) / math.sqrt(2)
-    scale = max(noise, REL_FLOOR * abs(level), 1e-12)
+    scale = max(noise, floor)
     z = (value - level) / scale
     return (abs(z) if both else z) > threshold, level, z
 
@@ -233,10 +238,9 @@ class LossSpike(ExchangeUser, Detector):
 
     def _grad_norm(self) -> Any:
         if self.sharded:
-            grads = [local_view(p.grad) for p in self.params if p.grad is not None]
-        else:  # plain tensors as they are: no per-step view per parameter
-            grads = [p.grad for p in self.params if p.grad is not None]
-        grads = [g for g in grads if g.numel()]
+            grads = [v for p in self.params if (g := p.grad) is not None and (v := local_view(g)).numel()]
+        else:  # plain tensors as they are: no per-step view per parameter; each .grad fetched once
+            grads = [g for p in self.params if (g := p.grad) is not None and g.numel()]
         if not grads:
             return None
         with torch.no_grad():

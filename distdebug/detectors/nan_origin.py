@@ -57,6 +57,7 @@ from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.discovery import accumulating, ddp_params, find_ddp, first_tensor, unwrap
 
 INF = float("inf")
+strided = torch.strided
 
 FINITE_PRESERVING_NAMES = frozenset({
     "ReLU", "ReLU6", "LeakyReLU", "PReLU", "Hardtanh", "Sigmoid", "Tanh", "Hardsigmoid", "Hardswish",
@@ -354,8 +355,8 @@ class NanOrigin(Detector):
             if accumulating([ddp()]):
                 return
             with torch.no_grad():
-                present = [(i, p.grad) for i, (_, p) in enumerate(named)
-                           if p.grad is not None and p.grad.layout == torch.strided]
+                present = [(i, g) for i, (_, p) in enumerate(named)
+                           if (g := p.grad) is not None and g.layout is strided]
                 if not present:
                     return
                 which = tuple(i for i, _ in present)

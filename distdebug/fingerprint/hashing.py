@@ -91,14 +91,29 @@ def combine_device(fp: Any, t: torch.Tensor | int) -> int:
 
 
 # ---------------------------------------------------------------- the CPU path (numpy, in place)
+_VIEWS: dict[tuple[int, int], Any] = {}
+"""(address, bytes) -> the ctypes view of that memory: the same parameters are hashed at every step."""
+
+
 def _bytes(t: torch.Tensor) -> Any:
     """A zero-copy byte view of a contiguous CPU tensor, taken from its data pointer.
 
     Not ``Tensor.numpy()``: exporting to numpy marks the storage as non-resizable for good, and FSDP2
     frees its gathered parameters with ``storage.resize_(0)``: hashing them that way breaks training.
-    The view does not keep the tensor alive: callers hold the tensor until the hash is done.
+    The view does not keep the tensor alive: callers hold the tensor until the hash is done. A view
+    is only an address and a length, read when hashed, so one made for the same address and length
+    at an earlier step is as good as a new one (cached, bounded: a microsecond a tensor, issue 18).
     """
-    return (ctypes.c_char * t.nbytes).from_address(t.data_ptr()) if t.nbytes else b""
+    n = t.nbytes
+    if not n:
+        return b""
+    key = (t.data_ptr(), n)
+    view = _VIEWS.get(key)
+    if view is None:
+        if len(_VIEWS) >= 8192:
+            _VIEWS.clear()
+        view = _VIEWS[key] = (ctypes.c_char * n).from_address(key[0])
+    return view
 
 
 _NP_INDEX: dict[int, np.ndarray] = {}

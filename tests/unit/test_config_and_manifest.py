@@ -116,7 +116,7 @@ def test_detector_options_are_typed_by_the_detectors_config_and_defaults_come_fr
                               "profiler": {"on_finding": 0}})  # profiler is not in this run: ignored
     assert specs == [
         {"target": "loss_spike", "params": {"threshold": 6.0, "window": 100}},  # --detector-option wins
-        {"target": "replica_divergence", "params": {"every": 4}},
+        {"target": "replica_divergence", "params": {"every": 4, "state_every": 8}},
         {"target": "loss_nonfinite", "params": {}},
     ]
     built = registry.build(specs)
