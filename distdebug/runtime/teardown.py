@@ -41,12 +41,6 @@ def _registered_groups() -> set[int] | None:
         return None
 
 
-def _is_group(value: Any) -> bool:
-    dist = sys.modules.get("torch.distributed")
-    pg_type = getattr(dist, "ProcessGroup", None) if dist is not None else None
-    return pg_type is not None and isinstance(value, pg_type)
-
-
 def _functions(module: types.ModuleType):
     """Module-level functions and the methods of classes defined in the module."""
     try:
@@ -83,8 +77,21 @@ def release_stale_defaults() -> list[str]:
 
 
 def _release(registered: set[int]) -> list[str]:
+    dist = sys.modules.get("torch.distributed")
+    pg_type = getattr(dist, "ProcessGroup", None) if dist is not None else None
+    if pg_type is None:
+        return []
+    # Whether a type is a process group, worked out once per type: the walk below meets a few hundred
+    # thousand values (every module's globals and defaults), and ProcessGroup's isinstance goes through
+    # torch's opaque-type metaclass (most of a second a rank, at every destroy_process_group and end).
+    kinds: dict[type, bool] = {}
+
     def stale(value: Any) -> bool:
-        return _is_group(value) and id(value) not in registered
+        t = type(value)
+        group = kinds.get(t)
+        if group is None:
+            group = kinds[t] = issubclass(t, pg_type)
+        return group and id(value) not in registered
 
     released: list[str] = []
     for module in list(sys.modules.values()):
