@@ -9,11 +9,14 @@ spike when it exceeds level + threshold x scale; one-sided. The first MIN_HISTOR
 the window, and a spike is not added to it. Consecutive spiking steps are one episode, reported
 at its first step; after LEVEL of them the values count as a new level.
 
-The gradient norm is the L2 norm of this rank's gradients at the step boundary (after reduction
-under DDP; the local shards under FSDP2/ZeRO): one fused norm and one host read per step.
+The gradient norm is the L2 norm of this rank's own gradients when its backward ends, before the
+script's clipping: before their reduction under DDP's default (``gradient_as_bucket_view=False``, read
+at the end of the backward, before DDP writes the reduced ones back) and under a hand-written
+all_reduce (called after backward returns), so a spike is named on the rank whose batch made it;
+after it where the reduction happens inside the backward (DDP's bucket views, FSDP2, ZeRO: each
+rank's shard). One fused norm a step, read with the step's other values.
 
-Across ranks (the loss only: after DDP's reduction every rank holds the same gradients, so their
-norms cannot differ): ranks see different batches, so their losses differ by some amount every
+Across ranks (the loss only): ranks see different batches, so their losses differ by some amount every
 step; what is not normal is one rank's loss far above the others'. At the checked steps (2, 4, 8,
 then every 16: ``runtime.exchange``) the ranks exchange their losses since the last check in the
 background; rank 0 measures, step by step, each rank's distance above the median of all ranks
@@ -152,6 +155,7 @@ class LossSpike(ExchangeUser, Detector):
         self.params: list[torch.nn.Parameter] = []
         self._norm: Any = None  # the last backward's gradient norm (a device scalar), read at the boundary
         self._ddps: list[weakref.ref[Any]] = []  # DDP wrappers: in their no_sync() the gradients are not read
+        self._reader: Any = None  # this detector's entry in ctx.end_of_backward (DDP's default: local gradients)
         self.sharded = False
         self.rank = 0
         self.ctx: RankContext | None = None
@@ -175,8 +179,15 @@ class LossSpike(ExchangeUser, Detector):
 
         self.ctx = ctx
         self.params = [p for root in ctx.models for p in unwrap(root)[0].parameters()]
-        self._ddps = [weakref.ref(d) for d in (find_ddp(root) for root in ctx.models) if d is not None]
+        ddps = [d for d in (find_ddp(root) for root in ctx.models) if d is not None]
+        self._ddps = [weakref.ref(d) for d in ddps]
         self.sharded = any(type(p) is not torch.nn.Parameter for p in self.params)
+        if ddps and not any(getattr(d, "gradient_as_bucket_view", True) for d in ddps):
+            # DDP's default reduces copies and writes the reduced gradients back when it finalises: at the
+            # end of the backward .grad is still this rank's own (as nan_origin reads it). Its norm is this
+            # rank's, as under a hand-written all_reduce, so a spike names the rank whose batch made it.
+            self._reader = self.guarded(self._local_norm)
+            ctx.end_of_backward.append(self._reader)
         self.open_exchange(ctx)
 
     def _cross_rank(self, event: StepEvent) -> None:
@@ -227,6 +238,10 @@ class LossSpike(ExchangeUser, Detector):
         # The norm as backward left it, before the script's own clip_grad_norm_ (which would hide the
         # spike); with accumulation, the last backward's (every micro-batch's gradients summed): under
         # DDP's no_sync() the backwards before it are not read at all.
+        if self._reader is None:
+            self._local_norm()
+
+    def _local_norm(self) -> None:
         if self.params and not accumulating([d for d in (r() for r in self._ddps) if d is not None]):
             self._norm = self._grad_norm()
 
@@ -253,7 +268,13 @@ class LossSpike(ExchangeUser, Detector):
         out: list[Finding] = []
         if event.skipped:
             return out  # a loss scaler skipped the update (overflow): its gradients say nothing
-        for signal, value in (("loss", event.loss), ("grad_norm", self.values(event).get("grad_norm"))):
+        norm = self.values(event).get("grad_norm")
+        if norm is not None and event.loss_scale:
+            # Read as the backward left them: a loss scaler's gradients are scaled, and the scale doubles every
+            # growth_interval clean steps (a false spike each time); the scale of this step's backward divides
+            # it out, as the loss's is (the script's own unscale_ comes after the reading).
+            norm = norm / event.loss_scale
+        for signal, value in (("loss", event.loss), ("grad_norm", norm)):
             if value is None or not math.isfinite(value):
                 continue  # NaN/Inf are nan_origin's and loss_nonfinite's
             hist = self.history[signal]
@@ -293,6 +314,8 @@ class LossSpike(ExchangeUser, Detector):
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)
+        if self._reader is not None and self.ctx is not None and self._reader in self.ctx.end_of_backward:
+            self.ctx.end_of_backward.remove(self._reader)
         found = dict(self.found)
         if self.cross_found:
             found["loss across ranks"] = self.cross_found
