@@ -156,6 +156,7 @@ class LossSpike(ExchangeUser, Detector):
         self._norm: Any = None  # the last backward's gradient norm (a device scalar), read at the boundary
         self._ddps: list[weakref.ref[Any]] = []  # DDP wrappers: in their no_sync() the gradients are not read
         self._reader: Any = None  # this detector's entry in ctx.end_of_backward (DDP's default: local gradients)
+        self._as_backward_left = False  # this step's norm was read when its backward ended (not at the boundary)
         self.sharded = False
         self.rank = 0
         self.ctx: RankContext | None = None
@@ -247,6 +248,9 @@ class LossSpike(ExchangeUser, Detector):
 
     def probe(self, step: int) -> dict[str, Any] | None:
         norm, self._norm = self._norm, None
+        # Read as the backward left them (scaled, under a loss scaler), or here at the boundary, where a
+        # scaler's step has already unscaled them: on_step divides the scale out of the first kind only.
+        self._as_backward_left = norm is not None
         if norm is None:
             norm = self._grad_norm()  # a step whose backward was not seen (DeepSpeed's own, a custom loop)
         return None if norm is None else {"grad_norm": norm}
@@ -269,7 +273,7 @@ class LossSpike(ExchangeUser, Detector):
         if event.skipped:
             return out  # a loss scaler skipped the update (overflow): its gradients say nothing
         norm = self.values(event).get("grad_norm")
-        if norm is not None and event.loss_scale:
+        if norm is not None and event.loss_scale and self._as_backward_left:
             # Read as the backward left them: a loss scaler's gradients are scaled, and the scale doubles every
             # growth_interval clean steps (a false spike each time); the scale of this step's backward divides
             # it out, as the loss's is (the script's own unscale_ comes after the reading).

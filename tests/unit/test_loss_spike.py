@@ -125,3 +125,25 @@ def test_a_new_training_phase_keeps_the_loss_history_or_starts_a_new_level():
     fresh.handover(nxt)
     assert _feed(nxt, curve(30, 6), 21) == []  # back at the start of a curve: 10x the level, then falling
     assert len(nxt.history["loss"]) == 30  # the old level dropped at the new phase's first loss
+
+
+def test_the_loss_scale_is_divided_out_only_of_a_norm_read_as_the_backward_left_it():
+    """Read when a backward ended, a loss scaler's gradients are scaled: the step's scale is divided out. Read at
+    the boundary (no backward seen), a scaler's step has already unscaled them: left as it is."""
+    import torch
+
+    det = LossSpike()
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 512.0)  # norm 1024
+    det.params = [p]
+
+    def step(n, after_backward):
+        if after_backward:
+            det.after_backward()
+        norm = float(det.probe(n)["grad_norm"])
+        det.on_step(StepEvent(rank=0, step=n, loss=1.0, step_time_s=0.0, backward_calls=1, collectives=0,
+                              readout={"loss_spike": {"grad_norm": norm}}, loss_scale=1024.0))
+        return det.history["grad_norm"][-1]
+
+    assert step(1, after_backward=True) == 1.0
+    assert step(2, after_backward=False) == 1024.0
