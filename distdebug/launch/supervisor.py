@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from distdebug.artifacts import layout, schema
@@ -34,6 +35,56 @@ GRACE_S = 5.0
 """After the first stall record, how long to wait for the other ranks' dumps before diagnosing."""
 RETRY_S = 2.0
 """After a diagnosis that named no culprit while some rank had not stalled yet: when to look again."""
+
+
+WAIT, RENDEZVOUS_HANG, DIAGNOSE_ALL, DIAGNOSE_SOME = "wait", "rendezvous-hang", "diagnose-all", "diagnose-some"
+RETRY, WARN, REPORT, END_JOB = "retry", "warn", "report", "end-job"
+
+
+def poll_decision(*, now: float, started: float, stall_timeout: float, pids: set[int], stalled: dict[int, float],
+                  ended: set[int], heard: dict[int, float], retry_at: float, has_children: Callable[[], bool]) -> str:
+    """What the supervisor does at one poll (pure; times are monotonic seconds; unit-tested).
+
+    pids: the ranks that wrote a start record; stalled: rank -> when its stall record arrived; ended:
+    ranks that ended or raised; heard: rank -> when its last record of any kind arrived. Returns WAIT,
+    RENDEZVOUS_HANG (no rank started a stall timeout after the launch and no worker exists), DIAGNOSE_ALL
+    (every live rank has stalled) or DIAGNOSE_SOME (the grace period is over and the ranks that have not
+    stalled are silent too).
+    """
+    if not pids:
+        # Rendezvous is done once torch's agent has started this node's workers (they may take a
+        # while to import torch and write their first record; that is not a rendezvous hang).
+        if now - started > stall_timeout and not has_children():
+            return RENDEZVOUS_HANG
+        return WAIT
+    if not stalled or now < retry_at:
+        return WAIT
+    live = pids - ended
+    waited = now - min(stalled.values())
+    # A rank that has not stalled is waited for while it keeps writing records (a slow rank makes
+    # progress: no kill without a culprit); one silent for a whole stall timeout without a stall
+    # record of its own (its watchdog could not run: a native hang holding the GIL, a stopped
+    # process) is no longer waited for once the grace period is over.
+    if live <= set(stalled):
+        return DIAGNOSE_ALL
+    silent = all(now - heard.get(r, started) > stall_timeout for r in live - set(stalled))
+    return DIAGNOSE_SOME if waited > GRACE_S and silent else WAIT
+
+
+def verdict_decision(*, busy: bool, every: bool, on_stall: str, on_hang: str) -> str:
+    """What follows a diagnosis (pure; unit-tested): the job is never ended without a culprit.
+
+    busy: the diagnosis named no culprit (every stalled rank busy in its own work); every: every live
+    rank had a stall record. Returns RETRY (no culprit yet while some rank has not stalled: a rank still
+    silent may yet show one), WARN (no culprit: say so with the stacks, the job goes on), REPORT (a
+    verdict, the job kept: ``--on-hang report``) or END_JOB (a verdict, this node's ranks ended).
+    """
+    if busy:
+        if not every:
+            return RETRY
+        if on_stall != "abort":
+            return WARN
+    return END_JOB if on_hang == "abort" else REPORT
 
 
 class _Tail:
@@ -132,26 +183,13 @@ class Supervisor:
         self._scan()
         if self._reported:
             return
-        if not self._pids:
-            # Rendezvous is done once torch's agent has started this node's workers (they may take a
-            # while to import torch and write their first record; that is not a rendezvous hang).
-            if time.monotonic() - self.started > self.stall_timeout and not _has_children():
-                self._rendezvous_hang()
-            return
-        if not self._stalled:
-            return
-        live = set(self._pids) - self._ended
-        now = time.monotonic()
-        waited = now - min(self._stalled.values())
-        # A rank that has not stalled is waited for while it keeps writing records (a slow rank makes
-        # progress: no kill without a culprit); one silent for a whole stall timeout without a stall
-        # record of its own (its watchdog could not run: a native hang holding the GIL, a stopped
-        # process) is no longer waited for once the grace period is over.
-        silent = all(now - self._heard.get(r, self.started) > self.stall_timeout
-                     for r in live - set(self._stalled))
-        every = live <= set(self._stalled)
-        if (every or (waited > GRACE_S and silent)) and now >= self._retry_at:
-            self._hang(every)
+        action = poll_decision(now=time.monotonic(), started=self.started, stall_timeout=self.stall_timeout,
+                               pids=set(self._pids), stalled=self._stalled, ended=self._ended, heard=self._heard,
+                               retry_at=self._retry_at, has_children=_has_children)
+        if action == RENDEZVOUS_HANG:
+            self._rendezvous_hang()
+        elif action in (DIAGNOSE_ALL, DIAGNOSE_SOME):
+            self._hang(action == DIAGNOSE_ALL)
 
     # ------------------------------------------------------------------ verdicts
     def _hang(self, every: bool = True) -> None:
@@ -171,16 +209,16 @@ class Supervisor:
                                             f"{sorted(self._stalled)}; no culprit found: the job goes on",
                 evidence={}, fix="see the ranks' stacks.txt in the run directory",
             )]
-        if is_busy_stall(findings):
-            if not every:
-                self._retry_at = time.monotonic() + RETRY_S
-                return
-            if self.on_stall != "abort":
-                self._warn(findings)
-                return
-        self._conclude(findings)
-        if self.on_hang == "abort":
-            self._terminate_local_ranks()
+        action = verdict_decision(busy=is_busy_stall(findings), every=every, on_stall=self.on_stall,
+                                  on_hang=self.on_hang)
+        if action == RETRY:
+            self._retry_at = time.monotonic() + RETRY_S
+        elif action == WARN:
+            self._warn(findings)
+        else:
+            self._conclude(findings)
+            if action == END_JOB:
+                self._terminate_local_ranks()
 
     def _warn(self, findings: list[Finding]) -> None:
         """Say it, keep the job: the next stall records (after another stall timeout) are diagnosed anew."""

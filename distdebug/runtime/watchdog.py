@@ -65,6 +65,41 @@ def flight_recorder_dump() -> bytes | None:
         return None
 
 
+CLEARED, STALLED, STILL_STALLED = "cleared", "stalled", "still-stalled"
+
+
+class StallClock:
+    """The watchdog's decisions, on the times it is given (pure, no clock of its own: unit-tested).
+
+    A stall is the rank's last progress older than ``timeout`` seconds; it is recorded once
+    (STALLED), recorded again each further ``timeout`` while nothing moves (STILL_STALLED: fresh
+    stacks, so that the launcher sees what changed: a busy rank that now waits for another is a
+    hang; one still busy, a warning again, at most once per stall timeout), and CLEARED as soon as
+    the progress time moves.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.stalled_at: float | None = None
+        """The progress time (monotonic seconds) of the stall already recorded, or None."""
+        self.recorded_at = 0.0
+        """When (monotonic seconds) that stall was last recorded."""
+
+    def check(self, progress: float, now: float) -> list[str]:
+        """Actions for one check, in order: progress is the monotonic time of the rank's last progress."""
+        actions: list[str] = []
+        if self.stalled_at is not None and progress != self.stalled_at:
+            actions.append(CLEARED)
+            self.stalled_at = None
+        if self.stalled_at is None and now - progress > self.timeout:
+            self.stalled_at, self.recorded_at = progress, now
+            actions.append(STALLED)
+        elif self.stalled_at is not None and now - self.recorded_at > self.timeout:
+            self.recorded_at = now
+            actions.append(STILL_STALLED)
+        return actions
+
+
 class RankWatchdog:
     def __init__(self, session: Session, stall_timeout: float, watch_parent: bool = True, interval: float = 0.5):
         self.session = session
@@ -72,8 +107,7 @@ class RankWatchdog:
         self.watch_parent = watch_parent
         self.interval = interval
         self.parent = os.getppid()
-        self.stalled_at: float | None = None  # the progress time of the stall already recorded
-        self.recorded_at = 0.0  # when it was last recorded
+        self.clock = StallClock(stall_timeout)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -109,21 +143,12 @@ class RankWatchdog:
         if self.stall_timeout <= 0:
             return
         p = s.progress
-        progress = p.last
-        idle = time.monotonic() - progress
-        if self.stalled_at is not None and progress != self.stalled_at:
-            s.emit(schema.record(schema.STALL_CLEARED, rank=s.identity.rank, step=p.step, time=time.time()))
-            self.stalled_at = None
-        if self.stalled_at is None and idle > self.stall_timeout:
-            self.stalled_at = progress
-            self.recorded_at = time.monotonic()
-            self.record_stall(idle)
-        elif self.stalled_at is not None and time.monotonic() - self.recorded_at > self.stall_timeout:
-            # Still no progress one more stall timeout later: fresh stacks, so that the launcher sees
-            # what changed (a busy rank that now waits for another is a hang; one still busy, a
-            # warning again, at most once per stall timeout).
-            self.recorded_at = time.monotonic()
-            self.record_stall(idle)
+        last, now = p.last, time.monotonic()
+        for action in self.clock.check(last, now):
+            if action == CLEARED:
+                s.emit(schema.record(schema.STALL_CLEARED, rank=s.identity.rank, step=p.step, time=time.time()))
+            else:
+                self.record_stall(now - last)
 
     def record_stall(self, idle: float) -> None:
         s = self.session
