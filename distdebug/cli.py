@@ -380,7 +380,7 @@ def faults_list() -> int:
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a JUnit XML report here (not-applicable faults are skipped test cases).")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the replay runs go. Default: a new directory under ./distdebug-runs/faults-<time>.")
+              help="Where the replay runs go. Default: a new directory ./distdebug-runs/<time>-faults.")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], overrides: tuple[str, ...],
                   engines: tuple[str, ...], nproc: int, jobs: int, cell_timeout: float, keep_runs: bool,
@@ -395,7 +395,6 @@ def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], ove
     finding, 1 otherwise (the failed cells named).
     """
     import os
-    import time
 
     from rich.console import Console
     from rich.progress import (
@@ -407,6 +406,7 @@ def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], ove
         TimeRemainingColumn,
     )
 
+    from distdebug.artifacts.runs import new_run_dir
     from distdebug.errors import UserError
     from fault_injection.base import parse_spec
     from fault_injection.console import matrix, summary
@@ -447,7 +447,7 @@ def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], ove
     if jobs > 1 and jobs * nproc > (os.cpu_count() or 1):
         console.print(f"distdebug: note: -j {jobs} runs {jobs * nproc} ranks on {os.cpu_count()} cores: timing "
                       "faults (straggler, slow_dataloader) may be judged on a crowded machine")
-    work = work_dir or Path("distdebug-runs") / time.strftime("faults-%Y%m%d-%H%M%S")
+    work = work_dir or new_run_dir("faults")  # its own, even beside another replay started this second
     work.mkdir(parents=True, exist_ok=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("left"), TimeRemainingColumn(), console=console, transient=True) as progress:

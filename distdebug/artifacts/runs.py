@@ -15,16 +15,25 @@ def runs_root(cwd: Path | None = None) -> Path:
 
 
 def new_run_dir(label: str, root: Path | None = None) -> Path:
-    """``distdebug-runs/YYYYmmdd-HHMMSS-<label>`` (suffixed ``-2``, ``-3``... if taken)."""
+    """``distdebug-runs/YYYYmmdd-HHMMSS-<label>`` (suffixed ``-2``, ``-3``... if taken), created here.
+
+    Claimed by ``mkdir`` itself, not by a look before: two launches in the same second on one machine
+    (a CI matrix, test workers side by side) never share a directory. Where it cannot be created the
+    path is returned as it is, for ``prepare_run_dir`` to say why in one line."""
     root = root or runs_root()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = f"{stamp}-{label}" if label else stamp
-    candidate = root / base
-    n = 2
-    while candidate.exists():
-        candidate = root / f"{base}-{n}"
-        n += 1
-    return candidate
+    candidate, n = root / base, 2
+    while True:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            candidate = root / f"{base}-{n}"
+            n += 1
+        except OSError:
+            return candidate
 
 
 def prepare_run_dir(path: Path) -> Path:

@@ -65,6 +65,17 @@ def test_new_run_dir_is_unique_and_latest_resolves(tmp_path):
     assert runs.resolve_run(str(a), cwd=tmp_path) == a
 
 
+def test_new_run_dirs_asked_for_side_by_side_are_each_their_own(tmp_path):
+    """Two launches (or replays) in the same second on one machine must not share a directory: each
+    name is claimed by creating it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path / layout.DEFAULT_RUNS_ROOT
+    with ThreadPoolExecutor(8) as pool:
+        dirs = list(pool.map(lambda _: runs.new_run_dir("faults", root), range(16)))
+    assert len(set(dirs)) == 16 and all(d.is_dir() for d in dirs)
+
+
 def test_newest_without_latest_link_uses_mtime(tmp_path):
     root = tmp_path / layout.DEFAULT_RUNS_ROOT
     old, new = root / "old", root / "new"
