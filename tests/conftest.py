@@ -1,7 +1,10 @@
+import fcntl
 import os
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 # Two cores: one thread per rank, and gloo on loopback.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -27,3 +30,57 @@ def _remove_stale_locks(root: Path) -> None:
 
 
 _remove_stale_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+# ---------------------------------------------------------------- tiers, and tests side by side
+# Tier 3 (tests/e2e: a real launcher and ranks, seconds each) is `slow` unless a test is marked `smoke`, so
+# that -m "not slow" is the quick tier (unit, dist, and one smoke run of each kind through the CLI).
+#
+# The suite runs on two pytest-xdist workers (pyproject's addopts), but it is CPU-bound: a launch costs
+# torch's import in every process (about 8 s of CPU for a launcher and two ranks, measured), so two
+# CPU-bound tests side by side finish no sooner, and the crowding is seen by what the tests assert (a
+# clean 4-rank run beside another job was called a straggler). What may overlap is a test that mostly
+# waits (a stall timeout, a hang verdict, a sleeping rank): marked `waits`, it runs beside one CPU-bound
+# test. The rule, held with fcntl locks on two files of the run's (released by the kernel if a worker dies):
+# - an unmarked test holds "cpu" exclusively and "all" shared: CPU-bound tests run one at a time;
+# - a `waits` test holds "all" shared only: beside any one test but an `alone` one;
+# - an `alone` test (it measures time: a straggler's lateness, an overhead interval) holds "all"
+#   exclusively: nothing runs beside it.
+_E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(_E2E) and item.get_closest_marker("smoke") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+def locks_for(alone: bool, waits: bool) -> list[tuple[str, int]]:
+    """(lock file, flock mode) a test takes, in this order (every test takes "cpu" before "all": no cycle)."""
+    if alone:
+        return [("all", fcntl.LOCK_EX)]
+    if waits:
+        return [("all", fcntl.LOCK_SH)]
+    return [("cpu", fcntl.LOCK_EX), ("all", fcntl.LOCK_SH)]
+
+
+@pytest.fixture(autouse=True)
+def side_by_side(request, tmp_path_factory):
+    """Hold this test's locks for its duration (see above); nothing to hold in one process."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    # Each worker's base temp is <run's temp>/popen-gwN: the folder above is the run's, shared by its workers.
+    run = tmp_path_factory.getbasetemp().parent
+    node = request.node
+    held = []
+    try:
+        for name, mode in locks_for(node.get_closest_marker("alone") is not None,
+                                    node.get_closest_marker("waits") is not None):
+            f = open(run / f"{name}.lock", "a")
+            held.append(f)
+            fcntl.flock(f, mode)
+        yield
+    finally:
+        for f in reversed(held):
+            f.close()  # closing the file releases its lock

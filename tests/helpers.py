@@ -25,8 +25,11 @@ DATA = Path(__file__).resolve().parent / "data"
 
 
 def make_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched command. Each call gets a rendezvous port of its own: torch's
+    launcher (torchrun, and attach through it) reads its --master-port default from PET_MASTER_PORT,
+    so jobs run side by side (pytest-xdist workers) never meet on torchrun's default port 29500."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", PET_MASTER_PORT=str(free_port()),
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
     env.pop("DISTDEBUG_DEBUG", None)
     env.update(extra)

@@ -8,6 +8,8 @@ rank never mis-pairs, and the other detectors' exchanges go on.
 
 from __future__ import annotations
 
+import pytest
+
 import threading
 
 import torch
@@ -148,6 +150,7 @@ def _unclean_end_starts_no_round(rank, world, tmp):
     return 0.0, ex.group is None
 
 
+@pytest.mark.alone  # asserts on a measured time: nothing runs beside it
 def test_an_unclean_end_leaves_at_once_and_releases_the_group(tmp_path):
     (_, _), (took, released) = spawn_ranks(_unclean_end_starts_no_round, 2, timeout=60, tmp=tmp_path)
     assert took < 1.0 and released  # the thread left without a round, so the group was destroyed

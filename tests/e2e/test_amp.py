@@ -4,6 +4,11 @@ A step the scaler skips for overflow is an info record, not a NaN; the recorded 
 the script computed (not the scaled one); loss_spike is not fooled; a scale that keeps collapsing is
 a warning naming the steps; a real NaN is still found on its rank; --stop-on-nan lets a run whose
 scaler handled its overflows finish; the training is bitwise the one torchrun runs.
+
+Needs: 2 ranks (the NaN test plants its NaN on rank 1 and checks rank 0 is not blamed); 8-12 steps: the
+scaler skips step 1 (its initial scale is too high for fp16) and the overflow planted at step 6, with
+steps after each to see the scale halve and grow back; the collapsing-scale warning needs several skips
+in a row; the real NaN is planted at step 7 of 10 with steps after it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Tier 3 (end to end): a stranger's input. Each bad input gives one line saying what is wrong and
-what to do, and a non-zero exit; damage in a run directory is said; secrets never land in it."""
+what to do, and a non-zero exit; damage in a run directory is said; secrets never land in it.
+
+Needs: no ranks for the bad inputs (the CLI refuses before any launch: seconds each); one short real
+run (2 ranks, the script's default 5 steps) where a run directory is damaged or searched for secrets."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from tests.helpers import DATA, distdebug, make_env
 from tests.synthetic import write_run
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("command", ["report", "diff"])
 def test_a_directory_that_is_not_a_run_is_one_line_and_exit_1(command):
     r = distdebug(command, "/etc", timeout=60)
@@ -56,7 +60,6 @@ PLANTED = ["PlantedDbPass99", "plantedbearertoken0123456789", "sk-planted-key-12
            "hf_PlantedTokenValue42"]
 
 
-@pytest.mark.slow
 def test_secrets_are_redacted_by_value_in_every_file_of_the_run_directory(tmp_path):
     env = make_env(DATABASE_URL="postgres://trainer:PlantedDbPass99@db.internal:5432/runs",
                    AUTH_HEADER="Authorization: Bearer plantedbearertoken0123456789",
@@ -78,7 +81,6 @@ def test_secrets_are_redacted_by_value_in_every_file_of_the_run_directory(tmp_pa
     assert errors and "upload failed: postgres://<redacted>@db.internal" in errors[0]["message"]
 
 
-@pytest.mark.slow
 def test_an_init_process_group_argument_error_is_the_scripts_own_error(tmp_path):
     r = distdebug("attach", "--run-dir", str(tmp_path), str(DATA / "scripts" / "bad_init.py"))
     assert r.returncode == 1, r.output

@@ -1,5 +1,9 @@
 """Tier 3 (end to end): DeepSpeed checkpoints under attach, saved, restored in place, and restored by a
-later run after the file was corrupted on disk."""
+later run after the file was corrupted on disk.
+
+Needs: 2 ranks (ZeRO partitions the optimizer state: the shard of each rank is checked); 4 steps with a
+save and an in-place restore, then a 2-step run restoring the corrupted file (the restore is the subject,
+not the training)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Tier 3 (CLI, no ranks started): help is cheap, bad input is one clear line."""
+"""Tier 3 (CLI, no ranks started): help is cheap, bad input is one clear line.
+
+Needs: no ranks: help, the registry and one bad option, each a CLI process alone."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from tests.helpers import ROOT, distdebug, make_env
 
 
+@pytest.mark.smoke
 def test_help_does_not_import_torch():
     code = (
         "import sys\nfrom distdebug import cli\n"
@@ -37,6 +40,7 @@ def test_help_does_not_import_torch():
         (["frobnicate"], "No such command 'frobnicate'"),
     ],
 )
+@pytest.mark.smoke
 def test_bad_input_is_one_line_and_non_zero(args, message):
     r = distdebug(*args, timeout=60)
     assert r.returncode != 0
@@ -46,6 +50,7 @@ def test_bad_input_is_one_line_and_non_zero(args, message):
     assert "Traceback" not in r.output
 
 
+@pytest.mark.smoke
 def test_detectors_lists_the_registry():
     r = distdebug("detectors", timeout=60)
     assert r.returncode == 0 and "loss_nonfinite" in r.stdout

@@ -1,6 +1,10 @@
 """Tier 3 (CLI): torch.compile in every placement, under DDP: the harness adds no recompilation and no
 graph break (torch._dynamo's own counters, against the same script under torchrun), the training is
-bitwise torchrun's, discovery sees the compiled model, and a NaN planted on rank 1 is placed there."""
+bitwise torchrun's, discovery sees the compiled model, and a NaN planted on rank 1 is placed there.
+
+Needs: 2 ranks under DDP (compile's interplay with DDP's reducer is the subject) and 5 steps: the first
+step compiles, later steps would recompile if the harness changed a guard, and the NaN planted at step
+3 on rank 1 has steps before and after it."""
 
 from __future__ import annotations
 

@@ -2,6 +2,10 @@
 into findings with rank, step, subject and fix (the runtime half of ``distdebug lint`` for them).
 
 Real ranks, real DDP and DeepSpeed errors: the scripts in tests/data/scripts make each mistake.
+
+Needs: 2 ranks (DDP and ZeRO raise these only with a real process group) and the fewest steps that
+reach each error: a DDP trap raises at the step that reveals it (2-3), DeepSpeed's settings are read at
+engine start (2 steps).
 """
 
 from __future__ import annotations

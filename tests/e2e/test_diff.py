@@ -1,16 +1,16 @@
-"""Tier 3 (end to end): replica divergence under attach, and `distdebug diff` on the run directories."""
+"""Tier 3 (end to end): replica divergence under attach, and `distdebug diff` on the run directories.
+
+Needs: 3 ranks where one rank's corruption must be told from two healthy replicas (a majority); 2
+elsewhere. 4-5 steps: the flip at step 3 with a step after it, and two runs of the same 4 steps to
+compare run against run."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.helpers import DATA, distdebug
 
 SCRIPT = str(DATA / "scripts" / "handwritten_allreduce.py")
-
-pytestmark = pytest.mark.slow
 
 
 def attach(run_dir, *args, nproc="2"):

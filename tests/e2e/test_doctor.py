@@ -1,5 +1,8 @@
 """Tier 3 (CLI end to end): doctor on this host, and attach explaining a bad variable before the
-script's own error."""
+script's own error.
+
+Needs: no ranks for the environment checks and lint (one process); 2 ranks for the bandwidth sweep
+(the smallest link matrix) and for DeepSpeed's zero_grad trap, found at its step (2-4 steps)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from distdebug.artifacts.reader import read_events
 from tests.helpers import DATA, RECIPES, distdebug, make_env
 
 
+@pytest.mark.smoke
 def test_doctor_fails_a_missing_socket_interface_and_passes_without_it():
     r = distdebug("doctor", "--json", env=make_env(GLOO_SOCKET_IFNAME="distdebug_missing0"))
     assert r.returncode == 1, r.output
@@ -65,6 +69,7 @@ def test_bandwidth_sweep_and_link_matrix_on_two_gloo_ranks(tmp_path):
     assert "link matrix" in text.stdout
 
 
+@pytest.mark.smoke
 def test_lint_cli_points_at_file_and_line_and_fails_on_errors(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"

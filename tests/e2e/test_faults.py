@@ -1,15 +1,23 @@
 """Tier 3 (CLI end to end): faults injected from outside real scripts, and the replay matrix that
-proves every built detector catches its fault with the right rank, step and subject."""
+proves every built detector catches its fault with the right rank, step and subject.
+
+Needs: the faults' own steps and ranks (fault_injection: each fault declares the steps its detector
+needs after it, and replay fits its step to the script); 2 ranks, 3 for the doctor's slow link. The
+single-fault tests use the fewest steps around the fault's step (3-8). The replays are the proof that
+every fault is caught on every engine and on users' scripts; they share nothing with each other
+because each proves a different engine or script shape."""
 
 from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
 from distdebug.config import EXIT_NEVER_ACTED
-from fault_injection.matrix import ENGINES
+from fault_injection.matrix import ENGINES, plan
 from fault_injection.registry import FAULTS
 from tests.e2e.test_layouts import LAYOUT_RECIPES
 from tests.helpers import DATA, RECIPES, distdebug
@@ -19,6 +27,7 @@ def records(run_dir, rank, kind):
     return [r for r in read_events(layout.events_path(run_dir, rank))[0] if r["kind"] == kind]
 
 
+@pytest.mark.smoke
 def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
     r = distdebug("attach", "--run-dir", str(tmp_path), "--inject", "nan_grad:rank=1,step=4",
                   str(RECIPES / "manual_allreduce.py"), "--steps", "6")
@@ -73,6 +82,7 @@ def test_skip_step_runs_the_closure_it_is_given(tmp_path):
     assert ("replica_divergence", 3, "optimizer step count", [0, 1]) in found, found
 
 
+@pytest.mark.smoke
 def test_bad_inject_spec_is_one_line_and_nothing_runs(tmp_path):
     r = distdebug("attach", "--run-dir", str(tmp_path / "run"), "--inject", "nan_grad:rnak=1",
                   str(RECIPES / "manual_allreduce.py"))
@@ -88,26 +98,44 @@ DATA_PARALLEL = ("ddp", "manual", "fsdp2", "zero2", "zero2_resume", "doctor")
 """The data-parallel recipes (and the doctor's worker); the layout recipes' replay is in test_layouts."""
 
 
-def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path):
-    junit = tmp_path / "faults.xml"
+CATALOGUE_PARTS = {"ddp": ("ddp",), "manual": ("manual",),
+                   "sharded-and-doctor": ("fsdp2", "zero2", "zero2_resume", "doctor")}
+"""The catalogue's replay in three parts of about ten runs each: each part is one test, so that the suite's
+workers share the replay's runs instead of one worker running all of them in a row."""
+
+
+@pytest.mark.smoke
+def test_the_catalogue_parts_replay_every_fault_and_every_data_parallel_recipe():
+    """No runs: the parts below, together, plan every fault and a clean run, on every data-parallel recipe."""
     assert set(DATA_PARALLEL) | set(LAYOUT_RECIPES) == set(ENGINES)  # every recipe is replayed somewhere
-    args = [a for e in DATA_PARALLEL for a in ("--recipe", e)]
+    parts = [e for part in CATALOGUE_PARTS.values() for e in part]
+    assert sorted(parts) == sorted(DATA_PARALLEL)
+    cells = plan(None, parts)
+    assert {n for n, _ in cells} == set(FAULTS) | {"clean"}
+    assert {e for n, e in cells if n == "clean"} == {"ddp", "manual", "fsdp2", "zero2", "doctor"}
+    assert ("checkpoint_corruption", "zero2_resume") in cells and ("slow_link", "doctor") in cells
+
+
+@pytest.mark.parametrize("part", list(CATALOGUE_PARTS))
+def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path, part):
+    engines = CATALOGUE_PARTS[part]
+    junit = tmp_path / "faults.xml"
+    args = [a for e in engines for a in ("--recipe", e)]
     r = distdebug("faults", "replay", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit), *args,
                   timeout=1500)
     assert r.returncode == 0, r.output
     cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).iter("testcase")}
-    assert {n for _, n in cases} == set(FAULTS) | {"clean"}
-    # Every fault on each of its engines: caught with the exact rank, step and subject; every
-    # engine's clean run: no finding at all.
-    assert {e for e, n in cases if n == "clean"} == {"ddp", "manual", "fsdp2", "zero2", "doctor"}
+    # Every fault on each of its engines in this part, each engine's clean run: all run, nothing else.
+    assert set(cases) == {(e, n) for n, e in plan(None, list(engines))}
+    # Every fault caught with the exact rank, step and subject; every clean run: no finding at all.
     for (engine, name), c in cases.items():
         assert c.find("failure") is None, (engine, name, c.find("failure").get("message"))
         assert c.find("system-out").text.startswith("clean" if name == "clean" else "caught-localised"), \
             (engine, name)
-    assert ("checkpoint_corruption", "zero2_resume") in {(n, e) for e, n in cases}
-    assert ("slow_link", "doctor") in {(n, e) for e, n in cases}
-    ran = len(cases) - 5
-    assert f"{ran} applicable, {ran} caught-localised, 0 not applicable; 5 of 5 clean runs clean; 0 failed" in r.stdout
+    clean = sum(1 for _, n in cases if n == "clean")
+    ran = len(cases) - clean
+    assert (f"{ran} applicable, {ran} caught-localised, 0 not applicable; {clean} of {clean} clean runs clean; "
+            "0 failed") in r.stdout
 
 
 def _cases(junit):
@@ -199,6 +227,7 @@ def test_replay_on_a_pipeline_script_aims_at_the_stage_that_has_it(tmp_path):
     assert out["hang"].startswith("caught-localised")
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_replay_of_a_script_whose_clean_run_fails_says_so(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text("import time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"

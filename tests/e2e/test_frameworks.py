@@ -12,11 +12,17 @@ Trainer's own ``find_unused_parameters=True`` is the one note, severity info, wi
 every step counted through a resume into a new model; the recorded loss is the one the script
 computed (not accelerate's or Lightning's division by the accumulation steps); one value changed on
 disk between save and resume named with rank, file and tensor; faults act through the frameworks.
+
+Needs: 2 ranks (each framework's DDP path) and the frameworks' own shapes: 12-16 steps so that a
+save, an evaluation and a resume into a new Trainer/module fall inside the run (save_steps and
+accumulation 2), 24 with the resume for the straggler faults (8-step medians in each phase), 40 for the
+token-weighted losses (long enough for loss_spike's window to judge them).
 """
 
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -25,7 +31,9 @@ from tests.e2e.test_attach import kinds
 from tests.helpers import DATA, distdebug, make_env, read_digests, torchrun
 
 SCRIPTS = DATA / "scripts"
-HF_ENV = make_env(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+def hf_env() -> dict[str, str]:
+    """Per launch (make_env gives each its own rendezvous port)."""
+    return make_env(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
 
 
 def needs(module: str) -> None:
@@ -115,7 +123,7 @@ def test_accelerate_clean_and_losses_are_the_scripts(tmp_path):
 @pytest.mark.parametrize("model,how", [("bert", "--resume"), ("gpt2", "--resume"), ("bert", "--pretrained")])
 def test_hf_trainer_clean_through_a_resume(model, how, tmp_path):
     needs("transformers")
-    run = clean_and_bitwise("fw_hf_trainer.py", ["--model", model, "--steps", "12", how], tmp_path, HF_ENV)
+    run = clean_and_bitwise("fw_hf_trainer.py", ["--model", model, "--steps", "12", how], tmp_path, hf_env())
     # The Trainer turns find_unused_parameters on for its models by itself: a note of its cost, in its terms.
     assert findings(run) == [("info", "config_lint", [0, 1], 1, "find_unused_parameters")]
     report = json.loads(distdebug("report", "--json", str(run)).stdout)
@@ -138,7 +146,7 @@ def test_safetensors_changed_on_disk_is_named(framework, script, args, message, 
     needs(framework)
     run = tmp_path / "run"
     r = distdebug("attach", "--run-dir", str(run), str(SCRIPTS / script), *args, "--corrupt-on-disk", timeout=400,
-                  env=HF_ENV)
+                  env=hf_env())
     assert r.returncode == 0, r.output[-3000:]
     changed = next(line.split(": ", 1)[1] for line in r.output.splitlines() if line.startswith("corrupted on disk"))
     report = json.loads(distdebug("report", "--json", str(run)).stdout)
@@ -162,22 +170,31 @@ def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_p
     rest skipped with their reason (too few steps for the straggler faults, no BatchNorm...), exit 0."""
     needs(framework)
     junit = tmp_path / "replay.xml"
-    r = distdebug("faults", "replay", "--junit", str(junit), str(SCRIPTS / script), *args, timeout=1200, env=HF_ENV)
+    r = distdebug("faults", "replay", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
+                  str(SCRIPTS / script),
+                  *args, timeout=1200, env=hf_env())
     assert r.returncode == 0, r.output[-4000:]
     assert summary in r.stdout
     assert junit.exists()
 
 
-@pytest.mark.parametrize("fault", ["slow_dataloader", "straggler"])
-def test_a_slow_rank_is_named_behind_the_trainers_collectives(fault, tmp_path):
+@pytest.mark.alone  # the faults are 50 ms a step, told from the others' waits: nothing runs beside it
+def test_a_slow_rank_is_named_behind_the_trainers_collectives(tmp_path):
     """The Trainer gathers the token count between loading and forward, so the others' wait for a slow
     loader lands there, not in their own loading; and a slow forward is followed into the resumed Trainer
-    (a new training phase: the straggler fault slows the new model too, the scores carry over)."""
+    (a new training phase: the straggler fault slows the new model too, the scores carry over).
+
+    Needs: 24 steps with the resume (the straggler scores need 8-step medians after the fault's step 2, in
+    each phase) and 2 ranks; one replay for both faults, so that they share its clean probe run."""
     needs("transformers")
-    r = distdebug("faults", "replay", "--fault", fault, str(SCRIPTS / "fw_hf_trainer.py"), "--steps", "24", "--resume",
-                  timeout=900, env=HF_ENV)
+    junit = tmp_path / "replay.xml"
+    r = distdebug("faults", "replay", "--fault", "slow_dataloader", "--fault", "straggler", "--work-dir",
+                  str(tmp_path / "runs"), "--junit", str(junit),
+                  str(SCRIPTS / "fw_hf_trainer.py"), "--steps", "24", "--resume", timeout=900, env=hf_env())
     assert r.returncode == 0, r.output[-4000:]
-    assert "1 applicable, 1 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    assert "2 applicable, 2 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    out = {c.get("name"): c.find("system-out").text for c in ET.parse(junit).getroot().iter("testcase")}
+    assert out["slow_dataloader"].startswith("caught-localised") and out["straggler"].startswith("caught-localised")
 
 
 def test_hf_trainer_token_weighted_losses_are_no_alarm(tmp_path):
@@ -188,7 +205,7 @@ def test_hf_trainer_token_weighted_losses_are_no_alarm(tmp_path):
     needs("transformers")
     run = tmp_path / "run"
     r = distdebug("attach", "--run-dir", str(run), str(SCRIPTS / "fw_hf_trainer.py"), "--model", "gpt2", "--pad",
-                  "--steps", "40", timeout=600, env=HF_ENV)
+                  "--steps", "40", timeout=600, env=hf_env())
     assert r.returncode == 0, r.output[-3000:]
     assert findings(run) == [("info", "config_lint", [0, 1], 1, "find_unused_parameters")]
     losses = [recorded_losses(run, rank) for rank in (0, 1)]

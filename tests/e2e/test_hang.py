@@ -2,6 +2,11 @@
 
 Each run uses a short --stall-timeout so that a hang is noticed in seconds; each test bounds its run
 with a timeout of stall-timeout + 30 s and the helpers kill every process on the way out.
+
+Needs: 2 ranks (one culprit, one peer that waits for it; 3 where a flag must be said once among
+several ranks, 1 per node for the missing-node rendezvous) and hang.py's 5 steps with the fault at step
+2-3: collectives before the fault, so that the counts per rank differ where it strikes. STALL is as
+short as a verdict allows on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -22,8 +27,6 @@ from tests.helpers import DATA, ROOT, distdebug, free_port, kill_tree, make_env
 SCRIPT = str(DATA / "scripts" / "hang.py")
 STALL = "4"  # seconds; short, yet longer than a slow rank start-up on a loaded 2-core machine
 
-pytestmark = pytest.mark.slow
-
 
 def run_findings(run_dir):
     records, _ = read_events(layout.run_findings_path(run_dir))
@@ -35,6 +38,8 @@ def attach(run_dir, *script_args, extra=(), timeout=60):
                      timeout=timeout)
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
+@pytest.mark.smoke
 def test_rank_that_skips_an_allreduce_is_named_with_step_collective_and_stack(tmp_path):
     r = attach(tmp_path, "--skip-at", "3")
     assert r.returncode == EXIT_HANG, r.output
@@ -67,6 +72,7 @@ def test_rank_that_skips_an_allreduce_is_named_with_step_collective_and_stack(tm
     assert diverged["step"] == 3 and diverged["subject"] == "weight" and diverged["ranks"] == [0, 1]
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_rank_sleeping_forever_inside_its_step(tmp_path):
     r = attach(tmp_path, "--sleep-at", "3")
     assert r.returncode == EXIT_HANG, r.output
@@ -90,6 +96,7 @@ def test_collective_with_different_sizes_across_ranks(tmp_path):
     assert "rank 0 died by a fatal signal at step 3 in hang.py:53 in <module>" in f["message"]
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_rank_that_exits_early_is_named(tmp_path):
     r = attach(tmp_path, "--exit-at", "3")
     assert r.returncode != 0, r.output
@@ -98,6 +105,7 @@ def test_rank_that_exits_early_is_named(tmp_path):
     assert "all_reduce #3" in f["subject"]
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_slow_but_progressing_rank_is_not_a_hang(tmp_path):
     r = attach(tmp_path, "--slow", "1.2", "--steps", "8")
     assert r.returncode == 0, r.output
@@ -106,6 +114,7 @@ def test_slow_but_progressing_rank_is_not_a_hang(tmp_path):
         assert not [x for x in read_events(layout.events_path(tmp_path, rank))[0] if x["kind"] == "stall"]
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_rank_stuck_before_init_process_group(tmp_path):
     r = attach(tmp_path, "--init-late")
     assert r.returncode == EXIT_HANG, r.output
@@ -115,6 +124,7 @@ def test_rank_stuck_before_init_process_group(tmp_path):
     assert "rank 1 never called it" in f["message"] and "time.sleep(600)" in f["message"]
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_collective_timeout_surfaces_as_a_finding_and_non_zero_exit(tmp_path):
     # The process group's own timeout (2 s) fires before distdebug's stall timeout (300 s).
     r = distdebug("attach", "--run-dir", str(tmp_path), SCRIPT, "--sleep-at", "2", "--pg-timeout", "2", timeout=90)
@@ -142,6 +152,7 @@ def test_async_error_handling_off_is_flagged_once(tmp_path):
     assert "hangs the job" in f["message"] and f["fix"].startswith("unset TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_report_only_mode_keeps_waiting(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "attach", "--run-dir", str(tmp_path),
                              "--stall-timeout", STALL, "--on-hang", "report", SCRIPT, "--sleep-at", "2"],
@@ -159,6 +170,7 @@ def test_report_only_mode_keeps_waiting(tmp_path):
         kill_tree(proc.pid)
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_rendezvous_that_never_completes_names_the_missing_node(tmp_path):
     port = free_port()
     r = distdebug("attach", "--run-dir", str(tmp_path), "--stall-timeout", STALL, "--nnodes", "2",
@@ -170,6 +182,7 @@ def test_rendezvous_that_never_completes_names_the_missing_node(tmp_path):
     assert json.loads((tmp_path / "nodes" / "node-000.json").read_text())["node_rank"] == 0
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_every_rank_busy_beyond_the_stall_timeout_is_a_warning_not_a_kill(tmp_path):
     # Both ranks evaluate for 3x the stall timeout between steps 2 and 3 (no collective pending): a
     # healthy job. It runs to the end with exit 0; the stall is a warning with both ranks' stacks,
@@ -190,6 +203,7 @@ def test_every_rank_busy_beyond_the_stall_timeout_is_a_warning_not_a_kill(tmp_pa
     assert rep["exit_code"] == 0 and all(x["steps"] == 5 for x in rep["ranks"])
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_on_stall_abort_ends_a_busy_job_as_asked(tmp_path):
     r = attach(tmp_path, "--busy", "2", "60", extra=("--on-stall", "abort"), timeout=60)
     assert r.returncode == EXIT_HANG, r.output

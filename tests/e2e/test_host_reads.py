@@ -6,6 +6,8 @@ detector, through ``tests/data/scripts/count_reads.py``, which counts the reads 
 distdebug's code on the training thread; ``DISTDEBUG_DEVICE_PATH=1`` sends CPU tensors down the
 fingerprint's device path, so that CPU counts what a GPU run reads. The counter is proven to see
 reads by the one read it must find at every boundary (the readout's).
+
+Needs: 2 ranks and 9 steps: the count per step must be steady after the first steps' one-time reads.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ shown; a NaN born on one rank is one ERROR there and a warning, "received", on e
 a bit flip in one data-parallel replica of a TP shard names the step, the tensor, the rank and its
 replica peer. The faults of ``distdebug faults replay`` on the layout recipes are checked here too
 (the catalogue on the data-parallel recipes is in test_faults).
+
+Needs: the layouts' own sizes: 2 ranks for 1-D TP and a 2-stage pipeline, 4 for the 2-D meshes (2 x 2,
+the smallest with both a replica peer and a TP peer). The recipes' default steps; faults at step 2-3
+with steps after them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def findings(run_dir, world):
     return [f for r in range(world) for f in kinds(run_dir, r, "finding")]
 
 
+@pytest.mark.alone  # more ranks than cores, judged clean (no straggler): nothing runs beside it
 @pytest.mark.parametrize("layout", ["tp", "ddp_tp", "fsdp_tp", "hsdp_tp"])
 def test_tensor_parallel_layouts_run_clean_bitwise_and_discovered(tmp_path, layout):
     n = WORLD[layout]
@@ -115,6 +120,7 @@ def test_a_nan_born_in_pipeline_stage_0_is_received_by_stage_1(tmp_path):
         ("another rank", "pipeline receive", 0)
 
 
+@pytest.mark.alone  # more ranks than cores, judged clean (no straggler): nothing runs beside it
 def test_a_hand_written_layout_is_learned_from_the_gradients_all_reduce(tmp_path):
     # Megatron-style: TP groups (0, 1), (2, 3) and data-parallel groups (0, 2), (1, 3) from new_group,
     # no DTensor, no wrapper. The data-parallel group is the one the gradients were all-reduced over.
@@ -132,6 +138,7 @@ def test_a_hand_written_layout_is_learned_from_the_gradients_all_reduce(tmp_path
     assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [1, 3], 3, "w2.weight")
 
 
+@pytest.mark.alone  # more ranks than cores, judged clean (no straggler): nothing runs beside it
 def test_a_layout_that_cannot_be_inferred_is_said_and_replica_groups_gives_it(tmp_path):
     # The gradients are all-reduced as one flattened buffer: no gradient names its group. The forward's
     # all-reduce over the TP group shows model parallelism by hand: compared with nobody (never with the
@@ -155,6 +162,7 @@ def test_a_layout_that_cannot_be_inferred_is_said_and_replica_groups_gives_it(tm
     assert (f["detector"], f["ranks"], f["step"], f["subject"]) == ("replica_divergence", [0, 2], 3, "w2.weight")
 
 
+@pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_a_stalled_pipeline_stage_is_named_with_the_p2p_operation_its_peer_waits_in(tmp_path):
     # Stage 1 stops at the start of step 3; stage 0 blocks in the Work.wait() of its activation send
     # (gloo's isend returns at once: the wait is where it blocks, and is tracked like the operation).
@@ -175,6 +183,7 @@ def _all_findings(run_dir):
     return json.loads(report.stdout)["findings"]
 
 
+@pytest.mark.alone  # more ranks than cores, judged clean (no straggler): nothing runs beside it
 def test_fault_replay_on_every_layout_recipe(tmp_path):
     # distdebug faults replay on the layout recipes: each clean run has no finding; each fault is caught
     # on the right rank, step and subject. Then, in the kept run directories, what the cells' verdicts

@@ -4,7 +4,10 @@ LR scheduler, gradient clipping, validation with model.eval() between steps, a n
 phase, an EMA copy, frozen parameters, a parameter group added later, gradient accumulation with
 no_sync(), tied weights; a DataLoader with 2 persistent workers, activation checkpointing, bf16
 autocast, optimizer.step(closure); a GAN's two models and optimizers; a second training phase with a new
-model and optimizer, the first kept alive or dropped (tests/data/scripts/loop_shapes.py)."""
+model and optimizer, the first kept alive or dropped (tests/data/scripts/loop_shapes.py).
+
+Needs: 2 ranks and 12 steps: each shape (validation every few steps, an EMA update, a parameter group
+added at a step, accumulation over 2 micro-batches) happens several times inside the run."""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ Every run's report carries the harness's own accounting (``harness cost per step
 blocks of steps, the same steps on every rank, and the report gives the overhead with its interval
 (``--json`` under ``overhead``); training is bitwise what torchrun gives, and no finding comes from a
 block being off.
+
+Needs: 2 ranks; 26 steps: 2 warm-up steps and 3 on/off block pairs of 4 steps (the fewest that give an
+interval); 10 steps for the per-run accounting.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Tier 3 (CLI end to end): profiler windows on every rank, aligned by step, their analysis in the
-report, a window triggered by a finding, and a bad window spec."""
+report, a window triggered by a finding, and a bad window spec.
+
+Needs: 2 ranks (windows aligned by step across ranks); 10 steps around the requested windows; 38 where
+a finding triggers a window: the spike injected at step 20 (after loss_spike's warm-up) opens a window
+at the first multiple of 8 at least 9 steps on (32-36), which must end inside the run."""
 
 from __future__ import annotations
 

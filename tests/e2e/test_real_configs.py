@@ -1,11 +1,16 @@
 """Tier 3 (CLI): real configurations. A resume with torch.distributed.checkpoint's state-dict helpers
 (which step the optimizer once themselves), the origin rank of a NaN when the framework reduces the
 gradients (FSDP2, ZeRO-2), and a run in which discovery found no model (said, never a quiet
-"No findings.")."""
+"No findings.").
+
+Needs: 2 ranks (3 where DDP's reduction paths must agree bit for bit on more than a pair); 3-6 steps:
+a resume at step 3, a NaN at step 3-4 with a step after it."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from tests.e2e.test_attach import kinds
 from tests.helpers import DATA, RECIPES, distdebug, read_digests, torchrun
@@ -75,16 +80,23 @@ def test_a_run_without_a_model_says_which_checks_saw_nothing(tmp_path):
 DDP_PATHS = str(DATA / "scripts" / "ddp_paths.py")
 
 
+@pytest.mark.alone  # more ranks than cores, judged clean (no straggler): nothing runs beside it
 def test_ddp_reduction_paths_stay_bitwise_identical_on_three_ranks(tmp_path):
-    # 3 ranks: 1/3 is inexact, so any change to DDP's reduction (a multiplication by 1/world where
-    # DDP divides in place) shows in the last bit.
-    for mode in ("bucket_view", "no_sync", "hook_early", "hook_late", "builtin_late"):
-        ref = run_3(["torchrun"], mode, tmp_path / mode / "ref")
-        att = run_3(["attach", "--run-dir", str(tmp_path / mode / "run")], mode, tmp_path / mode / "attached")
-        assert read_digests(tmp_path / mode / "attached") == read_digests(tmp_path / mode / "ref"), mode
+    """Needs: 3 ranks: 1/3 is inexact, so any change to DDP's reduction (a multiplication by 1/world where
+    DDP divides in place) shows in the last bit; 5 steps, the late hooks registered at step 3. The five
+    modes run in turn in one launch (each a fresh model, wrapper and optimizer): under attach the later
+    ones are new training phases, which must stay bitwise too."""
+    ref = run_3(["torchrun"], ",".join(MODES), tmp_path / "ref")
+    att = run_3(["attach", "--run-dir", str(tmp_path / "run")], ",".join(MODES), tmp_path / "attached")
+    for mode in MODES:
+        assert len(read_digests(tmp_path / "ref" / mode)) == 3, mode
+        assert read_digests(tmp_path / "attached" / mode) == read_digests(tmp_path / "ref" / mode), mode
         if mode.startswith("hook"):  # the script's own hook ran, every bucket, as under torchrun
-            calls = [sorted(re.findall(r"rank (\d): hook calls (\d+)", out)) for out in (ref, att)]
+            calls = [sorted(re.findall(rf"rank (\d): mode {mode} hook calls (\d+)", out)) for out in (ref, att)]
             assert len(calls[0]) == 3 and int(calls[0][0][1]) > 0 and calls[0] == calls[1], calls
+
+
+MODES = ("bucket_view", "no_sync", "hook_early", "hook_late", "builtin_late")
 
 
 def run_3(how, mode, out):

@@ -8,6 +8,9 @@ trace links pointing at real files. Screenshots are kept in ``test-artifacts/`` 
 
 Chromium comes from Debian's package (``.ci/run`` installs it and sets DISTDEBUG_REQUIRE_BROWSER,
 so that CI fails rather than skips when it is missing).
+
+Needs: 2-3 ranks (a hang needs a culprit and a waiter; 1,000 ranks are synthetic records) and 28
+steps for the straggler's red bar (8-step medians after the fault) and the NaN at step 24 after it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def count(browser: Browser, selector: str) -> int:
     return browser.evaluate(f"document.querySelectorAll({selector!r}).length")
 
 
+@pytest.mark.alone  # asserts on a measured time: nothing runs beside it
 def test_report_of_a_run_with_a_nan_and_a_straggler(tmp_path, browser):
     run_dir = tmp_path / "run"
     r = distdebug("attach", "--run-dir", str(run_dir), "--profile-steps", "3:4",

@@ -6,18 +6,18 @@ functions default to ``group=group.WORLD`` keeps the default group, and its gloo
 destroy_process_group() (torch.distributed.nn.functional, imported by torch._dynamo at the first
 optimizer step). Those threads meet interpreter teardown, where gloo sometimes aborts the process
 (pytorch/pytorch#179291).
+
+Needs: 2 ranks (a gloo group between them) and teardown.py's 3 steps: the subject is what happens after
+the script's last step.
 """
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.helpers import DATA, distdebug, torchrun
 
 SCRIPT = str(DATA / "scripts" / "teardown.py")
-pytestmark = pytest.mark.slow
 
 
 def threads(out):

@@ -5,7 +5,9 @@
 --mode hook_early    the script's own communication hook (a sum, then a division), before training
 --mode hook_late     the same hook registered after step 2 (DDP takes one hook, once)
 --mode builtin_late  DDP's built-in FP16_COMPRESS hook registered after step 2
-Each rank prints how many times the script's hook ran ("hook calls N").
+--mode a,b,...       several modes in turn in one process (each a fresh model, DDP wrapper and optimizer,
+                     seeded alike): one launch instead of one per mode; --digest-out DIR gets DIR/<mode>.
+Each rank prints how many times the script's hook ran in each mode ("mode M hook calls N").
 """
 
 import os
@@ -17,7 +19,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-from recipes._common import base_parser, finish, param_digest, setup, write_digest  # noqa: E402
+from recipes._common import base_parser, finish, param_digest, seed_all, setup, write_digest  # noqa: E402
 
 CALLS = [0]
 
@@ -29,33 +31,42 @@ def my_hook(state, bucket):
     return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
 
 
-def main() -> None:
-    p = base_parser(__doc__)
-    p.add_argument("--mode", required=True)
-    args = p.parse_args()
-    setup(args.seed)
+def train(mode: str, steps: int, seed: int, digest_out: str | None) -> None:
     rank = dist.get_rank()
+    seed_all(seed)
+    CALLS[0] = 0
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-    ddp = DDP(model, gradient_as_bucket_view=args.mode == "bucket_view", bucket_cap_mb=0.001)
-    if args.mode == "hook_early":
+    ddp = DDP(model, gradient_as_bucket_view=mode == "bucket_view", bucket_cap_mb=0.001)
+    if mode == "hook_early":
         ddp.register_comm_hook(None, my_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(11 + rank)
     loss = torch.zeros(())
-    for step in range(1, args.steps + 1):
-        if step == 3 and args.mode == "hook_late":
+    for step in range(1, steps + 1):
+        if step == 3 and mode == "hook_late":
             ddp.register_comm_hook(None, my_hook)
-        if step == 3 and args.mode == "builtin_late":
+        if step == 3 and mode == "builtin_late":
             ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-        if args.mode == "no_sync":
+        if mode == "no_sync":
             with ddp.no_sync():
                 (ddp(torch.randn(4, 8, generator=g)) - 1).pow(2).mean().backward()
         loss = (ddp(torch.randn(4, 8, generator=g)) - 1).pow(2).mean()
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=args.mode != "bucket_view")
-    print(f"rank {rank}: hook calls {CALLS[0]}", flush=True)
-    write_digest(args.digest_out, param_digest(model.named_parameters()), float(loss.detach()))
+        opt.zero_grad(set_to_none=mode != "bucket_view")
+    print(f"rank {rank}: mode {mode} hook calls {CALLS[0]}", flush=True)
+    write_digest(digest_out, param_digest(model.named_parameters()), float(loss.detach()))
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--mode", required=True)
+    args = p.parse_args()
+    setup(args.seed)
+    modes = args.mode.split(",")
+    for mode in modes:
+        out = os.path.join(args.digest_out, mode) if args.digest_out and len(modes) > 1 else args.digest_out
+        train(mode, args.steps, args.seed, out)
     finish()
 
 
