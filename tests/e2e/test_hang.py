@@ -22,10 +22,11 @@ import pytest
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
 from distdebug.config import EXIT_HANG
+from tests.e2e.conftest import HANG_STALL_S, SHARED
 from tests.helpers import DATA, ROOT, distdebug, free_port, kill_tree, make_env
 
 SCRIPT = str(DATA / "scripts" / "hang.py")
-STALL = "4"  # seconds; short, yet longer than a slow rank start-up on a loaded 2-core machine
+STALL = HANG_STALL_S
 
 
 def run_findings(run_dir):
@@ -40,8 +41,9 @@ def attach(run_dir, *script_args, extra=(), timeout=60):
 
 @pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 @pytest.mark.smoke
-def test_rank_that_skips_an_allreduce_is_named_with_step_collective_and_stack(tmp_path):
-    r = attach(tmp_path, "--skip-at", "3")
+@pytest.mark.xdist_group(SHARED)
+def test_rank_that_skips_an_allreduce_is_named_with_step_collective_and_stack(skipped_allreduce_run):
+    tmp_path, r = skipped_allreduce_run.run_dir, skipped_allreduce_run.result
     assert r.returncode == EXIT_HANG, r.output
     # From the moment rank 0 stopped making progress to the job's end: within stall-timeout + 10 s.
     stall0 = [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "stall"][-1]

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.browser import Browser, find_chromium
+from tests.e2e.conftest import SHARED
 from tests.helpers import DATA, RECIPES, ROOT, distdebug
 from tests.synthetic import write_run
 
@@ -87,11 +88,11 @@ def test_report_of_a_run_with_a_nan_and_a_straggler(tmp_path, browser):
         assert not h.startswith("/") and (tmp_path / "report" / h).resolve().is_file()
 
 
-def test_report_of_a_hung_run_and_of_the_doctor(tmp_path, browser):
+@pytest.mark.xdist_group(SHARED)
+def test_report_of_a_hung_run_and_of_the_doctor(tmp_path, browser, skipped_allreduce_run):
     # A hang: rank 1 skips a collective at step 3; the job is ended after the stall timeout (exit 124).
-    hung = tmp_path / "hung"
-    r = distdebug("attach", "--run-dir", str(hung), "--stall-timeout", "4", str(DATA / "scripts" / "hang.py"),
-                  "--skip-at", "3", timeout=90)
+    # The run is test_hang's (the skipped_allreduce_run fixture), made once.
+    hung, r = skipped_allreduce_run.run_dir, skipped_allreduce_run.result
     assert r.returncode == 124, r.output
     drawn = open_report(browser, hung, tmp_path / "hung.html", "report-hang")
     assert drawn["loss"] > 0 and drawn["step_time"] > 0 and drawn["timeline"] > 0
