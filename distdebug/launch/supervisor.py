@@ -60,13 +60,13 @@ def poll_decision(*, now: float, started: float, stall_timeout: float, pids: set
     if not stalled or now < retry_at:
         return WAIT
     live = pids - ended
-    waited = now - min(stalled.values())
+    if live <= set(stalled):
+        return DIAGNOSE_ALL
     # A rank that has not stalled is waited for while it keeps writing records (a slow rank makes
     # progress: no kill without a culprit); one silent for a whole stall timeout without a stall
     # record of its own (its watchdog could not run: a native hang holding the GIL, a stopped
     # process) is no longer waited for once the grace period is over.
-    if live <= set(stalled):
-        return DIAGNOSE_ALL
+    waited = now - min(stalled.values())
     silent = all(now - heard.get(r, started) > stall_timeout for r in live - set(stalled))
     return DIAGNOSE_SOME if waited > GRACE_S and silent else WAIT
 
