@@ -6,6 +6,8 @@ each phase (both sides run in the same way, so allocator noise is on both)."""
 
 from __future__ import annotations
 
+import pytest
+
 import gc
 
 import psutil
@@ -66,6 +68,7 @@ def _loop(rank, world, tmp, harness):
     return growth
 
 
+@pytest.mark.slow  # 50 s, the longest test of its tier: kept out of the quick one (-m "not slow")
 def test_memory_stays_flat_between_steps_whatever_the_loop_does(tmp_path):
     bare = spawn_ranks(_loop, 2, timeout=600, tmp=tmp_path / "bare", harness=False)
     under = spawn_ranks(_loop, 2, timeout=600, tmp=tmp_path / "attached", harness=True)

@@ -26,6 +26,15 @@ def test_help_does_not_import_torch():
     assert "attach" in r.stdout and "report" in r.stdout
 
 
+@pytest.mark.smoke
+def test_python_dash_m_distdebug_is_the_same_command():
+    """``python -m distdebug`` (the fault replay's fallback when no cli.py is beside the package)."""
+    r = subprocess.run([sys.executable, "-m", "distdebug", "--help"], cwd=ROOT, env=make_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "attach" in r.stdout and "faults" in r.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

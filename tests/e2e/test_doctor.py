@@ -47,6 +47,7 @@ def test_attach_explains_a_missing_socket_interface_before_the_raw_error(tmp_pat
     assert h["advice"]["symptom"] == "job fails to start, or runs slow, on some nodes only"
 
 
+@pytest.mark.smoke
 def test_bandwidth_sweep_and_link_matrix_on_two_gloo_ranks(tmp_path):
     r = distdebug("doctor", "--bandwidth", "--nproc-per-node", "2", "--max-bytes", "65536", "--run-dir",
                   str(tmp_path), "--json", timeout=180)
