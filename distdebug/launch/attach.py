@@ -137,6 +137,9 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     """Run cfg.target under torch's elastic launcher with instrumentation; returns its exit code."""
     detectors = registry.resolve(registry.chosen(cfg.detectors),
                                  cfg.detector_options, cfg.shorthand_options)
+    # Refused before any run directory is made: bad input leaves no empty run for `latest` to point at.
+    nproc = cfg.nproc_per_node or _default_nproc()
+    _check_nproc(nproc)
     label = Path(cfg.target).stem if not cfg.module else cfg.target.rsplit(".", 1)[-1]
     run_dir = runs.prepare_run_dir(cfg.run_dir if cfg.run_dir is not None else runs.new_run_dir(label))
     if cfg.run_dir is None:
@@ -147,8 +150,6 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    nproc = cfg.nproc_per_node or _default_nproc()
-    _check_nproc(nproc)
     launcher = _launcher_info(cfg, nproc)
     if cfg.node_rank == 0 or not layout.manifest_path(run_dir).exists():
         manifest_mod.write_json_atomic(

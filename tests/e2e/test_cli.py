@@ -50,9 +50,12 @@ def test_python_dash_m_distdebug_is_the_same_command():
     ],
 )
 @pytest.mark.smoke
-def test_bad_input_is_one_line_and_non_zero(args, message):
-    r = distdebug(*args, timeout=60)
+def test_bad_input_is_one_line_and_non_zero(args, message, tmp_path):
+    (tmp_path / "cli.py").write_text("")  # the script named above, in a folder of its own
+    r = distdebug(*args, timeout=60, cwd=tmp_path)
     assert r.returncode != 0
+    # Refused before anything is written: no empty run directory, and `latest` not moved to one.
+    assert not (tmp_path / "distdebug-runs").exists()
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
     assert message in lines[0] and lines[0].startswith("distdebug: error:")
