@@ -44,8 +44,8 @@ _remove_stale_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 # test. The rule, held with fcntl locks on two files of the run's (released by the kernel if a worker dies):
 # - an unmarked test holds "cpu" exclusively and "all" shared: CPU-bound tests run one at a time;
 # - a `waits` test holds "all" shared only: beside any one test but an `alone` one;
-# - an `alone` test (it measures time: a straggler's lateness, an overhead interval) holds "all"
-#   exclusively: nothing runs beside it.
+# - an `alone` test (it asserts a measured time, such as a straggler's lateness, or runs more ranks than
+#   cores and is judged clean) holds "all" exclusively: nothing runs beside it.
 _E2E = Path(__file__).resolve().parent / "e2e"
 
 
