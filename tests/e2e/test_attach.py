@@ -346,16 +346,23 @@ def test_every_recipe_is_clean_under_every_default_detector_over_several_seeds(t
 
 
 def test_deterministic_seeds_every_generator_before_the_script(tmp_path):
+    """One launch: each rank's first draws are exactly those of torch.manual_seed(0) and random.seed(0),
+    computed here, so the run is seeded before the script's first line and a second run would draw the
+    same (a stronger check than two runs agreeing with each other, which a shared wrong seed would pass)."""
+    import random
+
+    import torch
+
+    torch.manual_seed(0)
+    want_torch = f"{torch.rand(1).item():.6f}"
+    random.seed(0)
+    want_random = f"{random.random():.6f}"
     probe = str(DATA / "scripts" / "deterministic_probe.py")
-    outs = []
-    for i in range(2):
-        r = distdebug("attach", "--run-dir", str(tmp_path / str(i)), "--deterministic", probe)
-        assert r.returncode == 0, r.output
-        # Ranks print to one pipe unbuffered (text and newline are separate writes): match, not split.
-        outs.append(sorted(re.findall(r"rank \d deterministic=\w+ torch=[\d.]+ random=[\d.]+", r.stdout)))
-    assert outs[0] == outs[1] and len(outs[0]) == 2
-    assert all("deterministic=True" in line for line in outs[0])
-    assert "torch=0.496257" in outs[0][0]  # torch.manual_seed(0); torch.rand(1)
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--deterministic", probe)
+    assert r.returncode == 0, r.output
+    # Ranks print to one pipe unbuffered (text and newline are separate writes): match, not split.
+    lines = sorted(re.findall(r"rank \d deterministic=\w+ torch=[\d.]+ random=[\d.]+", r.stdout))
+    assert lines == [f"rank {rank} deterministic=True torch={want_torch} random={want_random}" for rank in (0, 1)]
 
 
 @pytest.mark.alone  # asserts on a measured time: nothing runs beside it

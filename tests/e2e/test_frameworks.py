@@ -91,24 +91,6 @@ def test_lightning_checkpoint_changed_on_disk_is_named(tmp_path):
     assert "restored last.ckpt does not match what rank 0 saved at step 8" in found[0]["message"]
 
 
-@pytest.mark.parametrize("fault,detector,ranks,step,subject", [
-    ("skip_step:rank=1,step=3", "replica_divergence", [0, 1], 3, None),  # the closure runs, the update not
-    ("checkpoint_corruption", "checkpoint_roundtrip", [1], 8, "state_dict.net.0.weight"),  # BytesIO + fsspec
-    ("bitflip_param:rank=1,step=13", "replica_divergence", [0, 1], 13, "net.3.weight"),  # in the resumed fit
-])
-def test_faults_act_through_lightning(fault, detector, ranks, step, subject, tmp_path):
-    needs("lightning")
-    run = tmp_path / "run"
-    r = distdebug("attach", "--run-dir", str(run), "--inject", fault, str(SCRIPTS / "fw_lightning.py"),
-                  "--steps", "16", timeout=400)
-    assert r.returncode == 0, r.output[-3000:]
-    errors = [f for f in findings(run) if f[0] == "error"]
-    assert errors, r.output[-2000:]
-    assert errors[0][1:4] == (detector, ranks, step), errors
-    if subject is not None:
-        assert errors[0][4] == subject, errors
-
-
 def test_accelerate_clean_and_losses_are_the_scripts(tmp_path):
     needs("accelerate")
     run = clean_and_bitwise("fw_accelerate.py", ["--steps", "12"], tmp_path)
@@ -157,6 +139,17 @@ def test_safetensors_changed_on_disk_is_named(framework, script, args, message, 
         assert "unlike what rank 0 saved in model.safetensors at step 6" in found[0]["message"]
 
 
+LIGHTNING_AIMED = {
+    # fault: (the aim given to the replay, or None for its own fit; the first error in that fault's run:
+    # detector, ranks, step, subject or None). Lightning's closure runs the forward and backward of a
+    # skipped step; the corrupted checkpoint goes through a BytesIO and fsspec; the bit flip lands in the
+    # resumed fit (a new module).
+    "skip_step": ("skip_step:rank=1,step=3", ("replica_divergence", [0, 1], 3, None)),
+    "checkpoint_corruption": (None, ("checkpoint_roundtrip", [1], 8, "state_dict.net.0.weight")),
+    "bitflip_param": ("bitflip_param:rank=1,step=13", ("replica_divergence", [0, 1], 13, "net.3.weight")),
+}
+
+
 @pytest.mark.parametrize("framework,script,args,summary", [
     ("lightning", "fw_lightning.py", ["--steps", "16"],
      "10 applicable, 10 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
@@ -167,15 +160,29 @@ def test_safetensors_changed_on_disk_is_named(framework, script, args, message, 
 ])
 def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_path):
     """The user's CI command on each framework's script: every applicable fault caught and localised, the
-    rest skipped with their reason (too few steps for the straggler faults, no BatchNorm...), exit 0."""
+    rest skipped with their reason (too few steps for the straggler faults, no BatchNorm...), exit 0.
+
+    On Lightning the replay also keeps its runs, with three faults aimed as a user would aim them, and
+    each kept run's first error is the fault's own (rank, step, subject): nothing else broke first. These
+    are the runs of a former test of their own, made once instead of twice."""
     needs(framework)
     junit = tmp_path / "replay.xml"
-    r = distdebug("faults", "replay", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
+    aims = ([a for aim, _ in LIGHTNING_AIMED.values() if aim for a in ("--inject", aim)] + ["--keep-runs"]
+            if framework == "lightning" else [])
+    r = distdebug("faults", "replay", *aims, "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
                   str(SCRIPTS / script),
                   *args, timeout=1200, env=hf_env())
     assert r.returncode == 0, r.output[-4000:]
     assert summary in r.stdout
     assert junit.exists()
+    if framework != "lightning":
+        return
+    for fault, (aim, (detector, ranks, step, subject)) in LIGHTNING_AIMED.items():
+        errors = [f for f in findings(tmp_path / "runs" / f"{fault}-script" / "run") if f[0] == "error"]
+        assert errors, fault
+        assert errors[0][1:4] == (detector, ranks, step), (fault, errors)
+        if subject is not None:
+            assert errors[0][4] == subject, (fault, errors)
 
 
 @pytest.mark.alone  # the faults are 50 ms a step, told from the others' waits: nothing runs beside it
