@@ -84,3 +84,36 @@ def side_by_side(request, tmp_path_factory):
     finally:
         for f in reversed(held):
             f.close()  # closing the file releases its lock
+
+
+# ---------------------------------------------------------------- where the CPU goes
+# `python -m pytest --cpu-log FILE` appends one JSON line per test: the CPU seconds of the test's process and
+# of every process it started and waited for (launchers and their ranks: RUSAGE_CHILDREN counts the
+# descendants reaped below it), and its wall time. A session fixture's run is counted in the first test
+# that uses it. This is how the README's figures on the suite's time were measured.
+def pytest_addoption(parser):
+    parser.addoption("--cpu-log", default=None, metavar="FILE",
+                     help="append each test's CPU seconds (itself and the processes it started) to FILE as JSON lines")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = item.config.getoption("--cpu-log")
+    if out is None:
+        yield
+        return
+    import json
+
+    (me0, kids0), t0 = _cpu_seconds(), time.monotonic()
+    yield
+    me1, kids1 = _cpu_seconds()
+    with open(out, "a") as f:  # one short append per test: the workers' lines do not interleave
+        f.write(json.dumps({"test": item.nodeid, "self_s": round(me1 - me0, 2), "children_s": round(kids1 - kids0, 2),
+                            "wall_s": round(time.monotonic() - t0, 2)}) + "\n")
