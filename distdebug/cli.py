@@ -111,6 +111,10 @@ def main() -> None:
 @click.option("--stop-on-nan", is_flag=True, default=None,
               help="End the job at the first NaN/Inf (exit code 123) after reporting where it started "
                    "(nan_origin.stop). Default: report and keep going.")
+@click.option("--rerun-on-anomaly", "rerun_on_anomaly", is_flag=True, default=False,
+              help="Capture each step (inputs, generator states, parameters before it) so that a rank flagged at a "
+                   "step (a NaN born there, its loss spiking) re-executes it: reproducible (a code path or the "
+                   "data) or not (a transient fault: suspect the machine). Costs a copy of the model a step.")
 @click.option("--deterministic", is_flag=True, default=False,
               help="Seed Python's, numpy's and torch's generators with 0 and turn on torch's deterministic "
                    "algorithms before the script runs.")

@@ -85,6 +85,9 @@ class AttachConfig:
     replica_groups: str | None = None
     """``0,2;1,3``: the data-parallel groups (ranks holding replicas of the same part of the model), for a
     layout the harness cannot infer; overrides what discovery found (runtime.layout)."""
+    rerun_on_anomaly: bool = False
+    """Capture every step so that a rank flagged at a step re-executes it (detectors.rerun): reproducible or
+    a transient fault. Adds the ``rerun`` detector to the run's detectors."""
     measure_overhead: int = 0
     """Steps per block of the in-job A/B (runtime.overhead): the detectors are switched off and on in
     alternating blocks of this many steps, the same steps on every rank; 0: off."""
@@ -207,6 +210,18 @@ class NanOriginConfig:
 
     stop: bool = False
     """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
+
+
+@dataclass(kw_only=True)
+class RerunConfig:
+    """rerun (``--rerun-on-anomaly``)."""
+
+    max_reruns: int = 3
+    """Steps re-executed per rank and run at most (each costs two steps' compute on that rank)."""
+
+    def __post_init__(self) -> None:
+        if self.max_reruns < 1:
+            raise UserError(f"rerun.max_reruns must be 1 or more, got {self.max_reruns}", 2)
 
 
 @dataclass(kw_only=True)

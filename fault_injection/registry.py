@@ -14,17 +14,19 @@ from fault_injection.hang import Hang
 from fault_injection.loss_spike import LossSpike
 from fault_injection.nan_activation import NanActivation
 from fault_injection.nan_grad import NanGrad
+from fault_injection.persistent_compute import PersistentCompute
 from fault_injection.probe import Probe
 from fault_injection.seed_mismatch import SeedMismatch
 from fault_injection.skip_step import SkipStep
 from fault_injection.slow_dataloader import SlowDataloader
 from fault_injection.slow_link import SlowLink
 from fault_injection.straggler import Straggler
+from fault_injection.transient_compute import TransientCompute
 from fault_injection.unsynced_bn import UnsyncedBn
 
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
     NanGrad, NanActivation, BitflipParam, SkipStep, UnsyncedBn, BadEnv, Hang, Straggler, SlowDataloader,
-    LossSpike, DuplicateData, SeedMismatch, CheckpointCorruption, SlowLink)}
+    LossSpike, DuplicateData, SeedMismatch, CheckpointCorruption, SlowLink, TransientCompute, PersistentCompute)}
 
 
 def resolve(spec: str) -> dict[str, Any]:

@@ -34,11 +34,12 @@ def _builtin() -> dict[str, type[Detector]]:
     from distdebug.detectors.nan_origin import NanOrigin
     from distdebug.detectors.profiler import Profiler
     from distdebug.detectors.replica_divergence import ReplicaDivergence
+    from distdebug.detectors.rerun import Rerun
     from distdebug.detectors.straggler import Straggler
 
     return {cls.name: cls for cls in (LossNonFinite, NanOrigin, ReplicaDivergence, CheckpointRoundTrip,
                                       BatchNormDivergence, LossSpike, LossScale, DataOrder, InitSeed, Straggler, Memory,
-                                      Profiler, EnvCheck, ConfigLint)}
+                                      Profiler, EnvCheck, ConfigLint, Rerun)}
 
 
 def names() -> list[str]:

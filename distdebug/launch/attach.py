@@ -135,8 +135,10 @@ def _failure_message(err: Any) -> tuple[int, str]:
 
 def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     """Run cfg.target under torch's elastic launcher with instrumentation; returns its exit code."""
-    detectors = registry.resolve(registry.chosen(cfg.detectors),
-                                 cfg.detector_options, cfg.shorthand_options)
+    names = registry.chosen(cfg.detectors)
+    if cfg.rerun_on_anomaly and "rerun" not in names:
+        names = [*names, "rerun"]
+    detectors = registry.resolve(names, cfg.detector_options, cfg.shorthand_options)
     # Refused before any run directory is made: bad input leaves no empty run for `latest` to point at.
     nproc = cfg.nproc_per_node or _default_nproc()
     _check_nproc(nproc)

@@ -116,6 +116,8 @@ class Session:
         self._depth = 0
         self._discovering = True
         self._discovery_inert = False
+        self.replaying = False
+        """A step is being re-executed (detectors.rerun): the session's own module hooks pass."""
         self._after_backward: list[Detector] = []  # discovery is over but its hooks stay (a compiled model: see below)
         self._root_refs: list[weakref.ref[torch.nn.Module]] = []  # weak: see RankContext
         self._loss_modules: list[str] = []
@@ -260,7 +262,7 @@ class Session:
 
     # ------------------------------------------------------------------ what the patches and hooks tell
     def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or self._discovery_inert:  # this order: tracing reads no state
+        if torch.compiler.is_compiling() or self._discovery_inert or self.replaying:  # tracing reads no state first
             return  # traced into a compiled graph: nothing of ours goes in (it would only recompile)
         if self._depth == 0:
             if self._t_last is None:
@@ -269,7 +271,7 @@ class Session:
         self._depth += 1
 
     def _fwd_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or self._discovery_inert:  # this order: tracing reads no state
+        if torch.compiler.is_compiling() or self._discovery_inert or self.replaying:  # tracing reads no state first
             return
         self._depth = max(0, self._depth - 1)
 

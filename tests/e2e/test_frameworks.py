@@ -177,7 +177,7 @@ def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_p
     assert junit.exists()
     if framework != "lightning":
         return
-    for fault, (aim, (detector, ranks, step, subject)) in LIGHTNING_AIMED.items():
+    for fault, (_aim, (detector, ranks, step, subject)) in LIGHTNING_AIMED.items():
         errors = [f for f in findings(tmp_path / "runs" / f"{fault}-script" / "run") if f[0] == "error"]
         assert errors, fault
         assert errors[0][1:4] == (detector, ranks, step), (fault, errors)

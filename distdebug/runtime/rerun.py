@@ -1,0 +1,348 @@
+"""Re-execution of one training step from a capture: was what happened on this rank reproducible?
+
+Why: when a rank is flagged (its gradient was the first to turn non-finite, its loss spiked), the
+next question decides the action: a faulty machine (drain it) or a deterministic cause, a code path or
+the data (debug it). Megatron-LM answers it by re-running the iteration inside its own training loop;
+here the step is re-run without the user's loop, from what was captured while it ran:
+
+- the inputs of each outermost forward call of the model in the step (the unwrapped module: under DDP
+  the module DDP calls, after DDP has synchronised its buffers), detached copies;
+- the random generators' states at the start of each call (dropout draws again what it drew);
+- the parameters and buffers as they were before the step's first call (copies: the update and
+  BatchNorm's running statistics change them afterwards);
+- the gradient that arrived at each output tensor of each call: the backward is replayed as
+  ``torch.autograd.grad(outputs, parameters, those gradients)``, so the loss function, whatever the
+  script does between the model and ``backward()``, is not needed;
+- fingerprints (``fingerprint.hashing``, device work, never read here) of each call's outputs and of
+  the gradient each parameter received in each backward, before any reduction (a tensor hook on the
+  parameter runs before autograd accumulates into ``.grad`` and before DDP's reducer sees it).
+
+``reexecute`` puts the captured parameters and buffers into the live module, restores each call's
+generator state, runs the call and its backward again, compares the fingerprints, and puts
+everything back as it was, bit for bit (parameters, buffers, generators: the training goes on as if
+nothing had happened). Every other hook of the harness passes while it runs (``Detector.paused``,
+``Session.replaying``); injected faults do not pause (a persistent fault acts again, as a broken
+unit would). The re-execution runs twice: two re-executions that differ from each other mean the
+step is not reproducible by itself (non-deterministic kernels), and no verdict is given.
+
+What cannot be re-executed alone, and is said: a forward that communicates (SyncBatchNorm, tensor
+parallelism, FSDP's all-gathers: a re-execution on one rank would wait for peers that are not
+re-executing), several forward calls feeding one backward (their gradients cannot be told apart),
+DeepSpeed engines (the engine owns the backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from distdebug.fingerprint.hashing import device_sums
+
+REPRODUCIBLE = "reproducible"
+NOT_REPRODUCIBLE = "not reproducible"
+NONDETERMINISTIC = "nondeterministic"
+CANNOT = "cannot re-execute"
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors in a forward's output (nested tuples, lists, dicts, ModelOutput), depth first."""
+    found: list[torch.Tensor] = []
+
+    def walk(x: Any, depth: int) -> None:
+        if depth > 6 or len(found) >= 64:
+            return
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                found.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, depth + 1)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, depth + 1)
+
+    walk(out, 0)
+    return found
+
+
+def _detach_copy(x: Any, depth: int = 0) -> Any:
+    """A copy of a call's inputs that the training cannot change afterwards (tensors detached and cloned)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if depth > 6:
+        return x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_detach_copy(v, depth + 1) for v in x)
+    if isinstance(x, list):
+        return [_detach_copy(v, depth + 1) for v in x]
+    if type(x) is dict:
+        return {k: _detach_copy(v, depth + 1) for k, v in x.items()}
+    return x
+
+
+def _rng_state(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = None
+    if device is not None and device.type == "cuda":
+        cuda = torch.cuda.get_rng_state(device)
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device | None) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None and device is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+@dataclass
+class Call:
+    """One outermost forward call of the step and what its backward did."""
+
+    args: Any
+    kwargs: Any
+    rng: tuple[torch.Tensor, torch.Tensor | None]
+    out_fp: torch.Tensor | None = None  # (N, 2) sums of the output tensors, on their device
+    out_grads: list[torch.Tensor | None] = field(default_factory=list)
+    grad_fps: dict[int, torch.Tensor] = field(default_factory=dict)  # parameter index -> its gradient's sums
+
+
+@dataclass
+class Capture:
+    """What one step needs to be re-executed on this rank."""
+
+    step: int
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    calls: list[Call] = field(default_factory=list)
+    problem: str | None = None
+    """Why this step cannot be re-executed (None: it can)."""
+    backward_calls: int = 0
+
+
+@dataclass
+class Verdict:
+    kind: str
+    step: int
+    differs: list[str] = field(default_factory=list)
+    """What differed between the first execution and the re-execution, first one first."""
+    reason: str = ""
+
+
+class Recorder:
+    """Captures each step of one module (see the module docstring). Device work only in its hooks."""
+
+    def __init__(self, module: torch.nn.Module, names: dict[int, str] | None = None) -> None:
+        self.module = module
+        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        self.param_names = [names.get(id(p), n) if names else n for n, p in self.named]
+        self.buffers = [b for _, b in module.named_buffers()]
+        self.device = self.params[0].device if self.params else None
+        self.current: Capture | None = None
+        self.step = 1  # the step being captured (the session's last boundary + 1; set by the detector)
+        self._handles: list[Any] = []
+        self._stack: list[bool] = []  # per open call of the module: recorded or not
+        self.communicates = any(type(m).__name__ == "SyncBatchNorm" for m in module.modules())
+        self.replaying = False  # re-executing: its own hooks pass
+
+    # ------------------------------------------------------------------ hooks (installed by the detector)
+    def forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self.replaying:
+            return
+        # Outermost calls with gradients on only: an evaluation forward (no_grad) is no part of a step's
+        # computation; a nested call of the same module is part of the outer one.
+        record = not self._stack and torch.is_grad_enabled()
+        self._stack.append(record)
+        if not record:
+            return
+        cap = self._open()
+        if len(cap.calls) > cap.backward_calls:
+            cap.problem = cap.problem or ("a forward call without a backward of its own in the step (several calls "
+                                          "feeding one backward): their gradients cannot be told apart")
+        cap.calls.append(Call(_detach_copy(args), _detach_copy(kwargs), _rng_state(self.device)))
+
+    def forward_post(self, module: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if self.replaying or not self._stack:
+            return
+        if not self._stack.pop() or self.current is None or not self.current.calls:
+            return
+        call = self.current.calls[-1]
+        outs = output_tensors(out)
+        call.out_fp = device_sums([o.detach() for o in outs]) if outs else None
+        call.out_grads = [None] * len(outs)
+        for i, o in enumerate(outs):
+            if o.requires_grad:
+                o.register_hook(self._out_grad(call, i))
+
+    def _out_grad(self, call: Call, i: int) -> Any:
+        def hook(g: torch.Tensor) -> None:
+            call.out_grads[i] = g.detach().clone()
+
+        return hook
+
+    def param_grad(self, index: int) -> Any:
+        def hook(g: torch.Tensor) -> None:
+            cap = self.current
+            if self.replaying or cap is None or not cap.calls or torch.compiler.is_compiling():
+                return
+            call = cap.calls[-1]
+            if index in call.grad_fps:  # a second backward through the same call (retain_graph): not replayable
+                cap.problem = cap.problem or "a forward call with more than one backward through it"
+                return
+            call.grad_fps[index] = device_sums([g.detach()])[0]
+
+        return hook
+
+    def backward_done(self) -> None:
+        if self.current is not None:
+            self.current.backward_calls += 1
+
+    def _open(self) -> Capture:
+        """The step's capture, made at its first forward call: the parameters and buffers before it."""
+        if self.current is not None and self.current.step == self.step:
+            return self.current
+        spare = self.current  # the previous step's capture: its copies are reused (no allocation a step)
+        if spare is not None:
+            spare.calls = []
+        with torch.no_grad():
+            if spare is not None and len(spare.params) == len(self.params):
+                for c, p in zip(spare.params, self.params, strict=True):
+                    c.copy_(p)
+                for c, b in zip(spare.buffers, self.buffers, strict=True):
+                    c.copy_(b)
+                params, buffers = spare.params, spare.buffers
+            else:
+                params = [p.detach().clone() for p in self.params]
+                buffers = [b.detach().clone() for b in self.buffers]
+        self.current = Capture(self.step, params, buffers)
+        if self.communicates:
+            self.current.problem = "the model's forward communicates (SyncBatchNorm): one rank cannot re-run it alone"
+        return self.current
+
+    def last(self, step: int) -> Capture | None:
+        """The capture of ``step`` if it is the latest one (kept until the next step's first forward call)."""
+        cap = self.current
+        return cap if cap is not None and cap.step == step else None
+
+
+@contextlib.contextmanager
+def _swapped(rec: Recorder, cap: Capture) -> Iterator[None]:
+    """The live module with the captured parameters and buffers, then exactly its own again."""
+    with torch.no_grad():
+        saved_p = [p.detach().clone() for p in rec.params]
+        saved_b = [b.detach().clone() for b in rec.buffers]
+        rng = _rng_state(rec.device)
+        for p, c in zip(rec.params, cap.params, strict=True):
+            p.copy_(c)
+        for b, c in zip(rec.buffers, cap.buffers, strict=True):
+            b.copy_(c)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(rec.params, saved_p, strict=True):
+                p.copy_(s)
+            for b, s in zip(rec.buffers, saved_b, strict=True):
+                b.copy_(s)
+        _set_rng(rng, rec.device)
+
+
+def _run(rec: Recorder, cap: Capture) -> list[tuple[torch.Tensor | None, dict[int, torch.Tensor]]]:
+    """One re-execution of every call of the step: (output sums, {parameter index: gradient sums}) per call."""
+    results = []
+    for call in cap.calls:
+        _set_rng(call.rng, rec.device)
+        with torch.enable_grad():
+            out = rec.module(*_detach_copy(call.args), **_detach_copy(call.kwargs))
+        outs = output_tensors(out)
+        out_fp = device_sums([o.detach() for o in outs]) if outs else None
+        pairs = [(o, g) for o, g in zip(outs, call.out_grads, strict=False) if g is not None and o.requires_grad]
+        pairs = _roots(pairs)
+        grads: dict[int, torch.Tensor] = {}
+        wanted = sorted(call.grad_fps)
+        if pairs and wanted:
+            got = torch.autograd.grad([o for o, _ in pairs], [rec.params[i] for i in wanted],
+                                      grad_outputs=[g for _, g in pairs], allow_unused=True)
+            grads = {i: device_sums([g])[0] for i, g in zip(wanted, got, strict=True) if g is not None}
+        results.append((out_fp, grads))
+    return results
+
+
+def _roots(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The outputs the backward is replayed from: not those another output was computed from. A model that
+    computes its loss in its forward (Hugging Face's, given labels) returns the logits and the loss; the
+    gradient that reached the logits came through the loss, and replaying it as well would count it twice.
+    A walk of the re-executed graph (the rare path), bounded by its size."""
+    if len(pairs) < 2:
+        return pairs
+    nodes = {o.grad_fn: i for i, (o, _) in enumerate(pairs) if o.grad_fn is not None}
+    inner: set[int] = set()
+    for j, (o, _) in enumerate(pairs):
+        if o.grad_fn is None:
+            continue
+        seen: set[Any] = set()
+        stack = [fn for fn, _ in o.grad_fn.next_functions if fn is not None]
+        while stack and len(seen) < 1_000_000:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            i = nodes.get(fn)
+            if i is not None and i != j:
+                inner.add(i)
+            stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return [p for i, p in enumerate(pairs) if i not in inner]
+
+
+def _differences(rec: Recorder, cap: Capture, a: list, b: list | None = None) -> list[str]:
+    """What differs between two executions (b None: the first one, as captured), first one first. The
+    sums are compared on their device and read in one transfer (the rare path: a flagged step)."""
+    labels: list[str] = []
+    left: list[torch.Tensor] = []
+    right: list[torch.Tensor] = []
+    missing: list[str] = []
+    for k, call in enumerate(cap.calls):
+        fp_a, grads_a = a[k]
+        fp_b, grads_b = (call.out_fp, call.grad_fps) if b is None else b[k]
+        where = f" (forward call {k + 1} of the step)" if len(cap.calls) > 1 else ""
+        pairs = [(f"the model's output{where}", fp_a, fp_b)]
+        pairs += [(f"the local gradient of {rec.param_names[i]}{where}", grads_a.get(i), grads_b.get(i))
+                  for i in sorted(set(grads_a) | set(grads_b))]
+        for label, x, y in pairs:
+            if x is None and y is None:
+                continue
+            if x is None or y is None or x.shape != y.shape:
+                missing.append(label)
+                continue
+            labels.append(label)
+            left.append(x.reshape(-1))
+            right.append(y.reshape(-1).to(x.device))
+    if not labels:
+        return missing
+    dev = left[0].device
+    same = torch.stack([(x == y).all().to(dev) for x, y in zip(left, right, strict=True)]).tolist()  # the one read
+    return [label for label, ok in zip(labels, same, strict=True) if not ok] + missing
+
+
+def reexecute(rec: Recorder, cap: Capture) -> Verdict:
+    """Re-execute ``cap``'s step twice on ``rec``'s module and compare (see the module docstring)."""
+    if cap.problem:
+        return Verdict(CANNOT, cap.step, reason=cap.problem)
+    if not cap.calls:
+        return Verdict(CANNOT, cap.step, reason="no forward call of the model was captured in this step")
+    rec.replaying = True
+    try:
+        with _swapped(rec, cap):
+            first = _run(rec, cap)
+        with _swapped(rec, cap):
+            second = _run(rec, cap)
+    finally:
+        rec.replaying = False
+    if _differences(rec, cap, first, second):
+        return Verdict(NONDETERMINISTIC, cap.step, reason="two re-executions of the step differ from each other: "
+                       "it runs non-deterministic kernels, so a difference from the first execution proves nothing")
+    differs = _differences(rec, cap, first)
+    return Verdict(NOT_REPRODUCIBLE if differs else REPRODUCIBLE, cap.step, differs=differs)

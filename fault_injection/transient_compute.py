@@ -1,0 +1,78 @@
+"""transient_compute: one module's output on one rank is wrong once, in one step, and never again (a
+marginal unit, a particle strike): the step's first execution only.
+
+What must catch it: ``attach --rerun-on-anomaly``. The wrong value is a NaN in the module's output, so
+``nan_origin`` flags the rank at that step; the rank re-executes the step from its capture, the module
+computes correctly this time, and ``rerun`` says: not reproducible, a transient fault, suspect the
+machine, with the model's output as the first thing that differs. Its twin, ``persistent_compute``,
+is wrong on every execution from its step on (a unit that is broken, or a code path): reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from distdebug.context import RankContext
+from fault_injection._targets import module
+from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+if TYPE_CHECKING:
+    from fault_injection.probe import Facts
+
+
+class TransientCompute(Fault):
+    name = "transient_compute"
+    description = "one module's output on one rank is wrong once, in one step (the re-execution computes it right)"
+    module: str
+    params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
+    aims = (1, "module")
+    catcher = "rerun"
+    attach_args = ("--rerun-on-anomaly",)
+    # The re-execution runs one rank's forward alone: data-parallel models whose forward does not
+    # communicate (DDP, gradients all-reduced by hand).
+    engines = ("ddp", "manual")
+    persistent: ClassVar[bool] = False
+    verdict: ClassVar[str] = "not reproducible"
+
+    def acts_now(self) -> bool:
+        if not self.mine():
+            return False
+        if self.persistent:
+            return self.current >= self.step
+        return self.current == self.step and not self.acted
+
+    def attach(self, ctx: RankContext) -> None:
+        super().attach(ctx)
+        found = module(ctx, self.module)
+        if found is None or not self.mine():
+            return
+        name, mod = found
+
+        def hook(m: Any, args: Any, out: Any) -> Any:
+            import torch
+
+            first = out[0] if isinstance(out, tuple) and out else out
+            if not (self.acts_now() and isinstance(first, torch.Tensor) and first.is_floating_point()):
+                return None
+            if not self.acted:
+                self.injected(module=name)  # once: the step it first acted in
+            wrong = first.clone()
+            wrong[(0,) * wrong.dim()] = float("nan")  # the first element, whatever the strides
+            return (wrong, *out[1:]) if isinstance(out, tuple) else wrong
+
+        mod.register_forward_hook(hook)
+
+    @classmethod
+    def applicable(cls, facts: Facts) -> str:
+        if not facts.module:
+            return "no module with parameters whose output can be made wrong"
+        if not facts.wrappers or not facts.wrappers <= {"ddp", "manual", "plain"} or facts.syncbatchnorm \
+                or facts.tensor_parallel or facts.pipeline:
+            return (f"the model is trained with {facts.wrapper_names}: a step is re-executed on one rank alone only "
+                    "where its forward does not communicate (DDP or a hand-written all-reduce, no SyncBatchNorm, "
+                    "no tensor or pipeline parallelism)")
+        return super().applicable(facts)
+
+    def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
+        return [Expect("rerun", ranks=[i["rank"]], step=i["step"], evidence={"verdict": self.verdict})
+                for i in injected]
