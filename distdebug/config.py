@@ -218,10 +218,14 @@ class RerunConfig:
 
     max_reruns: int = 3
     """Steps re-executed per rank and run at most (each costs two steps' compute on that rank)."""
+    keep: int = 3
+    """Captures of the last steps held (each a copy of the parameters and buffers, and of the step's inputs):
+    a flag that comes through the cross-rank exchange a step or two late still finds its step."""
 
     def __post_init__(self) -> None:
-        if self.max_reruns < 1:
-            raise UserError(f"rerun.max_reruns must be 1 or more, got {self.max_reruns}", 2)
+        if self.max_reruns < 1 or self.keep < 2:
+            raise UserError(f"rerun: max_reruns must be 1 or more and keep 2 or more, got {self.max_reruns} and "
+                            f"{self.keep}", 2)
 
 
 @dataclass(kw_only=True)

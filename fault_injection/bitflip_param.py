@@ -33,6 +33,9 @@ class BitflipParam(Fault):
     aims = (0, "param")
     catcher = "replica_divergence"
     engines = ("ddp", "manual", "ddp_tp", "hsdp_tp", "pp_dp")
+    rerun_on = ("ddp", "manual")
+    """Recipes whose replay also runs it under ``--rerun-on-anomaly``: the flipped rank re-executes the step
+    and calls it a stored corruption (the step's computation reproduces; the stored value stays wrong)."""
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
@@ -54,7 +57,7 @@ class BitflipParam(Fault):
             return  # nobody else holds this tensor: no comparison can see a flip in it
         with torch.no_grad():
             local(p).view(-1)[:1].view(torch.int32).bitwise_xor_(1 << self.bit)
-        self.injected(param=name, bit=self.bit, replicas=group)
+        self.injected(param=name, bit=self.bit, replicas=group, rerun=_rerun_records())
 
     @classmethod
     def applicable(cls, facts: Facts) -> str:
@@ -74,4 +77,16 @@ class BitflipParam(Fault):
             group = i.get("replicas") or list(range(world))
             out.append(Expect("replica_divergence", ranks=[i["rank"]] if len(group) > 2 else group,
                               step=i["step"], subject=i["param"]))
+            if i.get("rerun"):  # under --rerun-on-anomaly: the flipped rank says what kind of fault it was
+                out.append(Expect("rerun", ranks=[i["rank"]], step=i["step"],
+                                  evidence={"verdict": "stored corruption", "tensor": i["param"]}))
         return out
+
+
+def _rerun_records() -> bool:
+    """This rank captures its steps for re-execution (attach --rerun-on-anomaly, a model it can re-run)."""
+    from distdebug.runtime.session import current_session
+
+    session = current_session()
+    return session is not None and any(d.name == "rerun" and getattr(d, "recorders", None) and not d.off
+                                       for d in session.detectors)

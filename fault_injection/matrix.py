@@ -217,7 +217,8 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     cell.run_dir = str(run_dir)
     argv = [*base, "--run-dir", str(run_dir)]
     if fault is not None:
-        argv += [*fault.attach_args, "--inject", fault.spec()]
+        rerun = ["--rerun-on-anomaly"] if engine_name in getattr(fault, "rerun_on", ()) else []
+        argv += [*fault.attach_args, *rerun, "--inject", fault.spec()]
     elif probe:
         argv += ["--inject", "probe"]
     t0 = time.monotonic()

@@ -4,17 +4,27 @@ of the machine (drain it).
 
 Each step of each model is captured as it runs (``runtime.rerun``: inputs, generator states, the
 parameters and buffers before the step, the gradients that reached the outputs, fingerprints of the
-outputs and of the local gradients). When this rank is flagged at the step just captured, on the
-training thread, at that step's boundary (``nan_origin``: a non-finite value born on this rank;
-``loss_spike``: this rank's own loss spiked), the step is re-executed twice from the capture and
-compared with the first execution; the verdict is a finding of its own, with the evidence and the
-action. Findings made later or elsewhere (a replica divergence, found by the cross-rank exchange
-some steps after the fact) come after the capture has been reused: they are not re-executed, and the
-README says so.
+outputs and of the local gradients); the last ``keep`` steps are held. A rank is flagged at a step:
 
-Cost: a copy of the parameters and buffers, and of each call's inputs and output gradients, every
-step; a hook per parameter (a fingerprint of each local gradient). Off by default for that reason;
-``bench/rerun_capture.py`` measures it.
+- on the rank itself, at that step's boundary: ``nan_origin`` (a non-finite value born on this rank)
+  or ``loss_spike`` (this rank's own loss spiked);
+- across ranks, through the harness's exchange (its background thread; a flag arrives a step or two
+  later, while the step's capture is still held): this rank's parameters after the step differ from
+  their replicas' (every parameter's fingerprint, every step: the majority of the replica group is
+  right; with two replicas both are flagged), or its loss departs from the other ranks' (the rule of
+  ``loss_spike``'s cross-rank check).
+
+The flagged rank re-executes the step twice from its capture and compares with the first execution.
+For parameters that differ from their replicas, it also re-reads them: the fingerprint of the
+parameters as the next step read them (its capture) against the one exchanged at the step's end:
+equal is a stored corruption (the value in memory is wrong and stays wrong: a bit flipped in
+memory, or a write outside the step), different is a read error (two reads of an unchanged tensor
+disagree). The verdict is a finding of its own, with the evidence and the action.
+
+Cost: a copy of the parameters and buffers, and of each call's inputs and output gradients, for each
+held step; a hook per parameter (a fingerprint of each local gradient); every parameter's
+fingerprint at every step, exchanged. Off by default for that reason; ``bench/rerun_capture.py``
+measures it.
 """
 
 from __future__ import annotations
@@ -27,11 +37,14 @@ from distdebug.config import RerunConfig
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
+from distdebug.runtime.exchange import ExchangeUser
 
 TRIGGERS = ("nan_origin", "loss_spike")
+REPLICAS = "parameters differ from their replicas'"
+DEPARTS = "loss departs from the other ranks'"
 
 
-class Rerun(Detector):
+class Rerun(ExchangeUser, Detector):
     name = "rerun"
     description = "re-executes a flagged step from a capture: reproducible (code or data) or transient (the machine)"
     default = False
@@ -39,26 +52,40 @@ class Rerun(Detector):
     Config = RerunConfig
 
     def __init__(self, config: RerunConfig | None = None) -> None:
+        from distdebug.config import LossSpikeConfig
+        from distdebug.detectors.loss_spike import CrossRank
+
         self.config = config or RerunConfig()
         self.ctx: RankContext | None = None
         self.recorders: list[Any] = []
         self.thread: threading.Thread | None = None
         self.done: set[int] = set()  # steps re-executed on this rank
-        self.pending: list[Finding] = []
+        self.flags: list[tuple[int, str, dict[str, Any]]] = []  # (step, why, evidence), from any thread
+        self.posted: dict[int, list[list[int]]] = {}  # step -> this rank's fingerprint rows exchanged for it
+        self.parted = False  # the replicas differed at the last step judged (exchange thread)
+        spike = LossSpikeConfig()
+        self.cross = CrossRank(spike.threshold, spike.window)
 
     def attach(self, ctx: RankContext) -> None:
+        import torch
+
         from distdebug.runtime.discovery import is_deepspeed_engine, unwrap
         from distdebug.runtime.rerun import Recorder
+        from distdebug.runtime.session import current_session
 
         self.ctx = ctx
         self.thread = threading.current_thread()  # the training thread: the boundary runs on it
+        session = current_session()
+        count = (lambda: session.progress.collective_seq) if session is not None else None
+        step_of = (lambda: session.step + 1) if session is not None else None
         for root in ctx.models:
             if is_deepspeed_engine(root):
                 continue  # the engine owns the backward: not re-executed (README)
             inner = unwrap(root)[0]
-            if next(inner.parameters(), None) is None:
-                continue
-            rec = Recorder(inner)
+            params = [p for p in inner.parameters() if p.requires_grad]
+            if not params or any(type(p) is not torch.nn.Parameter for p in params):
+                continue  # sharded (FSDP2, DTensor): the forward gathers from peers; not captured (README)
+            rec = Recorder(inner, keep=self.config.keep, collectives=count, step_of=step_of)
             rec.step = self._session_step() + 1  # attached at a boundary: the next step is the first captured
             self.hook(inner, "forward_pre", rec.forward_pre, with_kwargs=True)
             self.hook(inner, "forward", rec.forward_post, with_kwargs=True)
@@ -68,6 +95,8 @@ class Rerun(Detector):
             ctx.end_of_backward.append(self.guarded(rec.backward_done))
             self.recorders.append(rec)
         ctx.finding_listeners.append(self._on_finding)
+        if self.recorders:
+            self.open_exchange(ctx)
 
     @staticmethod
     def _session_step() -> int:
@@ -76,58 +105,174 @@ class Rerun(Detector):
         session = current_session()
         return session.step if session is not None else 1
 
+    # ------------------------------------------------------------------ flags on this rank
     def _on_finding(self, f: Finding) -> None:
-        """A finding of this rank: re-execute now if it flags this rank at the step just captured."""
-        if self.off or threading.current_thread() is not self.thread or f.detector not in TRIGGERS:
+        """A finding this rank reports: a flag when it names this rank at a step (its own NaN or spike)."""
+        if self.off or f.detector not in TRIGGERS or f.step is None or f.severity == Severity.INFO:
             return
         rank = self.ctx.identity.rank if self.ctx is not None else None
-        if rank not in f.ranks or f.step is None or f.step in self.done or f.severity == Severity.INFO:
-            return
-        if f.detector == "nan_origin" and (f.evidence or {}).get("origin") == "another rank":
-            return  # received from another rank: the origin rank re-executes
-        if len(self.done) >= self.config.max_reruns:
-            return
-        self.pending.append(f)
-        self.guarded(self._rerun_pending)()
+        if rank not in f.ranks or (f.evidence or {}).get("origin") == "another rank":
+            return  # about another rank, or received from another rank: the origin rank re-executes
+        if f.subject == "loss across ranks":
+            return  # rank 0's view of another rank: that rank finds it in its own exchange (below)
+        self.flags.append((f.step, f"{f.detector}: {f.subject}", {}))
+        if threading.current_thread() is self.thread:
+            self.guarded(self._handle_flags)()
 
-    def _rerun_pending(self) -> None:
+    # ------------------------------------------------------------------ flags across ranks
+    def probe(self, step: int) -> dict[str, Any] | None:
+        if self.exchange is None:
+            return None
+        from distdebug.fingerprint.hashing import device_sums
+
+        params = [p.detach() for rec in self.recorders for p in rec.params]
+        return {"rows": device_sums(params)} if params else None
+
+    def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        for rec in self.recorders:
+            rec.step = event.step + 1
+        rows = self.values(event).get("rows")
+        if self.exchange is not None and rows is not None:
+            layout = self.ctx.layout if self.ctx is not None else None
+            group = layout.data_group() if layout is not None else None
+            self.posted[event.step] = rows
+            for old in [s for s in self.posted if s < event.step - self.config.keep - 1]:
+                del self.posted[old]
+            self.last_step = event.step
+            self.exchange.post({"step": event.step, "rows": rows, "loss": event.loss, "group": group}, self._judge)
+        self._handle_flags()
+        return ()
+
+    def _judge(self, gathered: list[Any]) -> None:
+        """On the exchange thread, with every rank's post of one step: which ranks are flagged (every rank
+        judges the same data the same way; each keeps its own flags)."""
+        ctx = self.ctx
+        if ctx is None:
+            return
+        me = ctx.identity.rank
+        posts = {r: p for r, p in enumerate(gathered) if isinstance(p, dict)}
+        if me not in posts or len(posts) < 2:
+            return
+        step = posts[me]["step"]
+        if any(p.get("step") != step for p in posts.values()):
+            return  # the ranks' step counts parted: nothing to compare this time
+        group = posts[me].get("group")
+        if group is False:
+            group = [me]
+        peers = [r for r in posts if group is None or r in group]
+        rows = {r: [tuple(x) for x in posts[r]["rows"]] for r in peers}
+        if len({len(v) for v in rows.values()}) > 1:
+            return  # not the same parameters (a layout this check does not know): nothing to compare
+        counts: dict[Any, int] = {}
+        for r in peers:
+            key = tuple(rows[r])
+            counts[key] = counts.get(key, 0) + 1
+        parted = len(counts) > 1
+        starts, self.parted = parted and not self.parted, parted
+        if starts:  # the first step the replicas differ at: the steps after it inherit the difference
+            best = max(counts.values())
+            majority = [k for k, n in counts.items() if n == best]
+            mine = tuple(rows[me])
+            if len(majority) > 1 or mine not in majority:  # no majority (two replicas): every one is flagged
+                ref = next(rows[r] for r in peers if r != me and tuple(rows[r]) != mine)
+                first = next((i for i, (a, b) in enumerate(zip(mine, ref, strict=True)) if a != b), None)
+                odd = sorted(r for r in peers if tuple(rows[r]) not in majority) if len(majority) == 1 else []
+                self.flags.append((step, REPLICAS, {"tensor_index": first, "replicas": sorted(peers),
+                                                    "majority": len(majority) == 1, "odd": odd}))
+        losses = {r: posts[r].get("loss") for r in posts}
+        for rank, *_ in self.cross.feed(step, losses):
+            if rank == me:
+                self.flags.append((step, DEPARTS, {}))
+
+    # ------------------------------------------------------------------ re-execution
+    def _handle_flags(self) -> None:
+        """On the training thread: re-execute each flagged step still held (once per step)."""
         from distdebug.runtime import rerun
+        from distdebug.runtime.session import current_session
 
-        while self.pending:
-            f = self.pending.pop(0)
-            if f.step in self.done or f.step is None:
+        while self.flags:
+            step, why, extra = self.flags.pop(0)
+            if step in self.done or len(self.done) >= self.config.max_reruns:
                 continue
-            self.done.add(f.step)
-            for rec in self.recorders:
-                cap = rec.last(f.step)
-                if cap is None:
-                    continue
-                from distdebug.runtime.session import current_session
-
-                session = current_session()
-                paused = Detector.paused
-                Detector.paused = True  # every detector's hooks pass; injected faults (own class flag) act
+            held = [(rec, rec.last(step)) for rec in self.recorders]
+            held = [(rec, cap) for rec, cap in held if cap is not None]
+            if not held:
+                self.done.add(step)
+                self._say_late(step, why)
+                continue
+            self.done.add(step)
+            session = current_session()
+            paused = Detector.paused
+            Detector.paused = True  # every detector's hooks pass; injected faults (own class flag) act
+            if session is not None:
+                session.replaying = True  # and the session's own module hooks
+            try:
+                verdicts = [(rec, rerun.reexecute(rec, cap)) for rec, cap in held]
+            finally:
+                Detector.paused = paused
                 if session is not None:
-                    session.replaying = True  # and the session's own module hooks
-                try:
-                    verdict = rerun.reexecute(rec, cap)
-                finally:
-                    Detector.paused = paused
-                    if session is not None:
-                        session.replaying = False
-                self._report(verdict, f)
+                    session.replaying = False
+            for rec, v in verdicts:
+                stored = self._reread(rec, step) if why == REPLICAS else None
+                self._report(v, why, extra, stored, rec)
 
-    def _report(self, v: Any, trigger: Finding) -> None:
+    def _reread(self, rec: Any, step: int) -> str | None:
+        """The parameters as the next step read them (its capture) against those exchanged at ``step``'s end:
+        'stored' (the same: the wrong value stays in memory) or 'read' (two reads of an unchanged tensor
+        disagree); None when the next step's capture is not held."""
+        from distdebug.fingerprint.hashing import device_sums
+
+        nxt = rec.last(step + 1)
+        posted = self.posted.get(step)
+        if nxt is None or posted is None or len(self.recorders) != 1:
+            return None
+        now = device_sums([p.detach() for p in nxt.params]).tolist()  # the rare path: one read
+        return "stored" if [list(r) for r in now] == [list(r) for r in posted] else "read"
+
+    def _say_late(self, step: int, why: str) -> None:
+        assert self.ctx is not None
+        rank = self.ctx.identity.rank
+        self.ctx.report(Finding(
+            severity=Severity.INFO, detector=self.name, ranks=[rank], step=step, subject=f"re-execution of step {step}",
+            message=f"step {step} on rank {rank} ({why}) not re-executed: the flag came after its capture was reused "
+                    f"(captures of the last {self.config.keep} steps are held: rerun.keep)",
+            evidence={"verdict": "late", "trigger": why}))
+
+    def _report(self, v: Any, why: str, extra: dict[str, Any], stored: str | None, rec: Any) -> None:
         from distdebug.runtime import rerun
 
         assert self.ctx is not None
         rank = self.ctx.identity.rank
-        what = f"{trigger.detector}: {trigger.subject}"
-        evidence = {"verdict": v.kind, "trigger": what, "differs": v.differs, "reason": v.reason}
         host = self.ctx.identity.host
-        if v.kind == rerun.NOT_REPRODUCIBLE:
+        index = extra.get("tensor_index")
+        tensor = rec.param_names[index] if isinstance(index, int) and index < len(rec.param_names) else None
+        evidence = {"verdict": v.kind, "trigger": why, "differs": v.differs, "reason": v.reason}
+        if tensor:
+            evidence["tensor"] = tensor
+        fix: str | None
+        if v.kind == rerun.REPRODUCIBLE and stored is not None:
+            # The step computes the same again; the parameters differ from their replicas all the same.
+            evidence["verdict"] = "stored corruption" if stored == "stored" else "read error"
+            sev = Severity.ERROR
+            which = ("" if extra.get("majority") else
+                     f" (two replicas, {extra.get('replicas')}: which one holds the wrong value cannot be told; the "
+                     "other says the same)")
+            if stored == "stored":
+                msg = (f"step {v.step} re-executed on rank {rank} ({why}" + (f", first {tensor}" if tensor else "")
+                       + "): the step's computation reproduces bit for bit, and the parameters read the same again "
+                       "at the next step: the stored value is wrong: a corruption in memory (a flipped bit) or a "
+                       "write outside the step, not the step's arithmetic" + which)
+                fix = (f"check rank {rank}'s memory ({host}: ECC error counters, nvidia-smi -q -d ECC / "
+                       "dcgmi diag) and any code that writes parameters outside the optimizer; resume from the "
+                       "last checkpoint (its replicas hold the right values)")
+            else:
+                msg = (f"step {v.step} on rank {rank} ({why}" + (f", first {tensor}" if tensor else "")
+                       + "): the parameters read differently twice without an update in between: a read error "
+                       "(suspect the machine)")
+                fix = f"drain rank {rank}'s machine ({host}) and resume from the last checkpoint on another one"
+        elif v.kind == rerun.NOT_REPRODUCIBLE:
             sev, msg = Severity.ERROR, (
-                f"step {v.step} re-executed on rank {rank} ({what}): not reproducible: a transient fault: suspect "
+                f"step {v.step} re-executed on rank {rank} ({why}): not reproducible: a transient fault: suspect "
                 f"the machine. Re-executed twice from its inputs and parameters, it gives the same result both "
                 f"times, and not the first execution's: {v.differs[0]} differs first"
                 + (f" ({len(v.differs)} tensors in all)" if len(v.differs) > 1 else ""))
@@ -135,17 +280,12 @@ class Rerun(Detector):
                    f"run distdebug doctor there before it takes jobs again")
         elif v.kind == rerun.REPRODUCIBLE:
             sev, msg = Severity.WARNING, (
-                f"step {v.step} re-executed on rank {rank} ({what}): reproducible: the same inputs and parameters "
+                f"step {v.step} re-executed on rank {rank} ({why}): reproducible: the same inputs and parameters "
                 "give the same output and local gradients, bit for bit: a code path or the data, not the hardware")
             fix = (f"debug step {v.step}'s batch and code path on rank {rank}: it reproduces (the machine is not the "
                    "suspect)")
         else:
-            sev, msg = Severity.INFO, f"step {v.step} on rank {rank} ({what}) not re-executed: {v.reason}"
+            sev, msg = Severity.INFO, f"step {v.step} on rank {rank} ({why}) not re-executed: {v.reason}"
             fix = None
         self.ctx.report(Finding(severity=sev, detector=self.name, ranks=[rank], step=v.step,
                                 subject=f"re-execution of step {v.step}", message=msg, evidence=evidence, fix=fix))
-
-    def on_step(self, event: StepEvent) -> Iterable[Finding]:
-        for rec in self.recorders:
-            rec.step = event.step + 1
-        return ()

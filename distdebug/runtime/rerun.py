@@ -134,7 +134,12 @@ class Verdict:
 class Recorder:
     """Captures each step of one module (see the module docstring). Device work only in its hooks."""
 
-    def __init__(self, module: torch.nn.Module, names: dict[int, str] | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, names: dict[int, str] | None = None, keep: int = 1,
+                 collectives: Any = None, step_of: Any = None) -> None:
+        """``keep``: the last steps whose captures are held (a flag that comes a step or two late still finds
+        its step); ``collectives``: a callable giving the rank's count of collectives so far (the session's),
+        to see a forward that communicates; ``step_of``: a callable giving the step in progress (else ``step``,
+        set by the caller at each boundary)."""
         self.module = module
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -142,6 +147,12 @@ class Recorder:
         self.buffers = [b for _, b in module.named_buffers()]
         self.device = self.params[0].device if self.params else None
         self.current: Capture | None = None
+        self.ring: list[Capture] = []  # the last ``keep`` captures, oldest first
+        self.keep = max(1, keep)
+        self.collectives = collectives
+        self.step_of = step_of
+        self._seq = 0
+        self.sharded = any(type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor for p in self.params)
         self.step = 1  # the step being captured (the session's last boundary + 1; set by the detector)
         self._handles: list[Any] = []
         self._stack: list[bool] = []  # per open call of the module: recorded or not
@@ -153,8 +164,11 @@ class Recorder:
         if self.replaying:
             return
         # Outermost calls with gradients on only: an evaluation forward (no_grad) is no part of a step's
-        # computation; a nested call of the same module is part of the outer one.
-        record = not self._stack and torch.is_grad_enabled()
+        # computation; a nested call of the same module is part of the outer one. A call through a forward
+        # replaced on the instance (Lightning runs training_step as the DDP-wrapped module's forward, for
+        # the length of the call) is not the model's computation and would not be the same call later: the
+        # model's own forward, called inside it, is recorded instead.
+        record = not any(self._stack) and torch.is_grad_enabled() and "forward" not in vars(module)
         self._stack.append(record)
         if not record:
             return
@@ -163,6 +177,7 @@ class Recorder:
             cap.problem = cap.problem or ("a forward call without a backward of its own in the step (several calls "
                                           "feeding one backward): their gradients cannot be told apart")
         cap.calls.append(Call(_detach_copy(args), _detach_copy(kwargs), _rng_state(self.device)))
+        self._seq = self.collectives() if self.collectives is not None else 0
 
     def forward_post(self, module: Any, args: Any, kwargs: Any, out: Any) -> None:
         if self.replaying or not self._stack:
@@ -170,6 +185,10 @@ class Recorder:
         if not self._stack.pop() or self.current is None or not self.current.calls:
             return
         call = self.current.calls[-1]
+        if self.collectives is not None and self.collectives() != self._seq:
+            self.current.problem = self.current.problem or (
+                "the model's forward communicates (a collective inside it: tensor parallelism or layers synchronised "
+                "by hand): one rank cannot re-run it alone")
         outs = output_tensors(out)
         call.out_fp = device_sums([o.detach() for o in outs]) if outs else None
         call.out_grads = [None] * len(outs)
@@ -202,13 +221,14 @@ class Recorder:
 
     def _open(self) -> Capture:
         """The step's capture, made at its first forward call: the parameters and buffers before it."""
+        if self.step_of is not None:
+            self.step = self.step_of()
         if self.current is not None and self.current.step == self.step:
             return self.current
-        spare = self.current  # the previous step's capture: its copies are reused (no allocation a step)
-        if spare is not None:
-            spare.calls = []
+        # The oldest capture beyond ``keep`` lends its copies (no allocation a step once the ring is full).
+        spare = self.ring.pop(0) if len(self.ring) >= self.keep else None
         with torch.no_grad():
-            if spare is not None and len(spare.params) == len(self.params):
+            if spare is not None and len(spare.params) == len(self.params) and len(spare.buffers) == len(self.buffers):
                 for c, p in zip(spare.params, self.params, strict=True):
                     c.copy_(p)
                 for c, b in zip(spare.buffers, self.buffers, strict=True):
@@ -218,14 +238,37 @@ class Recorder:
                 params = [p.detach().clone() for p in self.params]
                 buffers = [b.detach().clone() for b in self.buffers]
         self.current = Capture(self.step, params, buffers)
+        self.ring.append(self.current)
         if self.communicates:
             self.current.problem = "the model's forward communicates (SyncBatchNorm): one rank cannot re-run it alone"
+        elif self.sharded:
+            self.current.problem = ("the parameters are sharded (FSDP2, tensor parallelism): the forward gathers them "
+                                    "from the other ranks, so one rank cannot re-run it alone")
         return self.current
 
     def last(self, step: int) -> Capture | None:
-        """The capture of ``step`` if it is the latest one (kept until the next step's first forward call)."""
-        cap = self.current
-        return cap if cap is not None and cap.step == step else None
+        """The capture of ``step`` while it is held (the last ``keep`` steps)."""
+        return next((c for c in self.ring if c.step == step), None)
+
+    def capture_bytes(self) -> int:
+        """What the held captures occupy: parameter and buffer copies, inputs, output gradients."""
+        total = 0
+        for cap in self.ring:
+            tensors = [*cap.params, *cap.buffers]
+            for call in cap.calls:
+                tensors += [t for t in _tensors(call.args) + _tensors(call.kwargs)] + [g for g in call.out_grads
+                                                                                      if g is not None]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+
+def _tensors(x: Any, depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if depth > 6:
+        return []
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+    return [t for v in items for t in _tensors(v, depth + 1)]
 
 
 @contextlib.contextmanager
