@@ -198,7 +198,8 @@ class Rerun(ExchangeUser, Detector):
             held = [(rec, cap) for rec, cap in held if cap is not None]
             if not held:
                 self.done.add(step)
-                self._say_late(step, why)
+                newest = max((c.step for rec in self.recorders for c in rec.ring), default=0)
+                self._say_late(step, why, late=newest > step)
                 continue
             self.done.add(step)
             session = current_session()
@@ -229,14 +230,17 @@ class Rerun(ExchangeUser, Detector):
         now = device_sums([p.detach() for p in nxt.params]).tolist()  # the rare path: one read
         return "stored" if [list(r) for r in now] == [list(r) for r in posted] else "read"
 
-    def _say_late(self, step: int, why: str) -> None:
+    def _say_late(self, step: int, why: str, late: bool) -> None:
         assert self.ctx is not None
         rank = self.ctx.identity.rank
+        reason = (f"the flag came after its capture was reused (captures of the last {self.config.keep} steps are "
+                  "held: rerun.keep)" if late else
+                  "no forward call of the model was captured in that step (a model's first step, before it is "
+                  "discovered; a forward with gradients off; a compiled module: README)")
         self.ctx.report(Finding(
             severity=Severity.INFO, detector=self.name, ranks=[rank], step=step, subject=f"re-execution of step {step}",
-            message=f"step {step} on rank {rank} ({why}) not re-executed: the flag came after its capture was reused "
-                    f"(captures of the last {self.config.keep} steps are held: rerun.keep)",
-            evidence={"verdict": "late", "trigger": why}))
+            message=f"step {step} on rank {rank} ({why}) not re-executed: {reason}",
+            evidence={"verdict": "late" if late else "not captured", "trigger": why}))
 
     def _report(self, v: Any, why: str, extra: dict[str, Any], stored: str | None, rec: Any) -> None:
         from distdebug.runtime import rerun

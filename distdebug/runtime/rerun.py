@@ -69,6 +69,13 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     return found
 
 
+def _own_forward(module: Any) -> bool:
+    """The call runs the module's own forward: none set on the instance, or its class's, bound to it."""
+    f = vars(module).get("forward")
+    return f is None or (getattr(f, "__func__", None) is type(module).forward
+                         and getattr(f, "__self__", None) is module)
+
+
 def _detach_copy(x: Any, depth: int = 0) -> Any:
     """A copy of a call's inputs that the training cannot change afterwards (tensors detached and cloned)."""
     if isinstance(x, torch.Tensor):
@@ -165,10 +172,11 @@ class Recorder:
             return
         # Outermost calls with gradients on only: an evaluation forward (no_grad) is no part of a step's
         # computation; a nested call of the same module is part of the outer one. A call through a forward
-        # replaced on the instance (Lightning runs training_step as the DDP-wrapped module's forward, for
-        # the length of the call) is not the model's computation and would not be the same call later: the
-        # model's own forward, called inside it, is recorded instead.
-        record = not any(self._stack) and torch.is_grad_enabled() and "forward" not in vars(module)
+        # replaced on the instance (Lightning runs training_step as the DDP-wrapped module's forward for the
+        # length of the call, then puts the module's own bound forward back on the instance) is not the
+        # model's computation and would not be the same call later: the model's own forward, called inside
+        # it, is recorded instead.
+        record = not any(self._stack) and torch.is_grad_enabled() and _own_forward(module)
         self._stack.append(record)
         if not record:
             return

@@ -228,3 +228,44 @@ def _bare_loop(rank, world):
         opt.step()
         opt.zero_grad()
     return [t.detach().tolist() for t in model.parameters()]
+
+
+def _three_ranks(rank, world, tmp, fault):
+    """Three replicas, gradients all-reduced by hand, only the rerun detector (and the fault): the flags
+    come from its own cross-rank exchange. ``spike``: rank 2's batch at step 24 is 30 times too large (bad
+    data: its loss departs from the others'); ``flip``: a bit of one of rank 2's parameters flips after
+    step 4's update."""
+    import torch.distributed as dist
+
+    from distdebug.detectors.rerun import Rerun
+    from fault_injection.bitflip_param import BitflipParam
+
+    faults = [BitflipParam(rank=2, step=4, param="2.weight")] if fault == "flip" else []
+    s = start_session(tmp, rank, detectors=[*faults, Rerun()])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 31):
+        x = torch.randn(6, 4, generator=g)
+        if fault == "spike" and rank == 2 and step == 24:
+            x = x * 30
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        opt.zero_grad()
+    s.close(0)
+
+
+def test_flags_from_the_other_ranks_re_execute_on_the_odd_rank_only(tmp_path):
+    for fault, trigger, verdict, step in (("spike", "loss departs from the other ranks'", "reproducible", 24),
+                                          ("flip", "parameters differ from their replicas'", "stored corruption", 4)):
+        spawn_ranks(_three_ranks, 3, tmp=tmp_path / fault, fault=fault)
+        found = {rank: [(f["ranks"], f["step"], f["evidence"]["verdict"], f["evidence"]["trigger"])
+                        for f in records(tmp_path / fault, rank, "finding") if f["detector"] == "rerun"]
+                 for rank in (0, 1, 2)}
+        assert found == {0: [], 1: [], 2: [([2], step, verdict, trigger)]}, (fault, found)
+    (f,) = [f for f in records(tmp_path / "flip", 2, "finding") if f["detector"] == "rerun"]
+    assert f["evidence"]["tensor"] == "2.weight" and "the stored value is wrong" in f["message"]

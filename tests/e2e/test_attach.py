@@ -376,3 +376,18 @@ def test_rank_slowed_by_a_sleep_in_its_step_is_a_straggler_not_blamed_on_data(tm
     assert 0.025 < f["evidence"]["lateness_s"] < 0.06  # the 30 ms sleep, as the others waited for it
     scores = kinds(tmp_path, 0, "straggler_scores")[-1]["ranks"]
     assert set(scores) == {"0", "1"}
+
+
+def test_rerun_on_anomaly_is_bitwise_on_a_clean_run_and_re_executes_nothing(tmp_path):
+    """Do no harm with the capture on: GPT recipe with gradient accumulation (two calls, each with its own
+    backward, under no_sync), 6 steps, 2 ranks: final parameters torchrun's, and no re-execution at all."""
+    args = [str(RECIPES / "gpt_ddp.py"), "--steps", "6", "--grad-accum", "2"]
+    r = torchrun(*args, "--digest-out", str(tmp_path / "bare"))
+    assert r.returncode == 0, r.output
+    r = distdebug("attach", "--rerun-on-anomaly", "--run-dir", str(tmp_path / "run"), *args, "--digest-out",
+                  str(tmp_path / "attached"))
+    assert r.returncode == 0, r.output
+    assert read_digests(tmp_path / "attached") == read_digests(tmp_path / "bare")
+    assert len(read_digests(tmp_path / "bare")) == 2
+    assert [f for rank in (0, 1) for f in kinds(tmp_path / "run", rank, "finding")] == []
+    assert "rerun" in json.loads((tmp_path / "run" / "manifest.json").read_text())["detectors"]

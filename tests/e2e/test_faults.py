@@ -154,7 +154,7 @@ def test_replay_on_a_users_dataloader_script_runs_what_applies(tmp_path):
     r = distdebug("faults", "replay", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
                   str(DATA / "scripts" / "replay_loader.py"), timeout=1200)
     assert r.returncode == 0, r.output[-4000:]
-    assert "12 applicable, 12 caught-localised, 2 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    assert "14 applicable, 14 caught-localised, 2 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
     cases = _cases(junit)
     assert set(cases) == set(FAULTS) | {"clean"}
     assert _skipped(cases) == {
@@ -182,7 +182,7 @@ def test_replay_on_a_gpt_style_script_skips_what_it_lacks(tmp_path):
                   "--junit", str(junit),
                   str(DATA / "scripts" / "replay_gpt.py"), timeout=1200)
     assert r.returncode == 0, r.output[-4000:]
-    assert "7 applicable, 7 caught-localised, 6 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    assert "9 applicable, 9 caught-localised, 6 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
     cases = _cases(junit)
     assert set(cases) == set(FAULTS) - {"bad_env"} | {"clean"}
     skipped = _skipped(cases)

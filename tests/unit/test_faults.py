@@ -15,7 +15,7 @@ from fault_injection.registry import FAULTS, resolve
 
 CATALOGUE = {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "unsynced_bn", "bad_env", "hang",
              "straggler", "slow_dataloader", "loss_spike", "duplicate_data", "seed_mismatch",
-             "checkpoint_corruption", "slow_link"}
+             "checkpoint_corruption", "slow_link", "transient_compute", "persistent_compute"}
 
 
 def test_catalogue_is_complete_and_each_fault_declares_its_catcher_and_engines():
@@ -122,6 +122,14 @@ def test_expectations_follow_what_the_fault_hit_and_the_world_size():
     pair = FAULTS["bitflip_param"]().expect(4, [{**inj[0], "rank": 1, "replicas": [1, 3]}])
     trio = FAULTS["bitflip_param"]().expect(6, [{**inj[0], "replicas": [0, 2, 4]}])
     assert (pair[0].ranks, trio[0].ranks) == ([1, 3], [2])
+    # Under --rerun-on-anomaly (the injected record says the rank captured its steps) the flipped rank also
+    # calls it a stored corruption of that tensor; the two compute faults are classified both ways.
+    rerun = FAULTS["bitflip_param"]().expect(2, [{**inj[0], "rerun": True}])
+    assert [(e.detector, e.ranks, e.step, e.evidence) for e in rerun[1:]] == \
+        [("rerun", [2], 4, {"verdict": "stored corruption", "tensor": "0.weight"})]
+    for name, verdict in (("transient_compute", "not reproducible"), ("persistent_compute", "reproducible")):
+        (e,) = FAULTS[name]().expect(2, [{"rank": 1, "step": 3, "module": "2"}])
+        assert (e.detector, e.ranks, e.step, e.evidence) == ("rerun", [1], 3, {"verdict": verdict})
     bn = FAULTS["unsynced_bn"]().expect(2, [{"rank": 0, "step": 1, "modules": ["features.1", "features.4"]}])
     assert [(e.detector, e.ranks, e.step, e.subject) for e in bn] == [("bn_divergence", [0, 1], 2, "features.1")]
 
@@ -234,7 +242,7 @@ def _applicable(facts):
 
 def test_which_faults_can_act_follows_what_the_script_has():
     assert _applicable(GPT) == {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "bad_env", "hang",
-                                "loss_spike", "seed_mismatch"}
+                                "loss_spike", "seed_mismatch", "transient_compute", "persistent_compute"}
     assert _applicable(LOADER) == set(FAULTS) - {"seed_mismatch", "slow_link"}
     reasons = {name: cls.applicable(GPT) for name, cls in FAULTS.items()}
     assert reasons["unsynced_bn"] == "no BatchNorm in the model"
@@ -258,6 +266,12 @@ def test_which_faults_can_act_follows_what_the_script_has():
     sharded = Facts(**{**GPT.__dict__, "wrappers": {"fsdp2"}})
     assert "sharded" in FAULTS["bitflip_param"].applicable(sharded)
     assert not FAULTS["nan_activation"].applicable(sharded)
+    # A step is re-executed on one rank alone only where its forward does not communicate.
+    for facts in (sharded, Facts(**{**LOADER.__dict__, "syncbatchnorm": 1}),
+                  Facts(**{**GPT.__dict__, "tensor_parallel": True})):
+        assert "re-executed on one rank alone only where its forward does not communicate" in \
+            FAULTS["transient_compute"].applicable(facts)
+        assert FAULTS["persistent_compute"].applicable(facts) == FAULTS["transient_compute"].applicable(facts)
 
 
 def test_faults_are_fitted_to_the_script_steps_and_model():
