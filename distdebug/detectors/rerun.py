@@ -61,7 +61,8 @@ class Rerun(ExchangeUser, Detector):
         self.thread: threading.Thread | None = None
         self.done: set[int] = set()  # steps re-executed on this rank
         self.flags: list[tuple[int, str, dict[str, Any]]] = []  # (step, why, evidence), from any thread
-        self.posted: dict[int, list[list[int]]] = {}  # step -> this rank's fingerprint rows exchanged for it
+        self.posted: dict[int, list[int]] = {}  # step -> this rank's parameter fingerprints exchanged for it
+        self._pending: Any = None  # this boundary's fingerprints (fingerprint.hashing.PendingFingerprints)
         self.parted = False  # the replicas differed at the last step judged (exchange thread)
         spike = LossSpikeConfig()
         self.cross = CrossRank(spike.threshold, spike.window)
@@ -121,17 +122,25 @@ class Rerun(ExchangeUser, Detector):
 
     # ------------------------------------------------------------------ flags across ranks
     def probe(self, step: int) -> dict[str, Any] | None:
+        """Every captured parameter's fingerprint after the step: CPU tensors hashed now, device tensors' sums
+        launched here and read with the step's one host read."""
         if self.exchange is None:
             return None
-        from distdebug.fingerprint.hashing import device_sums
+        from distdebug.fingerprint.hashing import PendingFingerprints, rows_to_read
 
-        params = [p.detach() for rec in self.recorders for p in rec.params]
-        return {"rows": device_sums(params)} if params else None
+        named = [(f"{k}.{n}", p.detach()) for k, rec in enumerate(self.recorders)
+                 for n, p in zip(rec.param_names, rec.params, strict=True)]
+        self._pending = PendingFingerprints(named)
+        return rows_to_read([self._pending])
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        from distdebug.fingerprint.hashing import finish_read
+
         for rec in self.recorders:
             rec.step = event.step + 1
-        rows = self.values(event).get("rows")
+        pending, self._pending = self._pending, None
+        fps = finish_read([pending], self.values(event)) if pending is not None else None
+        rows = list(fps.values()) if fps is not None else None
         if self.exchange is not None and rows is not None:
             layout = self.ctx.layout if self.ctx is not None else None
             group = layout.data_group() if layout is not None else None
@@ -160,7 +169,7 @@ class Rerun(ExchangeUser, Detector):
         if group is False:
             group = [me]
         peers = [r for r in posts if group is None or r in group]
-        rows = {r: [tuple(x) for x in posts[r]["rows"]] for r in peers}
+        rows = {r: list(posts[r]["rows"]) for r in peers}
         if len({len(v) for v in rows.values()}) > 1:
             return  # not the same parameters (a layout this check does not know): nothing to compare
         counts: dict[Any, int] = {}
@@ -221,14 +230,14 @@ class Rerun(ExchangeUser, Detector):
         """The parameters as the next step read them (its capture) against those exchanged at ``step``'s end:
         'stored' (the same: the wrong value stays in memory) or 'read' (two reads of an unchanged tensor
         disagree); None when the next step's capture is not held."""
-        from distdebug.fingerprint.hashing import device_sums
+        from distdebug.fingerprint.hashing import fingerprints
 
         nxt = rec.last(step + 1)
         posted = self.posted.get(step)
         if nxt is None or posted is None or len(self.recorders) != 1:
             return None
-        now = device_sums([p.detach() for p in nxt.params]).tolist()  # the rare path: one read
-        return "stored" if [list(r) for r in now] == [list(r) for r in posted] else "read"
+        now = fingerprints([(n, p) for n, p in zip(rec.param_names, nxt.params, strict=True)])  # the rare path
+        return "stored" if list(now.values()) == list(posted) else "read"
 
     def _say_late(self, step: int, why: str, late: bool) -> None:
         assert self.ctx is not None

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from distdebug.fingerprint.hashing import device_sums
+from distdebug import envvars
+from distdebug.fingerprint.hashing import device_sums, fast_cpu_fingerprint
 
 REPRODUCIBLE = "reproducible"
 NOT_REPRODUCIBLE = "not reproducible"
@@ -67,6 +68,25 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
 
     walk(out, 0)
     return found
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> list[Any]:
+    """One fingerprint per tensor, never read here: a CPU tensor's is xxh3 of its bytes on the host (an int, at
+    memory speed); a device tensor's its two sums where it lives (a small int64 tensor, read only when a step
+    is compared). ``DISTDEBUG_DEVICE_PATH=1`` sends CPU tensors down the device path too (the tests)."""
+    forced = envvars.device_path_forced()
+    out: list[Any] = [None] * len(tensors)
+    by_device: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type == "cpu" and not forced:
+            out[i] = fast_cpu_fingerprint(t)
+        else:
+            by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        rows = device_sums([tensors[i] for i in idx])
+        for k, i in enumerate(idx):
+            out[i] = rows[k]
+    return out
 
 
 def _own_forward(module: Any) -> bool:
@@ -111,9 +131,9 @@ class Call:
     args: Any
     kwargs: Any
     rng: tuple[torch.Tensor, torch.Tensor | None]
-    out_fp: torch.Tensor | None = None  # (N, 2) sums of the output tensors, on their device
+    out_fp: list[Any] | None = None  # a fingerprint per output tensor (fingerprint())
     out_grads: list[torch.Tensor | None] = field(default_factory=list)
-    grad_fps: dict[int, torch.Tensor] = field(default_factory=dict)  # parameter index -> its gradient's sums
+    grad_fps: dict[int, Any] = field(default_factory=dict)  # parameter index -> its gradient's fingerprint
 
 
 @dataclass
@@ -198,7 +218,7 @@ class Recorder:
                 "the model's forward communicates (a collective inside it: tensor parallelism or layers synchronised "
                 "by hand): one rank cannot re-run it alone")
         outs = output_tensors(out)
-        call.out_fp = device_sums([o.detach() for o in outs]) if outs else None
+        call.out_fp = fingerprint([o.detach() for o in outs]) if outs else None
         call.out_grads = [None] * len(outs)
         for i, o in enumerate(outs):
             if o.requires_grad:
@@ -219,7 +239,7 @@ class Recorder:
             if index in call.grad_fps:  # a second backward through the same call (retain_graph): not replayable
                 cap.problem = cap.problem or "a forward call with more than one backward through it"
                 return
-            call.grad_fps[index] = device_sums([g.detach()])[0]
+            call.grad_fps[index] = fingerprint([g.detach()])[0]
 
         return hook
 
@@ -301,7 +321,7 @@ def _swapped(rec: Recorder, cap: Capture) -> Iterator[None]:
         _set_rng(rng, rec.device)
 
 
-def _run(rec: Recorder, cap: Capture) -> list[tuple[torch.Tensor | None, dict[int, torch.Tensor]]]:
+def _run(rec: Recorder, cap: Capture) -> list[tuple[list[Any] | None, dict[int, Any]]]:
     """One re-execution of every call of the step: (output sums, {parameter index: gradient sums}) per call."""
     results = []
     for call in cap.calls:
@@ -309,15 +329,16 @@ def _run(rec: Recorder, cap: Capture) -> list[tuple[torch.Tensor | None, dict[in
         with torch.enable_grad():
             out = rec.module(*_detach_copy(call.args), **_detach_copy(call.kwargs))
         outs = output_tensors(out)
-        out_fp = device_sums([o.detach() for o in outs]) if outs else None
+        out_fp = fingerprint([o.detach() for o in outs]) if outs else None
         pairs = [(o, g) for o, g in zip(outs, call.out_grads, strict=False) if g is not None and o.requires_grad]
         pairs = _roots(pairs)
-        grads: dict[int, torch.Tensor] = {}
+        grads: dict[int, Any] = {}
         wanted = sorted(call.grad_fps)
         if pairs and wanted:
             got = torch.autograd.grad([o for o, _ in pairs], [rec.params[i] for i in wanted],
                                       grad_outputs=[g for _, g in pairs], allow_unused=True)
-            grads = {i: device_sums([g])[0] for i, g in zip(wanted, got, strict=True) if g is not None}
+            present = [(i, g) for i, g in zip(wanted, got, strict=True) if g is not None]
+            grads = dict(zip([i for i, _ in present], fingerprint([g for _, g in present]), strict=True))
         results.append((out_fp, grads))
     return results
 
@@ -349,33 +370,40 @@ def _roots(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.T
 
 
 def _differences(rec: Recorder, cap: Capture, a: list, b: list | None = None) -> list[str]:
-    """What differs between two executions (b None: the first one, as captured), first one first. The
-    sums are compared on their device and read in one transfer (the rare path: a flagged step)."""
-    labels: list[str] = []
-    left: list[torch.Tensor] = []
-    right: list[torch.Tensor] = []
-    missing: list[str] = []
+    """What differs between two executions (b None: the first one, as captured), first one first. Host
+    fingerprints are compared as they are; device ones on their device, read in one transfer per device
+    (the rare path: a flagged step)."""
+    verdicts: list[tuple[str, Any]] = []  # (label, True/False or a device bool)
     for k, call in enumerate(cap.calls):
         fp_a, grads_a = a[k]
         fp_b, grads_b = (call.out_fp, call.grad_fps) if b is None else b[k]
         where = f" (forward call {k + 1} of the step)" if len(cap.calls) > 1 else ""
-        pairs = [(f"the model's output{where}", fp_a, fp_b)]
+        outs_a, outs_b = fp_a or [], fp_b or []
+        pairs = [(f"the model's output{where}", x, y) for x, y in zip(outs_a, outs_b, strict=False)]
+        if len(outs_a) != len(outs_b):
+            verdicts.append((f"the model's output{where}", False))
         pairs += [(f"the local gradient of {rec.param_names[i]}{where}", grads_a.get(i), grads_b.get(i))
                   for i in sorted(set(grads_a) | set(grads_b))]
         for label, x, y in pairs:
-            if x is None and y is None:
-                continue
-            if x is None or y is None or x.shape != y.shape:
-                missing.append(label)
-                continue
-            labels.append(label)
-            left.append(x.reshape(-1))
-            right.append(y.reshape(-1).to(x.device))
-    if not labels:
-        return missing
-    dev = left[0].device
-    same = torch.stack([(x == y).all().to(dev) for x, y in zip(left, right, strict=True)]).tolist()  # the one read
-    return [label for label, ok in zip(labels, same, strict=True) if not ok] + missing
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                verdicts.append((label, (x == y.to(x.device)).all()))
+            else:
+                verdicts.append((label, x is not None and x == y))
+    lazy: dict[Any, list[int]] = {}
+    for i, (_, v) in enumerate(verdicts):
+        if isinstance(v, torch.Tensor):
+            lazy.setdefault(v.device, []).append(i)
+    same = [v if not isinstance(v, torch.Tensor) else None for _, v in verdicts]
+    for idx in lazy.values():
+        for i, ok in zip(idx, torch.stack([verdicts[i][1] for i in idx]).tolist(), strict=True):  # one read
+            same[i] = ok
+    seen: set[str] = set()
+    out = []
+    for (label, _), ok in zip(verdicts, same, strict=True):
+        if not ok and label not in seen:
+            seen.add(label)
+            out.append(label)
+    return out
 
 
 def reexecute(rec: Recorder, cap: Capture) -> Verdict:

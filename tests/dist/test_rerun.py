@@ -11,6 +11,7 @@ no other rank does, and a clean run re-executes nothing.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -113,7 +114,12 @@ def test_clean_steps_re_execute_bit_for_bit_and_the_training_is_untouched():
             assert after == bare[rank][1], (kind, accumulate, rank)
 
 
-def test_wrong_once_is_not_reproducible_wrong_every_time_is():
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_wrong_once_is_not_reproducible_wrong_every_time_is(path, monkeypatch):
+    """On both fingerprint paths: a CPU tensor's xxh3 on the host, and the two sums computed where the tensor
+    lives (a GPU's path, forced on CPU by DISTDEBUG_DEVICE_PATH=1), compared on the device, read once."""
+    if path == "device":
+        monkeypatch.setenv("DISTDEBUG_DEVICE_PATH", "1")  # the forked ranks inherit it
     transient = spawn_ranks(_train, 2, rerun=True, perturb=(3, False))
     persistent = spawn_ranks(_train, 2, rerun=True, perturb=(3, True))
     verdicts = transient[1][0]
