@@ -61,3 +61,19 @@ def module(ctx: RankContext, name: str) -> tuple[str, Any] | None:
     owners = [(n, m) for n, m in mods.items() if n and next(m.parameters(recurse=False), None) is not None
               and not finite_preserving(m)]
     return owners[len(owners) // 2] if owners else None
+
+
+def first_float(out: Any) -> Any:
+    """The floating-point tensor a module's output leads with (a tensor, or a tuple led by one, as
+    nn.MultiheadAttention returns (output, weights)), or None."""
+    import torch
+
+    first = out[0] if isinstance(out, tuple) and out else out
+    return first if isinstance(first, torch.Tensor) and first.is_floating_point() else None
+
+
+def with_nan(out: Any) -> Any:
+    """``out`` with a NaN in the first element of the tensor it leads with (a copy; whatever the strides)."""
+    poisoned = first_float(out).clone()
+    poisoned[(0,) * poisoned.dim()] = float("nan")
+    return (poisoned, *out[1:]) if isinstance(out, tuple) else poisoned

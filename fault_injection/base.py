@@ -67,6 +67,7 @@ class Expect:
 
 RANK = Param("rank", int, 1, "the rank it acts on (-1: every rank)")
 STEP = Param("step", int, 3, "the optimizer step it acts in (>= 2)")
+MODULE = Param("module", str, "", "module name (default: the middle module with parameters)")
 
 
 class Fault(Detector):

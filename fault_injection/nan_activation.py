@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
-from fault_injection._targets import module
-from fault_injection.base import RANK, STEP, Expect, Fault, Param
+from fault_injection._targets import first_float, module, with_nan
+from fault_injection.base import MODULE, RANK, STEP, Expect, Fault
 
 if TYPE_CHECKING:
     from fault_injection.probe import Facts
@@ -21,7 +21,7 @@ class NanActivation(Fault):
     name = "nan_activation"
     description = "one module's output on one rank holds a NaN in one step"
     module: str
-    params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
+    params = (RANK, STEP, MODULE)
     aims = (1, "module")
     catcher = "nan_origin"
     # FSDP2/ZeRO reduce inside: the forward names the origin. In tensor and pipeline layouts the NaN
@@ -36,15 +36,9 @@ class NanActivation(Fault):
         name, mod = found
 
         def hook(m: Any, args: Any, out: Any) -> Any:
-            import torch
-
-            # A tensor, or a tuple led by one (nn.MultiheadAttention returns (output, weights)).
-            first = out[0] if isinstance(out, tuple) and out else out
-            if self.here() and isinstance(first, torch.Tensor) and first.is_floating_point():
+            if self.here() and first_float(out) is not None:
                 self.injected(module=name)
-                poisoned = first.clone()
-                poisoned[(0,) * poisoned.dim()] = float("nan")  # the first element, whatever the strides
-                return (poisoned, *out[1:]) if isinstance(out, tuple) else poisoned
+                return with_nan(out)
             return None
 
         mod.register_forward_hook(hook)

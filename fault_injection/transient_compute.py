@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from distdebug.context import RankContext
-from fault_injection._targets import module
-from fault_injection.base import RANK, STEP, Expect, Fault, Param
+from fault_injection._targets import first_float, module, with_nan
+from fault_injection.base import MODULE, RANK, STEP, Expect, Fault
 
 if TYPE_CHECKING:
     from fault_injection.probe import Facts
@@ -24,7 +24,7 @@ class TransientCompute(Fault):
     name = "transient_compute"
     description = "one module's output on one rank is wrong once, in one step (the re-execution computes it right)"
     module: str
-    params = (RANK, STEP, Param("module", str, "", "module name (default: the middle module with parameters)"))
+    params = (RANK, STEP, MODULE)
     aims = (1, "module")
     catcher = "rerun"
     attach_args = ("--rerun-on-anomaly",)
@@ -49,16 +49,11 @@ class TransientCompute(Fault):
         name, mod = found
 
         def hook(m: Any, args: Any, out: Any) -> Any:
-            import torch
-
-            first = out[0] if isinstance(out, tuple) and out else out
-            if not (self.acts_now() and isinstance(first, torch.Tensor) and first.is_floating_point()):
+            if not (self.acts_now() and first_float(out) is not None):
                 return None
             if not self.acted:
                 self.injected(module=name)  # once: the step it first acted in
-            wrong = first.clone()
-            wrong[(0,) * wrong.dim()] = float("nan")  # the first element, whatever the strides
-            return (wrong, *out[1:]) if isinstance(out, tuple) else wrong
+            return with_nan(out)
 
         mod.register_forward_hook(hook)
 

@@ -26,6 +26,8 @@ TRADE = {
     "bn_divergence": "leave it out with --detectors=-bn_divergence (BatchNorm statistics are then not compared)",
     "straggler": "leave it out with --detectors=-straggler (stragglers are then not scored)",
     "memory": "leave it out with --detectors=-memory (the memory breakdown goes)",
+    "rerun": "run without --rerun-on-anomaly (a flagged step is then not re-executed: no transient-or-persistent "
+             "verdict)",
     "session": "the session's own part (the step's read, the wrappers) is the floor, whatever is turned down",
 }
 

@@ -32,6 +32,15 @@ class LossInside(nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+def _average(model: nn.Module, world: int) -> None:
+    """Gradients averaged by hand (a loop without DDP)."""
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "loss_inside":
@@ -89,9 +98,7 @@ def _train(rank, world, kind="ddp", rerun=False, accumulate=1, perturb=None, ste
                 rec.backward_done()
         torch.rand(1)  # the script draws from the global generator after the forward (its next augmentation)
         if kind == "manual":
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
+            _average(model, world)
         opt.step()
         opt.zero_grad()
         if rec is not None:
@@ -185,20 +192,19 @@ def _session_loop(rank, world, tmp, inject):
     from fault_injection.transient_compute import TransientCompute
 
     faults = {"transient": [TransientCompute(rank=1, step=4)], "persistent": [PersistentCompute(rank=1, step=4)],
-              "clean": []}[inject]
-    s = start_session(tmp, rank, detectors=[*faults, NanOrigin(), LossSpike(), Rerun()])
+              "clean": [], "bare": []}[inject]
+    s = start_session(tmp, rank, detectors=[*faults, NanOrigin(), LossSpike(), Rerun()]) if inject != "bare" else None
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
     for _ in range(8):
         model(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        _average(model, world)
         opt.step()
         opt.zero_grad()
-    s.close(0)
+    if s is not None:
+        s.close(0)
     return [t.detach().tolist() for t in model.parameters()]
 
 
@@ -215,25 +221,8 @@ def test_a_clean_run_re_executes_nothing_and_trains_bitwise_as_without(tmp_path)
     under = spawn_ranks(_session_loop, 2, tmp=tmp_path / "clean", inject="clean")
     for rank in (0, 1):
         assert [f for f in records(tmp_path / "clean", rank, "finding")] == []
-    bare = spawn_ranks(_bare_loop, 2)
+    bare = spawn_ranks(_session_loop, 2, tmp=None, inject="bare")  # the same loop without the harness
     assert under == bare
-
-
-def _bare_loop(rank, world):
-    import torch.distributed as dist
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(8):
-        model(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-        opt.zero_grad()
-    return [t.detach().tolist() for t in model.parameters()]
 
 
 def _three_ranks(rank, world, tmp, fault):
@@ -257,9 +246,7 @@ def _three_ranks(rank, world, tmp, fault):
         if fault == "spike" and rank == 2 and step == 24:
             x = x * 30
         model(x).pow(2).mean().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        _average(model, world)
         opt.step()
         opt.zero_grad()
     s.close(0)

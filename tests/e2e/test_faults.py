@@ -253,3 +253,18 @@ def test_a_fault_that_breaks_the_training_is_the_replays_error_not_a_miss(tmp_pa
     assert "duplicate_data/script: error: the training failed under the fault (exit code 1, expected [0]): " \
            "a fault-injection error, not a detector's miss" in " ".join(r.output.split())
     assert "1 of 1 clean runs clean" in r.stdout
+
+
+def test_a_transient_fault_is_told_in_the_report_with_its_action(tmp_path):
+    """attach --rerun-on-anomaly: rank 1's module is wrong once at step 4 (a NaN born there), rank 1
+    re-executes step 4 and the report, text and --json, gives the verdict, its evidence and the action."""
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--rerun-on-anomaly", "--inject",
+                  "transient_compute:rank=1,step=4", str(RECIPES / "manual_allreduce.py"), "--steps", "6")
+    assert r.returncode == 0, r.output
+    rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
+    (f,) = [f for f in rep["findings"] if f["detector"] == "rerun"]
+    assert (f["severity"], f["ranks"], f["step"]) == ("error", [1], 4)
+    assert f["evidence"]["verdict"] == "not reproducible" and f["evidence"]["differs"][0] == "the model's output"
+    assert f["fix"].startswith("drain rank 1's machine")
+    text = distdebug("report", str(tmp_path)).stdout  # a table: its cells wrap, so words are looked for
+    assert all(w in text for w in ("rerun", "re-execution of step 4", "not reproducible", "transient fault"))

@@ -108,6 +108,9 @@ def test_startup_is_kept_apart_and_per_step_figures_count_from_the_end_of_step_1
     advice = cost_analysis.summarize_cost({0: both})["advice"]
     assert "the costliest detector is replica_divergence (0.400 ms): fingerprint every N steps" in advice
     assert advice.endswith("the session's own part (0.600 ms: the step's read, the wrappers) stays")
+    # an opt-in detector is turned down by its own option, not by --detectors=- (which takes default ones only)
+    rerun = cost_analysis.summarize_cost({0: {**rank, "per_step_ms": {"rerun": 0.9, "session": 0.2}}})["advice"]
+    assert "the costliest detector is rerun (0.900 ms): run without --rerun-on-anomaly" in rerun
     cheap = cost_analysis.per_rank({**snap, "training_thread_ms": {"probe": 2.0}}, [{"step": 2, "step_time_s": 0.01}])
     assert cost_analysis.summarize_cost({0: cheap})["advice"] is None  # 2% of the step: within budget
 
