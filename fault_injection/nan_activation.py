@@ -7,7 +7,7 @@ every later hook (nan_origin's included) sees the poisoned tensor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from distdebug.context import RankContext
 from fault_injection._targets import first_float, module, with_nan
@@ -26,7 +26,7 @@ class NanActivation(Fault):
     catcher = "nan_origin"
     # FSDP2/ZeRO reduce inside: the forward names the origin. In tensor and pipeline layouts the NaN
     # reaches the other ranks through forward communication: born on one rank, received by the others.
-    engines = ("ddp", "manual", "fsdp2", "zero2", "tp", "hsdp_tp", "pp")
+    engines: ClassVar[tuple[str, ...]] = ("ddp", "manual", "fsdp2", "zero2", "tp", "hsdp_tp", "pp")
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
@@ -36,12 +36,18 @@ class NanActivation(Fault):
         name, mod = found
 
         def hook(m: Any, args: Any, out: Any) -> Any:
-            if self.here() and first_float(out) is not None:
-                self.injected(module=name)
-                return with_nan(out)
-            return None
+            if not (self.acts_now() and first_float(out) is not None):
+                return None
+            if not self.acted:
+                self.injected(module=name)  # once: the step it first acted in
+            return with_nan(out)
 
         mod.register_forward_hook(hook)
+
+    def acts_now(self) -> bool:
+        """Whether this forward call gets the NaN: in its step, on its rank, once (transient_compute's twin
+        persistent_compute says otherwise)."""
+        return self.here()
 
     @classmethod
     def applicable(cls, facts: Facts) -> str:

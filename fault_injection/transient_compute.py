@@ -12,24 +12,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from distdebug.context import RankContext
-from fault_injection._targets import first_float, module, with_nan
-from fault_injection.base import MODULE, RANK, STEP, Expect, Fault
+from fault_injection.base import Expect
+from fault_injection.nan_activation import NanActivation
 
 if TYPE_CHECKING:
     from fault_injection.probe import Facts
 
 
-class TransientCompute(Fault):
+class TransientCompute(NanActivation):
+    """nan_activation's NaN (its aim, its hook), acting once in the step's first execution only: the rerun
+    detector must call it not reproducible. The re-execution runs one rank's forward alone: data-parallel
+    models whose forward does not communicate (DDP, gradients all-reduced by hand)."""
+
     name = "transient_compute"
     description = "one module's output on one rank is wrong once, in one step (the re-execution computes it right)"
-    module: str
-    params = (RANK, STEP, MODULE)
-    aims = (1, "module")
     catcher = "rerun"
     attach_args = ("--rerun-on-anomaly",)
-    # The re-execution runs one rank's forward alone: data-parallel models whose forward does not
-    # communicate (DDP, gradients all-reduced by hand).
     engines = ("ddp", "manual")
     persistent: ClassVar[bool] = False
     verdict: ClassVar[str] = "not reproducible"
@@ -40,22 +38,6 @@ class TransientCompute(Fault):
         if self.persistent:
             return self.current >= self.step
         return self.current == self.step and not self.acted
-
-    def attach(self, ctx: RankContext) -> None:
-        super().attach(ctx)
-        found = module(ctx, self.module)
-        if found is None or not self.mine():
-            return
-        name, mod = found
-
-        def hook(m: Any, args: Any, out: Any) -> Any:
-            if not (self.acts_now() and first_float(out) is not None):
-                return None
-            if not self.acted:
-                self.injected(module=name)  # once: the step it first acted in
-            return with_nan(out)
-
-        mod.register_forward_hook(hook)
 
     @classmethod
     def applicable(cls, facts: Facts) -> str:

@@ -68,8 +68,6 @@ class Rerun(ExchangeUser, Detector):
         self.cross = CrossRank(spike.threshold, spike.window)
 
     def attach(self, ctx: RankContext) -> None:
-        import torch
-
         from distdebug.runtime.discovery import is_deepspeed_engine, unwrap
         from distdebug.runtime.rerun import Recorder
         from distdebug.runtime.session import current_session
@@ -77,17 +75,18 @@ class Rerun(ExchangeUser, Detector):
         self.ctx = ctx
         self.thread = threading.current_thread()  # the training thread: the boundary runs on it
         session = current_session()
-        count = (lambda: session.progress.collective_seq) if session is not None else None
-        step_of = (lambda: session.step + 1) if session is not None else None
+        if session is None:  # no session, no steps: nothing to capture
+            return
         for root in ctx.models:
             if is_deepspeed_engine(root):
                 continue  # the engine owns the backward: not re-executed (README)
-            inner = unwrap(root)[0]
-            params = [p for p in inner.parameters() if p.requires_grad]
-            if not params or any(type(p) is not torch.nn.Parameter for p in params):
+            # The step in progress is the session's (its last boundary + 1); the collectives it counted tell
+            # a forward that communicates.
+            rec = Recorder(unwrap(root)[0], keep=self.config.keep, step_of=lambda: session.step + 1,
+                           collectives=lambda: session.progress.collective_seq)
+            if not rec.params or rec.sharded:
                 continue  # sharded (FSDP2, DTensor): the forward gathers from peers; not captured (README)
-            rec = Recorder(inner, keep=self.config.keep, collectives=count, step_of=step_of)
-            rec.step = self._session_step() + 1  # attached at a boundary: the next step is the first captured
+            inner = rec.module
             self.hook(inner, "forward_pre", rec.forward_pre, with_kwargs=True)
             self.hook(inner, "forward", rec.forward_post, with_kwargs=True)
             for i, p in enumerate(rec.params):
@@ -98,13 +97,6 @@ class Rerun(ExchangeUser, Detector):
         ctx.finding_listeners.append(self._on_finding)
         if self.recorders:
             self.open_exchange(ctx)
-
-    @staticmethod
-    def _session_step() -> int:
-        from distdebug.runtime.session import current_session
-
-        session = current_session()
-        return session.step if session is not None else 1
 
     # ------------------------------------------------------------------ flags on this rank
     def _on_finding(self, f: Finding) -> None:
@@ -136,8 +128,6 @@ class Rerun(ExchangeUser, Detector):
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         from distdebug.fingerprint.hashing import finish_read
 
-        for rec in self.recorders:
-            rec.step = event.step + 1
         pending, self._pending = self._pending, None
         fps = finish_read([pending], self.values(event)) if pending is not None else None
         rows = list(fps.values()) if fps is not None else None

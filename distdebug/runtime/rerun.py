@@ -161,16 +161,16 @@ class Verdict:
 class Recorder:
     """Captures each step of one module (see the module docstring). Device work only in its hooks."""
 
-    def __init__(self, module: torch.nn.Module, names: dict[int, str] | None = None, keep: int = 1,
-                 collectives: Any = None, step_of: Any = None) -> None:
+    def __init__(self, module: torch.nn.Module, keep: int = 1, collectives: Any = None,
+                 step_of: Any = None) -> None:
         """``keep``: the last steps whose captures are held (a flag that comes a step or two late still finds
         its step); ``collectives``: a callable giving the rank's count of collectives so far (the session's),
         to see a forward that communicates; ``step_of``: a callable giving the step in progress (else ``step``,
         set by the caller at each boundary)."""
         self.module = module
-        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in self.named]
-        self.param_names = [names.get(id(p), n) if names else n for n, p in self.named]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.param_names = [n for n, _ in named]
         self.buffers = [b for _, b in module.named_buffers()]
         self.device = self.params[0].device if self.params else None
         self.current: Capture | None = None
@@ -181,7 +181,6 @@ class Recorder:
         self._seq = 0
         self.sharded = any(type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor for p in self.params)
         self.step = 1  # the step being captured (the session's last boundary + 1; set by the detector)
-        self._handles: list[Any] = []
         self._stack: list[bool] = []  # per open call of the module: recorded or not
         self.communicates = any(type(m).__name__ == "SyncBatchNorm" for m in module.modules())
         self.replaying = False  # re-executing: its own hooks pass
