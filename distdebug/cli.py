@@ -16,8 +16,10 @@ from distdebug import envvars
 from distdebug.config import (
     ON_HANG,
     ON_STALL,
+    WATCH_MODES,
     AttachConfig,
     LossSpikeConfig,
+    NanOriginConfig,
     ProfilerConfig,
     ReplicaDivergenceConfig,
     option_default,
@@ -111,6 +113,11 @@ def main() -> None:
 @click.option("--stop-on-nan", is_flag=True, default=None,
               help="End the job at the first NaN/Inf (exit code 123) after reporting where it started "
                    "(nan_origin.stop). Default: report and keep going.")
+@click.option("--nan-watch", "nan_watch", type=click.Choice(WATCH_MODES), default=None,
+              show_default=str(option_default(NanOriginConfig, "watch")),
+              help="How the module a NaN/Inf started in is found: on-demand re-executes the step found non-finite "
+                   "with every module watched (holds a copy of the parameters); full checks every module's output "
+                   "in every step (nan_origin.watch).")
 @click.option("--rerun-on-anomaly", "rerun_on_anomaly", is_flag=True, default=False,
               help="Capture each step (inputs, generator states, parameters before it) so that a rank flagged at a "
                    "step (a NaN born there, its loss spiking) re-executes it: reproducible (a code path or the "

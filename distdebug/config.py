@@ -204,12 +204,28 @@ class ReplicaDivergenceConfig:
         return self.state_every == 1 or n <= self.state_every or n % self.state_every == 0
 
 
+WATCH_MODES = ("on-demand", "full")
+"""nan_origin.watch's choices (``--nan-watch``)."""
+
+
 @dataclass(kw_only=True)
 class NanOriginConfig:
-    """nan_origin (``--stop-on-nan``)."""
+    """nan_origin (``--stop-on-nan``, ``--nan-watch``)."""
 
     stop: bool = False
     """End the job (EXIT_NAN) at the first non-finite loss, gradient, parameter or module output."""
+    watch: str = "on-demand"
+    """How the first module with a non-finite output is found. ``on-demand``: every step is watched as a
+    whole (the loss, the local gradients, the parameters) and the step's inputs, generator states and
+    parameters are held (one copy); only a step found non-finite is re-executed, its forward with every
+    module watched. ``full``: every watched module's output is checked in every step's forward (no
+    copy held; costs a reduction and a hooked call per module per step). Layouts whose forward cannot
+    be re-executed on one rank alone (FSDP2, DeepSpeed, tensor or pipeline parallelism, SyncBatchNorm,
+    a compiled model, several models) are watched in full whatever this says."""
+
+    def __post_init__(self) -> None:
+        if self.watch not in WATCH_MODES:
+            raise UserError(f"--nan-watch {self.watch!r}: choose one of {', '.join(WATCH_MODES)}", 2)
 
 
 @dataclass(kw_only=True)
@@ -287,6 +303,7 @@ def parse_windows(text: str | None) -> list[tuple[int, int]]:
 SHORTHANDS: dict[str, tuple[str, str]] = {
     "fingerprint_every": ("replica_divergence", "every"),
     "stop_on_nan": ("nan_origin", "stop"),
+    "nan_watch": ("nan_origin", "watch"),
     "spike_threshold": ("loss_spike", "threshold"),
     "spike_window": ("loss_spike", "window"),
     "profile_steps": ("profiler", "steps"),

@@ -111,6 +111,9 @@ class RankContext:
     callbacks queued after the backward began (DDP's reducer queues its finalisation then, which copies
     the reduced gradients back into ``.grad``): with DDP's default ``gradient_as_bucket_view=False`` the
     gradients they see are this rank's own, before the reduction. Device work only, no reads."""
+    local_grad_norms: dict[int, Any] = field(default_factory=dict)
+    """id(DDP model) -> its ``runtime.localgrads.LocalGradNorms``: one fused norm of the local gradients a
+    step, shared by the detectors that read them (``runtime.localgrads.local_grad_norms``)."""
     layout: Any = None
     """The rank's parallel layout (``runtime.layout.Layout``), found at the end of discovery: which ranks
     every cross-rank check compares (data-parallel group, each tensor's replica group). None before."""

@@ -155,6 +155,17 @@ class Fault(Detector):
         """This rank, in the fault's step (or ``step``), and not acted yet."""
         return self.mine() and self.current == (self.step if step is None else step) and not self.acted
 
+    def execution(self) -> tuple[int, int]:
+        """The step whose computation runs now, and which execution of it: (the step in progress, 0) in the
+        training; (the step re-executed, n) while the harness re-executes a step on this rank
+        (``Session.replay``: nan_origin's on-demand watch, ``--rerun-on-anomaly``)."""
+        from distdebug.runtime.session import current_session
+
+        session = current_session()
+        if session is not None and session.replay_step is not None:
+            return session.replay_step, session.replays
+        return self.current, 0
+
     def mine(self) -> bool:
         rank = getattr(self, "rank", -1)
         return rank == -1 or (self.ctx is not None and rank == self.ctx.rank)

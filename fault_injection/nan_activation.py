@@ -40,14 +40,20 @@ class NanActivation(Fault):
                 return None
             if not self.acted:
                 self.injected(module=name)  # once: the step it first acted in
+            self.done_in = self.execution()
             return with_nan(out)
 
         mod.register_forward_hook(hook)
 
+    done_in: tuple[int, int] | None = None  # the execution it last acted in (Fault.execution)
+
     def acts_now(self) -> bool:
-        """Whether this forward call gets the NaN: in its step, on its rank, once (transient_compute's twin
-        persistent_compute says otherwise)."""
-        return self.here()
+        """Whether this forward call gets the NaN: on its rank, the module's first call in each execution of
+        its step: the step as it ran, and again when the harness re-executes that step (a NaN that the
+        step's inputs and code produce comes back when they are run again). transient_compute acts in the
+        first execution only; persistent_compute in every execution from its step on."""
+        step, _ = now = self.execution()
+        return self.mine() and step == self.step and self.done_in != now
 
     @classmethod
     def applicable(cls, facts: Facts) -> str:

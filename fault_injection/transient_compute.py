@@ -35,9 +35,10 @@ class TransientCompute(NanActivation):
     def acts_now(self) -> bool:
         if not self.mine():
             return False
+        step, replays = self.execution()
         if self.persistent:
-            return self.current >= self.step
-        return self.current == self.step and not self.acted
+            return step >= self.step
+        return self.current == self.step and not self.acted and replays == 0  # the step as it first ran
 
     @classmethod
     def applicable(cls, facts: Facts) -> str:

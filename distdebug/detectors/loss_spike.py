@@ -46,6 +46,7 @@ from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.discovery import accumulating
 from distdebug.runtime.exchange import ExchangeUser, checked_step
+from distdebug.runtime.localgrads import local_grad_norms
 
 MIN_HISTORY = 10
 LEVEL = 5
@@ -156,6 +157,7 @@ class LossSpike(ExchangeUser, Detector):
         self._norm: Any = None  # the last backward's gradient norm (a device scalar), read at the boundary
         self._ddps: list[weakref.ref[Any]] = []  # DDP wrappers: in their no_sync() the gradients are not read
         self._reader: Any = None  # this detector's entry in ctx.end_of_backward (DDP's default: local gradients)
+        self._shared: Any = None  # ... or in the shared norms' listeners (runtime.localgrads)
         self._as_backward_left = False  # this step's norm was read when its backward ended (not at the boundary)
         self.sharded = False
         self.rank = 0
@@ -187,8 +189,15 @@ class LossSpike(ExchangeUser, Detector):
             # DDP's default reduces copies and writes the reduced gradients back when it finalises: at the
             # end of the backward .grad is still this rank's own (as nan_origin reads it). Its norm is this
             # rank's, as under a hand-written all_reduce, so a spike names the rank whose batch made it.
-            self._reader = self.guarded(self._local_norm)
-            ctx.end_of_backward.append(self._reader)
+            if len(ctx.models) == 1 and len(ddps) == 1:
+                # one model: the norms nan_origin reads too, computed once (runtime.localgrads)
+                shared = local_grad_norms(ctx, ddps[0])
+                self._reader = self.guarded(self._shared_norm)
+                shared.listeners.append(self._reader)
+                self._shared = shared
+            else:
+                self._reader = self.guarded(self._local_norm)
+                ctx.end_of_backward.append(self._reader)
         self.open_exchange(ctx)
 
     def _cross_rank(self, event: StepEvent) -> None:
@@ -241,6 +250,10 @@ class LossSpike(ExchangeUser, Detector):
         # DDP's no_sync() the backwards before it are not read at all.
         if self._reader is None:
             self._local_norm()
+
+    def _shared_norm(self, key: tuple[str, ...], norms: Any) -> None:
+        with torch.no_grad():
+            self._norm = torch.linalg.vector_norm(norms)  # a device scalar, read at the boundary
 
     def _local_norm(self) -> None:
         if self.params and not accumulating([d for d in (r() for r in self._ddps) if d is not None]):
@@ -320,6 +333,8 @@ class LossSpike(ExchangeUser, Detector):
         self.close_exchange(clean=False)
         if self._reader is not None and self.ctx is not None and self._reader in self.ctx.end_of_backward:
             self.ctx.end_of_backward.remove(self._reader)
+        if self._shared is not None and self._reader in self._shared.listeners:
+            self._shared.listeners.remove(self._reader)
         found = dict(self.found)
         if self.cross_found:
             found["loss across ranks"] = self.cross_found

@@ -42,8 +42,8 @@ NaN in the same step once it has been reduced).
 
 from __future__ import annotations
 
+import contextlib
 import math
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,7 +54,8 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
-from distdebug.runtime.discovery import accumulating, ddp_params, find_ddp, first_tensor, unwrap
+from distdebug.runtime.discovery import ddp_params, find_ddp, first_tensor, runs_compiled, unwrap
+from distdebug.runtime.localgrads import local_grad_norms
 
 INF = float("inf")
 strided = torch.strided
@@ -167,13 +168,23 @@ class NanOrigin(Detector):
         # comm_in, comm_out, stage_input, shards, gathered: of the step being read
         self._forward_records: tuple[dict[str, Any], ...] = ({}, {}, {}, {}, {})
         self._hooks: list[Any] = []
-        self._readers: list[Any] = []  # this detector's entries in ctx.end_of_backward
+        self._readers: list[tuple[Any, Any]] = []  # (runtime.localgrads.LocalGradNorms, this detector's listener)
+        self.watch = self.config.watch  # "on-demand" or "full", as attached (config.NanOriginConfig.watch)
+        self.watch_blockers: list[str] = []  # why on-demand watch could not be had here
+        self._watch: list[tuple[Any, str, Any, dict[str, Any]]] = []  # the forward's per-step watching
+        self._recorder: Any = None  # on-demand watch: the step's capture (runtime.rerun.Recorder, forward only)
+        self._capture_handles: list[Any] = []
+        self._localised = ""  # why the last on-demand localisation could not run ('' when it ran)
 
     # ------------------------------------------------------------------ wiring
     def attach(self, ctx: RankContext) -> None:
         self.ctx = ctx
         many = len(ctx.models) > 1
         roots: list[Any] = list(ctx.models)  # DDP, FSDP2, DeepSpeed or plain: their own methods are used
+        # The per-step watching of the forward (module, hook kind, hook, options): on every step in full
+        # watch, only while a step is re-executed in on-demand watch; and why on-demand cannot be had.
+        watch: list[tuple[Any, str, Any, dict[str, Any]]] = []
+        blockers: list[str] = ["several models"] if many else []
         for i, root in enumerate(roots):
             inner, chain, _ = unwrap(root)
             prefix = f"{type(inner).__name__}[{i}]." if many else ""
@@ -194,7 +205,7 @@ class NanOrigin(Detector):
             stage_index = (getattr(ctx.layout, "stage", None) or {}).get("index", 0)
             if params_checked and stage_index == 0:
                 label = f"{prefix}(input of {type(inner).__name__})"
-                self.hook(inner, "forward_pre", self._input_hook(label, self.fwd))
+                watch.append((inner, "forward_pre", self._input_hook(label, self.fwd), {}))
             for mod_name, mod in inner.named_modules():
                 leaf = next(mod.children(), None) is None
                 own = next(mod.parameters(recurse=False), None) is not None
@@ -202,14 +213,17 @@ class NanOrigin(Detector):
                 skip = leaf and mod_name not in tp_modules and (params_checked or not own) and finite_preserving(mod)
                 if (own or leaf) and not skip:
                     label = prefix + (mod_name or type(inner).__name__)
-                    compiled |= self.hook(mod, "forward", self._forward_hook(label, self.fwd)) is None
+                    if runs_compiled(mod):  # traced into a compiled graph: no module hook (Detector.hook)
+                        compiled = True
+                        continue
+                    watch.append((mod, "forward", self._forward_hook(label, self.fwd), {}))
                     if mod_name in tp_modules:
                         # From before torch's own output hooks (the TP all-reduce / redistribution) to after
                         # them, torch's functional collectives are watched for this module: a finite input
                         # that came back non-finite was received from its TP peers.
-                        self.hook(mod, "forward_pre", self._tp_enter(label), prepend=True)
-                        self.hook(mod, "forward", self._tp_enter(label), prepend=True)
-                        self.hook(mod, "forward", self._tp_leave(label))
+                        watch.append((mod, "forward_pre", self._tp_enter(label), {"prepend": True}))
+                        watch.append((mod, "forward", self._tp_enter(label), {"prepend": True}))
+                        watch.append((mod, "forward", self._tp_leave(label), {}))
             if "fsdp2" in chain:
                 for mod_name, mod in inner.named_modules():
                     params = _fsdp_params(mod)
@@ -226,10 +240,15 @@ class NanOrigin(Detector):
                 self.hook(inner, "forward_pre", self._input_hook(prefix + type(inner).__name__))
             if compiled:  # modules inside a compiled region get no hook: the flag is the whole model's
                 # output, from the eager wrapper around it (a root compiled in place gets none)
-                self.hook(root, "forward", self._forward_hook(prefix + type(inner).__name__, self.fwd))
+                watch.append((root, "forward", self._forward_hook(prefix + type(inner).__name__, self.fwd), {}))
+                blockers.append("a compiled model")
+            if "fsdp2" in chain or "deepspeed" in chain:
+                blockers.append("FSDP2" if "fsdp2" in chain else "DeepSpeed")
         framework_reduces = self.framework_reduces = any({"fsdp2", "deepspeed"} & set(unwrap(r)[1]) for r in ctx.models)
         # Plain tensors are read as they are (no_grad); DTensors and others through their local shard.
         self.sharded = any(type(p) is not torch.nn.Parameter for _, p in self.params)
+        self._watch = watch
+        self._choose_watch(ctx, blockers)
         if self.local_source is None and not framework_reduces:
             import torch.distributed as dist
 
@@ -238,6 +257,97 @@ class NanOrigin(Detector):
             if raw is not None and current is not None:
                 self.patch(ctx, dist, "all_reduce", self._all_reduce_wrapper)
                 self.local_source = "all_reduce"
+
+    def _choose_watch(self, ctx: RankContext, blockers: list[str]) -> None:
+        """On-demand watch where the step's forward can be re-executed on this rank alone, else full watch
+        (config.watch, and the README's list of what re-execution cannot do)."""
+        layout = ctx.layout
+        if getattr(layout, "sharded", None):
+            blockers.append("tensor parallelism")
+        if self.stage is not None:
+            blockers.append("pipeline parallelism")
+        if getattr(layout, "model_parallel_by_hand", None):
+            blockers.append("collectives inside the forward")
+        if self.sharded:
+            blockers.append("sharded parameters")
+        rec = None
+        if self.config.watch == "on-demand" and not blockers:
+            from distdebug.runtime.rerun import Recorder
+            from distdebug.runtime.session import current_session
+
+            session = current_session()
+            if session is None or not ctx.models:
+                blockers.append("no training session")
+            else:
+                # The step in progress is the session's last boundary + 1; the collectives it counts tell a
+                # forward that communicates (then the watch turns full: _check_capture).
+                rec = Recorder(unwrap(ctx.models[0])[0], keep=1, step_of=lambda: session.step + 1,
+                               collectives=lambda: session.progress.collective_seq, forward_only=True)
+                if rec.communicates:
+                    blockers.append("SyncBatchNorm")
+                elif not rec.params:
+                    blockers.append("no trained parameters")
+                if blockers:
+                    rec = None
+        self.watch_blockers = blockers
+        if rec is None:
+            self._watch_fully()
+            return
+        self.watch = "on-demand"
+        self._recorder = rec
+        self._capture_handles = [self.hook(rec.module, "forward_pre", rec.forward_pre, with_kwargs=True),
+                                 self.hook(rec.module, "forward", rec.forward_post, with_kwargs=True)]
+
+    def _watch_fully(self) -> None:
+        """Every watched module's output checked in every step's forward from now on (full watch)."""
+        self.watch = "full"
+        self._recorder = None
+        for h in self._capture_handles:
+            if h is not None:
+                h.remove()
+        self._capture_handles = []
+        for mod, kind, fn, kwargs in self._watch:
+            self.hook(mod, kind, fn, **kwargs)
+
+    def _check_capture(self) -> None:
+        """A step whose capture cannot be re-executed (its forward communicated): full watch from now on."""
+        rec = self._recorder
+        cap = rec.current if rec is not None else None
+        if cap is not None and cap.problem:
+            self.watch_blockers = [cap.problem]
+            self._watch_fully()
+
+    def _localise(self, step: int) -> tuple[list[tuple[str, torch.Tensor]], str]:
+        """On-demand watch, the rare path: re-execute ``step``'s forward from its capture with every module
+        watched (the hooks full watch keeps on every step), on this rank alone; every other hook of the
+        harness passes meanwhile, injected faults act (Session.replay_step: the step they see). Returns the
+        module flags in forward order and '' or, when it could not run, [] and why."""
+        rec = self._recorder
+        cap = rec.last(step) if rec is not None else None
+        if cap is None:
+            return [], "the step's inputs were not held (its first forward came before the model was found)"
+        if cap.problem:
+            return [], cap.problem
+        if not cap.calls:
+            return [], "no forward call of the model with gradients on in the step"
+        from distdebug.runtime.rerun import replay_forward
+        from distdebug.runtime.session import current_session
+
+        session = current_session()
+        handles = []
+        self.fwd.clear()
+        try:
+            for mod, kind, fn, kwargs in self._watch:  # not guarded by Detector.paused, which replay sets
+                handles.append(getattr(mod, f"register_{kind}_hook")(_quiet(fn), **kwargs))
+            with session.replay(step) if session is not None else contextlib.nullcontext():
+                replay_forward(rec, cap)
+            return list(self.fwd.items()), ""
+        except Exception as e:  # the model raised when run again: no module named, the rest stands
+            return [], f"the re-execution raised {type(e).__name__}: {e}"
+        finally:
+            for h in handles:
+                h.remove()
+            self.fwd.clear()
 
     def _tp_enter(self, label: str) -> Any:
         def hook(module: torch.nn.Module, *args: Any) -> None:
@@ -326,11 +436,12 @@ class NanOrigin(Detector):
             else:
                 # DDP's default: the reducer reduces copies in its buckets and copies the results back into
                 # .grad when it finalises, at the end of the backward. Until then .grad is this rank's own:
-                # one reading of them all when the graph is done (ctx.end_of_backward), in place of a
-                # Python hook and a kernel per parameter.
-                reader = self.guarded(self._local_grads(named, weakref.ref(ddp)))
-                self._readers.append(reader)
-                ctx.end_of_backward.append(reader)
+                # one fused norm of them all when the graph is done, shared with loss_spike
+                # (runtime.localgrads), in place of a Python hook and a kernel per parameter.
+                shared = local_grad_norms(ctx, ddp)
+                listener = self.guarded(self._local_norms)
+                shared.listeners.append(listener)
+                self._readers.append((shared, listener))
             self.local_source = "ddp"
 
     def _local_grad_hook(self, key: tuple[str, ...]) -> Any:
@@ -343,34 +454,11 @@ class NanOrigin(Detector):
                 fold_in(local.local, key, g.detach().sum(dtype=torch.float32))
         return hook
 
-    def _local_grads(self, named: list[tuple[str, torch.nn.Parameter]], ddp: Any) -> Any:
-        """At the end of a backward, before DDP copies the reduced gradients back: one finiteness value per
-        local gradient (a fused reduction on a device; one kernel each on the CPU), folded in under the
-        tuple of their names (one entry per set of parameters that had gradients). Not in a ``no_sync()``
-        backward: its gradients accumulate, still local, into the one that syncs, which reads them all."""
-        local = self
-        names: dict[tuple[int, ...], tuple[str, ...]] = {}
-
-        def read() -> None:
-            if accumulating([ddp()]):
-                return
-            with torch.no_grad():
-                present = [(i, g) for i, (_, p) in enumerate(named)
-                           if (g := p.grad) is not None and g.layout is strided]
-                if not present:
-                    return
-                which = tuple(i for i, _ in present)
-                key = names.get(which)
-                if key is None:
-                    if len(names) >= 64:
-                        names.clear()
-                    key = names[which] = tuple(named[i][0] for i in which)
-                grads = [g for _, g in present]
-                # in float32: an fp16 gradient's own 2-norm overflows past 65504, a finite gradient (the sum the
-                # per-parameter hook takes accumulates in float32 too)
-                flags = torch._foreach_norm(grads, _finite_norm(grads[0]), dtype=torch.float32)
-                fold_in(local.local, key, torch.stack(flags))
-        return read
+    def _local_norms(self, key: tuple[str, ...], norms: torch.Tensor) -> None:
+        """At the end of a syncing backward, before DDP copies the reduced gradients back: the norm of each
+        local gradient (runtime.localgrads), folded in under the tuple of their names. A NaN or Inf gives a
+        non-finite norm; so may a finite gradient past ~1e19, which the rare path tells apart (on_step)."""
+        fold_in(self.local, key, norms)
 
     def _all_reduce_wrapper(self, current: Any) -> Any:
         det = self
@@ -395,6 +483,8 @@ class NanOrigin(Detector):
         """One fused check of the step's flags and the parameters after the step, as one device scalar."""
         if self.ctx is None:
             return None
+        if self._recorder is not None:
+            self._check_capture()
         fwd = list(self.fwd.items())
         self.fwd.clear()  # the hooks hold this dict
         local = list(self.local.items())
@@ -440,7 +530,18 @@ class NanOrigin(Detector):
         if finite and loss_finite:
             return ()
         forward = values.get("forward")
-        if event.skipped and loss_finite and (forward is None or math.isfinite(forward)):
+        skipped = event.skipped and loss_finite
+        localised = self._recorder is not None and (skipped or self.first_step is None)
+        if localised:  # on-demand watch: the step's forward again, every module watched (the rare path)
+            fwd, self._localised = self._localise(event.step)
+            if fwd:
+                forward = float(torch.stack([v for _, v in fwd]).sum(dtype=torch.float64))  # one read
+        forward_finite = forward is None or math.isfinite(forward)
+        if loss_finite and forward_finite and not skipped and not self._nonfinite_now():
+            # The norms said non-finite, the values say finite: a finite gradient or parameter past ~1e19,
+            # whose float32 square overflowed in its 2-norm (runtime.localgrads). Not a NaN/Inf.
+            return ()
+        if skipped and forward_finite:
             # A loss scaler found non-finite (scaled) gradients and skipped the update, as it is meant
             # to: the forward and the loss were finite, the parameters did not change. Not a NaN of the
             # training's; the flags are cleared, so nothing carries into the next step (loss_scale says it).
@@ -449,12 +550,50 @@ class NanOrigin(Detector):
         if self.first_step is not None:
             return ()
         self.first_step = event.step
-        finding = (self._received(event, fwd, comm_in, comm_out, stage_input, shards, gathered)
+        finding = (self._before(event) or self._received(event, fwd, comm_in, comm_out, stage_input, shards, gathered)
                    or self._explain(event, fwd, local))
+        finding.evidence["watch"] = self.watch
+        if localised and finding.evidence.get("first_nonfinite_module_output") is None:
+            finding.evidence["localisation"] = self._localised or (
+                "the step's forward, re-executed on this rank from its inputs and parameters, was finite in every "
+                "watched module: the non-finite value did not come from the forward again (a transient fault: "
+                "--rerun-on-anomaly tells; or it was born in the backward or the update)")
         if self.stop:
             self.ctx.report(finding)
             raise SystemExit(EXIT_NAN)
         return (finding,)
+
+    def _before(self, event: StepEvent) -> Finding | None:
+        """On-demand watch: the parameters as this step's forward found them (its capture) were non-finite,
+        while they were finite at the previous step's end (checked there): written between the steps, by
+        something other than the optimizer's step (a checkpoint loaded, a manual edit, a memory fault).
+        Named so; re-executing the forward would only show every module after them non-finite."""
+        rec = self._recorder
+        cap = rec.last(event.step) if rec is not None else None
+        if cap is None:
+            return None
+        bad = [n for n, t in zip(rec.param_names, cap.params, strict=True)  # the rare path: read here
+               if t.numel() and not bool(t.isfinite().all())]
+        if not bad:
+            return None
+        rank, step = event.rank, event.step
+        return Finding(
+            severity=Severity.ERROR, detector=self.name, ranks=[rank], step=step, subject=bad[0],
+            message=f"NaN/Inf on rank {rank} at step {step}: parameters were non-finite when the step's forward began "
+                    f"(first in the model's order: {bad[0]}; {len(bad)} in all) and finite at the end of step "
+                    f"{step - 1}: written between the steps, not by the optimizer's step",
+            evidence={"parameters_nonfinite_before_step": bad[:50], "origin": "this rank",
+                      "loss": None if event.loss is None else str(event.loss)},
+            fix="look for what writes the parameters between optimizer steps on this rank (a checkpoint loaded, "
+                "an in-place edit of .data, a weight-tying or EMA update); a flipped bit in memory if nothing does")
+
+    def _nonfinite_now(self) -> bool:
+        """Whether a gradient (as reduced) or a parameter holds a NaN or Inf (the rare path: read here)."""
+        for _, p in self.params:
+            for t in (p, p.grad):
+                if t is not None and t.numel() and not bool(local_view(t).isfinite().all()):
+                    return True
+        return False
 
     def _received(self, event: StepEvent, fwd: list[tuple[str, torch.Tensor]], comm_in: dict[str, torch.Tensor],
                   comm_out: dict[str, torch.Tensor], stage_input: dict[str, torch.Tensor],
@@ -595,9 +734,9 @@ class NanOrigin(Detector):
     def on_end(self) -> Iterable[Finding]:
         if self.ctx is not None and self._observe in self.ctx.communication_observers:
             self.ctx.communication_observers.remove(self._observe)
-        for reader in self._readers:  # no pre-hook on later backwards for a reader that is over
-            if self.ctx is not None and reader in self.ctx.end_of_backward:
-                self.ctx.end_of_backward.remove(reader)
+        for shared, listener in self._readers:  # not told of later backwards once over
+            if listener in shared.listeners:
+                shared.listeners.remove(listener)
         self._readers = []
         for h in self._hooks:
             h.remove()
@@ -609,6 +748,16 @@ class NanOrigin(Detector):
                                                      f"{self.first_step} on", evidence={"nonfinite_steps": self.count},
             ),)
         return ()
+
+
+def _quiet(fn: Any) -> Any:
+    """A hook for the length of one re-execution: an exception of ours is swallowed (no module named)."""
+    def hook(*args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            pass
+    return hook
 
 
 def _nonfinite(names: tuple[str, ...], v: torch.Tensor) -> list[str]:

@@ -29,6 +29,8 @@ measures it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -202,16 +204,8 @@ class Rerun(ExchangeUser, Detector):
                 continue
             self.done.add(step)
             session = current_session()
-            paused = Detector.paused
-            Detector.paused = True  # every detector's hooks pass; injected faults (own class flag) act
-            if session is not None:
-                session.replaying = True  # and the session's own module hooks
-            try:
-                verdicts = [(rec, rerun.reexecute(rec, cap)) for rec, cap in held]
-            finally:
-                Detector.paused = paused
-                if session is not None:
-                    session.replaying = False
+            around = functools.partial(session.replay, step) if session is not None else contextlib.nullcontext
+            verdicts = [(rec, rerun.reexecute(rec, cap, around)) for rec, cap in held]
             for rec, v in verdicts:
                 stored = self._reread(rec, step) if why == REPLICAS else None
                 self._report(v, why, extra, stored, rec)

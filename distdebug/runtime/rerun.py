@@ -34,7 +34,7 @@ DeepSpeed engines (the engine owns the backward).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,26 @@ def _rng_state(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor 
     return torch.get_rng_state(), cuda
 
 
+def _autocast_state(device: torch.device | None) -> tuple[tuple[str, bool, Any], ...]:
+    """Autocast as a call starts, on the CPU and on the parameters' device (AMP: the replay computes in the
+    same precision)."""
+    types = ["cpu"] + ([device.type] if device is not None and device.type != "cpu" else [])
+    out = []
+    for dt in types:
+        try:
+            out.append((dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)))
+        except Exception:  # a device type without autocast
+            pass
+    return tuple(out)
+
+
+def _autocast(state: tuple[tuple[str, bool, Any], ...]) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for dt, enabled, dtype in state:
+        stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled))
+    return stack
+
+
 def _set_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device | None) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None and device is not None:
@@ -131,6 +151,7 @@ class Call:
     args: Any
     kwargs: Any
     rng: tuple[torch.Tensor, torch.Tensor | None]
+    autocast: tuple[tuple[str, bool, Any], ...] = ()  # (device type, enabled, dtype) as the call ran
     out_fp: list[Any] | None = None  # a fingerprint per output tensor (fingerprint())
     out_grads: list[torch.Tensor | None] = field(default_factory=list)
     grad_fps: dict[int, Any] = field(default_factory=dict)  # parameter index -> its gradient's fingerprint
@@ -162,12 +183,15 @@ class Recorder:
     """Captures each step of one module (see the module docstring). Device work only in its hooks."""
 
     def __init__(self, module: torch.nn.Module, keep: int = 1, collectives: Any = None,
-                 step_of: Any = None) -> None:
+                 step_of: Any = None, forward_only: bool = False) -> None:
         """``keep``: the last steps whose captures are held (a flag that comes a step or two late still finds
         its step); ``collectives``: a callable giving the rank's count of collectives so far (the session's),
         to see a forward that communicates; ``step_of``: a callable giving the step in progress (else ``step``,
-        set by the caller at each boundary)."""
+        set by the caller at each boundary); ``forward_only``: what ``replay_forward`` needs and nothing more
+        (inputs, generator states, parameters and buffers: no output gradients, no fingerprints; nan_origin's
+        on-demand localisation), so that the capture can stay on."""
         self.module = module
+        self.forward_only = forward_only
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.param_names = [n for n, _ in named]
@@ -200,10 +224,11 @@ class Recorder:
         if not record:
             return
         cap = self._open()
-        if len(cap.calls) > cap.backward_calls:
+        if len(cap.calls) > cap.backward_calls and not self.forward_only:
             cap.problem = cap.problem or ("a forward call without a backward of its own in the step (several calls "
                                           "feeding one backward): their gradients cannot be told apart")
-        cap.calls.append(Call(_detach_copy(args), _detach_copy(kwargs), _rng_state(self.device)))
+        cap.calls.append(Call(_detach_copy(args), _detach_copy(kwargs), _rng_state(self.device),
+                              _autocast_state(self.device)))
         self._seq = self.collectives() if self.collectives is not None else 0
 
     def forward_post(self, module: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -216,6 +241,8 @@ class Recorder:
             self.current.problem = self.current.problem or (
                 "the model's forward communicates (a collective inside it: tensor parallelism or layers synchronised "
                 "by hand): one rank cannot re-run it alone")
+        if self.forward_only:
+            return
         outs = output_tensors(out)
         call.out_fp = fingerprint([o.detach() for o in outs]) if outs else None
         call.out_grads = [None] * len(outs)
@@ -256,10 +283,9 @@ class Recorder:
         spare = self.ring.pop(0) if len(self.ring) >= self.keep else None
         with torch.no_grad():
             if spare is not None and len(spare.params) == len(self.params) and len(spare.buffers) == len(self.buffers):
-                for c, p in zip(spare.params, self.params, strict=True):
-                    c.copy_(p)
-                for c, b in zip(spare.buffers, self.buffers, strict=True):
-                    c.copy_(b)
+                # one fused copy each (a Python loop of copy_ cost three times as much on a 52-tensor model)
+                _copy_all(spare.params, self.params)
+                _copy_all(spare.buffers, self.buffers)
                 params, buffers = spare.params, spare.buffers
             else:
                 params = [p.detach().clone() for p in self.params]
@@ -287,6 +313,16 @@ class Recorder:
                                                                                       if g is not None]
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total
+
+
+def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    if not dst:
+        return
+    try:
+        torch._foreach_copy_(list(dst), [t.detach() for t in src])
+    except Exception:  # a mix the fused copy does not take (devices, dtypes): one at a time
+        for d, t in zip(dst, src, strict=True):
+            d.copy_(t)
 
 
 def _tensors(x: Any, depth: int = 0) -> list[torch.Tensor]:
@@ -320,12 +356,28 @@ def _swapped(rec: Recorder, cap: Capture) -> Iterator[None]:
         _set_rng(rng, rec.device)
 
 
+def replay_forward(rec: Recorder, cap: Capture) -> None:
+    """Run the step's forward calls again, as captured (parameters, buffers, generator states, autocast),
+    then put everything back bit for bit; what the caller's hooks saw is the result (nan_origin's on-demand
+    localisation: its module hooks are on for the length of the call). Gradients on, as in training (the
+    graph is dropped at once); nothing is compared here."""
+    rec.replaying = True
+    try:
+        with _swapped(rec, cap):
+            for call in cap.calls:
+                _set_rng(call.rng, rec.device)
+                with _autocast(call.autocast), torch.enable_grad():
+                    rec.module(*_detach_copy(call.args), **_detach_copy(call.kwargs))
+    finally:
+        rec.replaying = False
+
+
 def _run(rec: Recorder, cap: Capture) -> list[tuple[list[Any] | None, dict[int, Any]]]:
     """One re-execution of every call of the step: (output sums, {parameter index: gradient sums}) per call."""
     results = []
     for call in cap.calls:
         _set_rng(call.rng, rec.device)
-        with torch.enable_grad():
+        with _autocast(call.autocast), torch.enable_grad():
             out = rec.module(*_detach_copy(call.args), **_detach_copy(call.kwargs))
         outs = output_tensors(out)
         out_fp = fingerprint([o.detach() for o in outs]) if outs else None
@@ -405,17 +457,18 @@ def _differences(rec: Recorder, cap: Capture, a: list, b: list | None = None) ->
     return out
 
 
-def reexecute(rec: Recorder, cap: Capture) -> Verdict:
-    """Re-execute ``cap``'s step twice on ``rec``'s module and compare (see the module docstring)."""
+def reexecute(rec: Recorder, cap: Capture, around: Any = contextlib.nullcontext) -> Verdict:
+    """Re-execute ``cap``'s step twice on ``rec``'s module and compare (see the module docstring). ``around()``:
+    a context each re-execution runs in (the session's ``replay``: the harness's hooks pass)."""
     if cap.problem:
         return Verdict(CANNOT, cap.step, reason=cap.problem)
     if not cap.calls:
         return Verdict(CANNOT, cap.step, reason="no forward call of the model was captured in this step")
     rec.replaying = True
     try:
-        with _swapped(rec, cap):
+        with around(), _swapped(rec, cap):
             first = _run(rec, cap)
-        with _swapped(rec, cap):
+        with around(), _swapped(rec, cap):
             second = _run(rec, cap)
     finally:
         rec.replaying = False

@@ -20,12 +20,14 @@ order of collectives: the harness observes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +119,11 @@ class Session:
         self._discovering = True
         self._discovery_inert = False
         self.replaying = False
-        """A step is being re-executed (detectors.rerun): the session's own module hooks pass."""
+        """A step is being re-executed (detectors.rerun, nan_origin's on-demand watch): the session's own
+        module hooks pass."""
+        self.replay_step: int | None = None
+        """The step being re-executed (None: none is): what an injected fault takes for the step it is in."""
+        self.replays = 0  # re-executions so far (an injected fault acts once in each execution of its step)
         self._after_backward: list[Detector] = []  # discovery is over but its hooks stay (a compiled model: see below)
         self._root_refs: list[weakref.ref[torch.nn.Module]] = []  # weak: see RankContext
         self._loss_modules: list[str] = []
@@ -145,6 +151,21 @@ class Session:
         self._phase_order: list[Detector] = []
 
     # ------------------------------------------------------------------ lifecycle
+    @contextlib.contextmanager
+    def replay(self, step: int) -> Iterator[None]:
+        """For the length of a re-execution of ``step`` on this rank: every detector's hooks and patches pass
+        (``Detector.paused``), so do the session's own module hooks; injected faults act (their own class
+        flag) and see ``step`` as the step they are in (``replay_step``)."""
+        paused = Detector.paused
+        Detector.paused = True
+        self.replaying, self.replay_step = True, step
+        self.replays += 1
+        try:
+            yield
+        finally:
+            Detector.paused = paused
+            self.replaying, self.replay_step = False, None
+
     def install(self) -> None:
         global _SESSION
         _SESSION = self

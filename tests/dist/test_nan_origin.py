@@ -21,10 +21,13 @@ def _model():
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, bucket_view=False, accum=False):
+def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, bucket_view=False, accum=False,
+         watch="on-demand"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    s = start_session(tmp, rank, detectors=[NanOrigin()] if detector else [])
+    from distdebug.config import NanOriginConfig
+
+    s = start_session(tmp, rank, detectors=[NanOrigin(NanOriginConfig(watch=watch))] if detector else [])
     model = _model()
     state = {"step": 0}
     if fault == "grad":  # one rank's local gradient of 2.weight, before DDP reduces it (the first micro-batch's)
@@ -57,6 +60,9 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, buc
                 ddp(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if fault == "write" and rank == fault_rank and step == 3:  # a write between the steps (not the update)
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")
         if det is not None and step == 1:
             # DDP's default reduces copies: the local gradients are read once per backward, with no hook
             # per parameter; gradients that are bucket views need one each
@@ -85,9 +91,12 @@ def test_nan_in_one_ranks_local_gradient_names_that_rank_step_and_parameter(tmp_
         assert "through all-reduce" in f["message"] and f["evidence"]["local_gradients_nonfinite"] == []
 
 
-def test_nan_produced_in_forward_names_the_module(tmp_path):
-    spawn_ranks(_ddp, 2, tmp=tmp_path, fault="activation", fault_rank=0)
+@pytest.mark.parametrize("watch", ["on-demand", "full"])
+def test_nan_produced_in_forward_names_the_module(tmp_path, watch):
+    # on demand: the step found non-finite is re-executed with the module hooks on; full: they are always on
+    spawn_ranks(_ddp, 2, tmp=tmp_path, fault="activation", fault_rank=0, watch=watch)
     f = findings(tmp_path, 0)[0]
+    assert f["evidence"]["watch"] == watch
     assert (f["step"], f["ranks"]) == (3, [0]) and "started on rank 0" in f["message"]
     assert f["evidence"]["first_nonfinite_module_output"] == "2"
     assert "first non-finite module output in forward order: 2" in f["message"]
@@ -95,11 +104,25 @@ def test_nan_produced_in_forward_names_the_module(tmp_path):
 
 
 def test_clean_run_no_finding_and_training_bitwise_unchanged(tmp_path):
-    # The DDP communication hook must reduce exactly as DDP does on its own (3 ranks: 1/3 is inexact).
-    watched = spawn_ranks(_ddp, 3, tmp=tmp_path / "watched")
+    # The DDP communication hook must reduce exactly as DDP does on its own (3 ranks: 1/3 is inexact); the
+    # on-demand capture (a copy of the parameters, the inputs, the generators' states) changes nothing.
     bare = spawn_ranks(_ddp, 3, tmp=tmp_path / "bare", detector=False)
-    assert [params for params, _, _ in watched] == [params for params, _, _ in bare]
-    assert all(findings(tmp_path / "watched", r) == [] for r in range(3))
+    for watch in ("on-demand", "full"):
+        watched = spawn_ranks(_ddp, 3, tmp=tmp_path / watch, watch=watch)
+        assert [params for params, _, _ in watched] == [params for params, _, _ in bare]
+        assert all(findings(tmp_path / watch, r) == [] for r in range(3))
+
+
+def test_parameters_written_between_the_steps_are_named_so(tmp_path):
+    """On demand, the step found non-finite has its parameters as its forward found them (the capture): a NaN
+    written into 2.weight after step 3's update (finite at step 3's end, where the parameters are checked) is
+    told as a write between the steps, at step 4, naming the parameter; not as module 2's output."""
+    spawn_ranks(_ddp, 2, tmp=tmp_path, fault="write", fault_rank=1)
+    f = findings(tmp_path, 1)[0]
+    assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 4, [1], "2.weight")
+    assert "written between the steps" in f["message"]
+    assert f["evidence"]["parameters_nonfinite_before_step"] == ["2.weight"]
+    assert "through all-reduce" in findings(tmp_path, 0)[0]["message"]
 
 
 def test_accumulation_under_no_sync_reads_the_local_gradients_once_a_step(tmp_path):
@@ -179,10 +202,12 @@ def test_fsdp2_origin_is_the_rank_whose_forward_made_it(tmp_path):
     assert (g["step"], g["severity"], g["subject"], g["evidence"]["origin"]) == (3, "warning", "gradients", "another rank")
 
 
-def _normed(rank, world, tmp, nan_input_rank=None):
+def _normed(rank, world, tmp, nan_input_rank=None, watch="full"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    s = start_session(tmp, rank, detectors=[NanOrigin()])
+    from distdebug.config import NanOriginConfig
+
+    s = start_session(tmp, rank, detectors=[NanOrigin(NanOriginConfig(watch=watch))])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 1))
     ddp = DDP(model)
@@ -202,11 +227,15 @@ def _normed(rank, world, tmp, nan_input_rank=None):
     return hooked
 
 
-def test_modules_that_cannot_start_a_nan_get_no_hook_and_a_bad_batch_is_named(tmp_path):
+@pytest.mark.parametrize("watch", ["full", "on-demand"])
+def test_modules_that_cannot_start_a_nan_get_no_hook_and_a_bad_batch_is_named(tmp_path, watch):
     """LayerNorm, GELU and SiLU give finite outputs from finite inputs and parameters (checked every step):
-    no hook on them, the model's input is checked instead, and a NaN in one rank's batch is named as that."""
-    hooked = spawn_ranks(_normed, 2, tmp=tmp_path, nan_input_rank=1)
-    assert hooked == [["0", "3", "5", "root"]] * 2  # the Linears, and the root's input
+    no hook on them, the model's input is checked instead, and a NaN in one rank's batch is named as that.
+    On-demand watch hooks the root alone in every step (the capture); the module hooks come only while
+    the step found non-finite is re-executed, and name the same thing."""
+    hooked = spawn_ranks(_normed, 2, tmp=tmp_path, nan_input_rank=1, watch=watch)
+    # the Linears, and the root's input; on demand, the root's capture alone
+    assert hooked == [["0", "3", "5", "root"] if watch == "full" else ["root"]] * 2
     f = findings(tmp_path, 1)[0]
     assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 3, [1], "(input of Sequential)")
     assert "NaN/Inf started on rank 1 at step 3" in f["message"]
@@ -214,14 +243,46 @@ def test_modules_that_cannot_start_a_nan_get_no_hook_and_a_bad_batch_is_named(tm
 
 
 def test_large_finite_fp16_gradients_are_not_read_as_non_finite():
-    """The end-of-backward reading takes each local gradient's norm in float32: an fp16 gradient of 60000s has
-    a 2-norm past fp16's 65504, and in fp16 it read as Inf (a false NaN); a real Inf still reads as one."""
+    """The end-of-backward reading (runtime.localgrads, shared with loss_spike) takes each local gradient's
+    norm in float32: an fp16 gradient of 60000s has a 2-norm past fp16's 65504, and in fp16 it read as Inf
+    (a false NaN); a real Inf still reads as one."""
+    from distdebug.runtime.localgrads import LocalGradNorms
+
+    model = nn.Module()
+    model.big = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    model.big.grad = torch.full((4,), 60000.0, dtype=torch.float16)
+    model.bad = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    model.bad.grad = torch.tensor([1.0, float("inf")], dtype=torch.float16)
     det = NanOrigin()
-    big = nn.Parameter(torch.zeros(4, dtype=torch.float16))
-    big.grad = torch.full((4,), 60000.0, dtype=torch.float16)
-    bad = nn.Parameter(torch.zeros(2, dtype=torch.float16))
-    bad.grad = torch.tensor([1.0, float("inf")], dtype=torch.float16)
-    det._local_grads([("big", big), ("bad", bad)], lambda: None)()
+    shared = LocalGradNorms(model)
+    shared.listeners.append(det._local_norms)
+    shared()
     ((names, flags),) = det.local.items()
     assert names == ("big", "bad") and flags.dtype == torch.float32
     assert torch.isfinite(flags).tolist() == [True, False]
+
+
+def _huge(rank, world, tmp):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    s = start_session(tmp, rank, detectors=[NanOrigin()])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-30)
+    for step in range(1, 5):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        scale = 1e21 if step == 3 else 1.0  # finite gradients of ~1e21: their float32 squares overflow
+        (ddp(x).mean() * scale).backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    s.close(0)
+
+
+def test_a_finite_gradient_whose_norm_overflows_is_not_called_non_finite(tmp_path):
+    """The shared 2-norm of a finite gradient past ~1e19 overflows float32 (Inf); the rare path looks at the
+    values themselves (reduced gradients, parameters, loss, forward) before it calls anything non-finite."""
+    spawn_ranks(_huge, 2, tmp=tmp_path)
+    for rank in (0, 1):
+        assert [f for f in findings(tmp_path, rank) if f["detector"] == "nan_origin"] == []

@@ -209,12 +209,19 @@ def _session_loop(rank, world, tmp, inject):
 
 
 def test_the_rank_where_a_nan_is_born_re_executes_that_step_and_no_other_does(tmp_path):
-    for inject, verdict in (("transient", "not reproducible"), ("persistent", "reproducible")):
+    # nan_origin's on-demand watch names the module by re-executing the step's forward: the persistent
+    # fault's module (2) comes back; the transient one's does not (it acted once), so nan_origin names the
+    # first local gradient in backward order (4.bias) and says why, and rerun calls it not reproducible.
+    for inject, verdict, subject in (("transient", "not reproducible", "4.bias"), ("persistent", "reproducible", "2")):
         spawn_ranks(_session_loop, 2, tmp=tmp_path / inject, inject=inject)
         found = {rank: [(f["ranks"], f["step"], f["evidence"]["verdict"], f["evidence"]["trigger"])
                         for f in records(tmp_path / inject, rank, "finding") if f["detector"] == "rerun"]
                  for rank in (0, 1)}
-        assert found == {0: [], 1: [([1], 4, verdict, "nan_origin: 2")]}, (inject, found)
+        assert found == {0: [], 1: [([1], 4, verdict, f"nan_origin: {subject}")]}, (inject, found)
+        (nan,) = [f for f in records(tmp_path / inject, 1, "finding")
+                  if f["detector"] == "nan_origin" and f["severity"] != "info"]
+        assert nan["evidence"]["watch"] == "on-demand"
+        assert ("localisation" in nan["evidence"]) == (inject == "transient"), nan["evidence"]
 
 
 def test_a_clean_run_re_executes_nothing_and_trains_bitwise_as_without(tmp_path):
