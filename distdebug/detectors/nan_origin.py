@@ -310,11 +310,12 @@ class NanOrigin(Detector):
             self.hook(mod, kind, fn, **kwargs)
 
     def _check_capture(self) -> None:
-        """A step whose capture cannot be re-executed (its forward communicated): full watch from now on."""
+        """A step whose forward communicated (a collective inside it): no step can be re-executed alone, so
+        full watch from now on. Other reasons (too many calls in one step) concern that step only."""
         rec = self._recorder
         cap = rec.current if rec is not None else None
-        if cap is not None and cap.problem:
-            self.watch_blockers = [cap.problem]
+        if cap is not None and cap.communicates:
+            self.watch_blockers = [cap.problem or "the forward communicates"]
             self._watch_fully()
 
     def _localise(self, step: int) -> tuple[list[tuple[str, torch.Tensor]], str]:

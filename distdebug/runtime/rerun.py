@@ -43,6 +43,9 @@ import torch
 from distdebug import envvars
 from distdebug.fingerprint.hashing import device_sums, fast_cpu_fingerprint
 
+MAX_CALLS = 64
+"""Forward calls of the model held for one step at most (bounded memory whatever the loop does)."""
+
 REPRODUCIBLE = "reproducible"
 NOT_REPRODUCIBLE = "not reproducible"
 NONDETERMINISTIC = "nondeterministic"
@@ -167,6 +170,9 @@ class Capture:
     calls: list[Call] = field(default_factory=list)
     problem: str | None = None
     """Why this step cannot be re-executed (None: it can)."""
+    overflowed: bool = False  # more than MAX_CALLS calls: none held from then on
+    communicates: bool = False
+    """The forward ran a collective (or SyncBatchNorm): no step of this model can be re-executed alone."""
     backward_calls: int = 0
 
 
@@ -220,10 +226,18 @@ class Recorder:
         # model's computation and would not be the same call later: the model's own forward, called inside
         # it, is recorded instead.
         record = not any(self._stack) and torch.is_grad_enabled() and _own_forward(module)
+        cap = self._open() if record else None
+        if cap is not None and (cap.overflowed or len(cap.calls) >= MAX_CALLS):
+            # A loop of training-mode forwards without a step (a probe of activations, a long accumulation):
+            # what is held stays bounded; the step is not re-executed (said), the calls held are let go.
+            cap.problem = cap.problem or (f"more than {MAX_CALLS} forward calls with gradients on in one step: not "
+                                          "held (a loop of forwards between two optimizer steps)")
+            cap.calls.clear()
+            cap.overflowed = True
+            record = False
         self._stack.append(record)
-        if not record:
+        if cap is None or not record:
             return
-        cap = self._open()
         if len(cap.calls) > cap.backward_calls and not self.forward_only:
             cap.problem = cap.problem or ("a forward call without a backward of its own in the step (several calls "
                                           "feeding one backward): their gradients cannot be told apart")
@@ -238,6 +252,7 @@ class Recorder:
             return
         call = self.current.calls[-1]
         if self.collectives is not None and self.collectives() != self._seq:
+            self.current.communicates = True
             self.current.problem = self.current.problem or (
                 "the model's forward communicates (a collective inside it: tensor parallelism or layers synchronised "
                 "by hand): one rank cannot re-run it alone")
@@ -293,6 +308,7 @@ class Recorder:
         self.current = Capture(self.step, params, buffers)
         self.ring.append(self.current)
         if self.communicates:
+            self.current.communicates = True
             self.current.problem = "the model's forward communicates (SyncBatchNorm): one rank cannot re-run it alone"
         elif self.sharded:
             self.current.problem = ("the parameters are sharded (FSDP2, tensor parallelism): the forward gathers them "

@@ -95,3 +95,38 @@ def test_outputs_computed_from_other_outputs_are_not_replayed_twice():
     pairs = [(logits, torch.ones_like(logits)), (loss, torch.ones(())), (other, torch.ones(()))]
     kept = rr._roots(pairs)
     assert [t is logits for t, _ in kept] == [False, False] and {id(t) for t, _ in kept} == {id(loss), id(other)}
+
+
+def test_a_loop_of_forwards_without_a_step_holds_a_bounded_capture_and_a_replay_puts_everything_back():
+    """Training-mode forwards with no optimizer step between them (a probe loop): at most MAX_CALLS calls are
+    held, then none, and the step is said not to be re-executable (its memory stays flat); the next step is
+    captured as ever. A forward-only replay (nan_origin's on-demand watch) of a captured step leaves the
+    parameters, buffers and the random generator exactly as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 1))
+    rec = rr.Recorder(model, forward_only=True)
+    model.register_forward_pre_hook(rec.forward_pre, with_kwargs=True)
+    model.register_forward_hook(rec.forward_post, with_kwargs=True)
+    x = torch.randn(8, 4)
+    rec.step = 1
+    for _ in range(rr.MAX_CALLS - 1):
+        model(x)
+    assert len(rec.current.calls) == rr.MAX_CALLS - 1 and rec.current.problem is None
+    for _ in range(rr.MAX_CALLS * 3):
+        model(x)
+    assert rec.current.calls == [] and "more than 64 forward calls" in rec.current.problem
+    assert not rec.current.communicates
+    rec.step = 2
+    model(x)
+    cap = rec.last(2)
+    assert len(cap.calls) == 1 and cap.problem is None
+    before = ([p.clone() for p in model.parameters()], [b.clone() for b in model.buffers()], torch.get_rng_state())
+    seen = []
+    handle = model[3].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    rr.replay_forward(rec, cap)
+    rr.replay_forward(rec, cap)
+    handle.remove()
+    assert torch.equal(seen[0], seen[1])  # the same generator state and parameters each time: dropout alike
+    assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before[1], model.buffers(), strict=True))
+    assert torch.equal(before[2], torch.get_rng_state())
