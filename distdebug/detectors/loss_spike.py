@@ -14,7 +14,8 @@ script's clipping: before their reduction under DDP's default (``gradient_as_buc
 at the end of the backward, before DDP writes the reduced ones back) and under a hand-written
 all_reduce (called after backward returns), so a spike is named on the rank whose batch made it;
 after it where the reduction happens inside the backward (DDP's bucket views, FSDP2, ZeRO: each
-rank's shard). One fused norm a step, read with the step's other values.
+rank's shard). One fused norm a step, read with the step's other values; under DDP's default it is the
+norm of the local gradients nan_origin reads too, computed once for both (runtime.localgrads).
 
 Across ranks (the loss only): ranks see different batches, so their losses differ by some amount every
 step; what is not normal is one rank's loss far above the others'. At the checked steps (2, 4, 8,

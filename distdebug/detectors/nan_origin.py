@@ -20,6 +20,13 @@ gradient before the reduction:
   was finite (one reduction per module, no host sync). Modules whose output is finite whenever
   their input and parameters are (activations, pooling, dropout; embeddings and normalisations
   where the parameters are checked whole) get none: the model's input is checked instead.
+  On-demand watch (``config.watch``, the default where one rank can re-execute its forward alone):
+  these hooks are on only while the step found non-finite is re-executed from a forward-only
+  capture (runtime.rerun: the step's inputs, generator and autocast states, one copy of the
+  parameters and buffers), so a healthy step pays for the capture, not for a reduction and a hooked
+  call per module; full watch keeps them on in every step (FSDP2, DeepSpeed, TP, pipelines,
+  SyncBatchNorm, a forward that communicates, a compiled model, several models; or when asked).
+  The DDP local gradients' norms are shared with loss_spike (runtime.localgrads).
 
 All flags are device tensors; at the step boundary one fused check over them and over the
 parameters after the step (a non-finite gradient reaches its parameter through the update) is one
