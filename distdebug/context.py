@@ -99,7 +99,8 @@ class RankContext:
     finding_listeners: list[Callable[[Finding], None]] = field(default_factory=list)
     """Callables(Finding) told of every finding this rank reports (from any thread)."""
     backward_t: float | None = None
-    """time.monotonic() of the step's first backward call (arrival at the gradient reduction)."""
+    """time.monotonic() of the step's first backward call that reduces gradients (the arrival at the gradient
+    reduction; under DDP's no_sync() accumulation the syncing one)."""
     exchange: SharedExchange | None = None
     """The rank's one background exchange with its peers (None without peers, or before discovery):
     detectors take a channel of it (runtime.exchange.ExchangeUser.open_exchange)."""

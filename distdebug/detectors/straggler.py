@@ -3,8 +3,9 @@
 Why arrival times and not step times: in synchronous training every rank's step takes as long as
 the slowest rank's, so step times are equal. What differs is *when each rank arrives* at the points
 where ranks synchronise: the model's forward (DDP broadcasts buffers there) and backward (the
-gradient reduction). Each rank records, per step, the monotonic time of its first forward and first
-backward call, its step boundary, and the time it spent inside ``DataLoader.__next__``. Rank 0 gets
+gradient reduction). Each rank records, per step, the monotonic time of its first forward and of its
+first backward that reduces (``ctx.backward_t``: under ``no_sync()`` accumulation, the syncing one), its
+step boundary, and the time it spent inside ``DataLoader.__next__``. Rank 0 gets
 them (``runtime.exchange``, in the background, at steps 2, 4, 8 and every 16) and computes, per step:
 
 - lateness of a rank = how long after the earliest rank it arrived (the larger of the two points:

@@ -112,6 +112,7 @@ class Session:
         self._scaled: list[tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = []
         self._scaler_ref: weakref.ref[Any] | None = None
         self._backward_calls = 0
+        self._reduced_at = False  # this step's backward_t is the arrival at a reducing backward
         self._backward_total = 0
         self._seq_at_boundary = 0  # collective_seq at the last step boundary
         self._t_last: float | None = None
@@ -341,8 +342,12 @@ class Session:
                 self._run_detector(det, "before_backward", lambda d: d.before_backward(self.ctx))
         if self.ctx.end_of_backward:
             self._queue_end_of_backward(t)
-        if self._backward_calls == 1:
+        if self._backward_calls == 1 or not self._reduced_at:
+            # The arrival at the gradient reduction (straggler): the step's first backward, or under
+            # accumulation (DDP's no_sync(), accelerate's and Lightning's) the first one that reduces: the
+            # micro-batches before it wait for no one, and a slow rank is late there by all of them.
             self.ctx.backward_t = time.monotonic()
+            self._reduced_at = not discovery.accumulating([d for d in map(discovery.find_ddp, self.roots) if d])
         if self._t_last is None:
             self._t_last = time.perf_counter()
         if isinstance(t, torch.Tensor) and t.numel() == 1:
@@ -628,6 +633,7 @@ class Session:
         self._loss_sum, self._loss_n = None, 0
         self._scaled = []
         self._backward_calls = 0
+        self._reduced_at = False
         self._seq_at_boundary = progress.collective_seq
         self.emit(
             schema.record(

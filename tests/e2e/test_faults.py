@@ -207,6 +207,23 @@ def test_replay_on_a_gpt_style_script_skips_what_it_lacks(tmp_path):
     assert "runs kept in" in r.stdout
 
 
+def test_replay_on_a_gpt_script_with_accumulation_and_a_schedule_catches_every_fault(tmp_path):
+    """Issue 38: the GPT recipe under DDP with gradient accumulation 2 (the first micro-batch under no_sync()),
+    AdamW, warm-up and a cosine schedule, clipping: every applicable fault caught and localised, the clean run
+    clean. The straggler was a miss here: its arrival at the gradient reduction was taken at the step's first
+    backward, which under no_sync() reduces nothing (the slow rank is late by every micro-batch at the one
+    that does); the loss spike's rule was judged on curves of this script too (tests/unit/test_loss_spike.py)."""
+    junit = tmp_path / "faults.xml"
+    r = distdebug("faults", "replay", "-j", "2", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
+                  str(RECIPES / "gpt_ddp.py"), "--steps", "20", "--grad-accum", "2", timeout=1500)
+    assert r.returncode == 0, r.output[-4000:]
+    assert "10 applicable, 10 caught-localised, 6 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    cases = _cases(junit)
+    assert {name for name, c in cases.items() if c.find("skipped") is None} == {
+        "clean", "nan_grad", "nan_activation", "bitflip_param", "skip_step", "bad_env", "hang", "straggler",
+        "loss_spike", "transient_compute", "persistent_compute"}
+
+
 def test_replay_on_a_pipeline_script_aims_at_the_stage_that_has_it(tmp_path):
     """A pipeline (2 stages, send/recv, the loss on the last stage only) replayed as a user's script: the NaN
     is planted on the stage with an inner module (stage 0; stage 1 is one layer), the loss spike on the stage
