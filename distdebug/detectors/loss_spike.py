@@ -53,15 +53,12 @@ MIN_HISTORY = 10
 LEVEL = 5
 MAX_FINDINGS = 5
 REL_FLOOR = 0.05
-LOSS_MIN_HISTORY = 6
-"""The loss is judged from step 7 (a collapse in the first ten steps of a short run is found): its level
-follows the recent trend, so the fast early drop is not a collapse (bench/loss_traces.py, README)."""
 GRAD_NORM_FLOOR = 0.25
 """The gradient norm's noise scale is at least a quarter of its level: a spike is then at least 1 +
 threshold/4 = 3x its level. Healthy early training moves it by 2x from one step to the next (a ResNet's
 step 11, a GPT's warm-up: bench/loss_traces.py); a corrupted batch moves it by far more."""
 RULES: dict[str, dict[str, Any]] = {
-    "loss": {"rel_floor": REL_FLOOR, "min_history": LOSS_MIN_HISTORY},
+    "loss": {"rel_floor": REL_FLOOR, "min_history": MIN_HISTORY},
     "grad_norm": {"rel_floor": GRAD_NORM_FLOOR, "min_history": MIN_HISTORY},
 }
 """Per signal: spike()'s relative floor and the history it needs."""
@@ -74,12 +71,7 @@ def spike(history: list[float], value: float, threshold: float, both: bool = Fal
     fraction of the level; ``min_history``: values needed before any is judged."""
     if len(history) < min_history or not math.isfinite(value):
         return False, float("nan"), 0.0
-    # The level where the recent trend puts this step: each of the last LEVEL values carried forward by the
-    # median step-to-step change of the last 2 x LEVEL (a fast early drop is not a collapse), their median
-    # (one odd value among them does not move it).
-    recent = history[-2 * LEVEL:]
-    slope = statistics.median(b - a for a, b in zip(recent, recent[1:], strict=False)) if len(recent) > 1 else 0.0
-    level = statistics.median(history[-k] + k * slope for k in range(1, min(LEVEL, len(history)) + 1))
+    level = statistics.median(history[-LEVEL:])
     floor = max(rel_floor * abs(level), 1e-12)
     if abs(value - level) <= threshold * floor:
         # Within the floor's reach: no noise estimate can make it a spike (the scale is at least the floor),
