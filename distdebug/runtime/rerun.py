@@ -381,21 +381,24 @@ def replay_forward(rec: Recorder, cap: Capture) -> None:
     try:
         with _swapped(rec, cap):
             for call in cap.calls:
-                _set_rng(call.rng, rec.device)
-                with _autocast(call.autocast), torch.enable_grad():
-                    rec.module(*_detach_copy(call.args), **_detach_copy(call.kwargs))
+                _call_again(rec, call)
     finally:
         rec.replaying = False
+
+
+def _call_again(rec: Recorder, call: Call) -> Any:
+    """One captured call run as it ran: its generator state and autocast restored, fresh copies of its inputs,
+    gradients on; its output."""
+    _set_rng(call.rng, rec.device)
+    with _autocast(call.autocast), torch.enable_grad():
+        return rec.module(*_detach_copy(call.args), **_detach_copy(call.kwargs))
 
 
 def _run(rec: Recorder, cap: Capture) -> list[tuple[list[Any] | None, dict[int, Any]]]:
     """One re-execution of every call of the step: (output sums, {parameter index: gradient sums}) per call."""
     results = []
     for call in cap.calls:
-        _set_rng(call.rng, rec.device)
-        with _autocast(call.autocast), torch.enable_grad():
-            out = rec.module(*_detach_copy(call.args), **_detach_copy(call.kwargs))
-        outs = output_tensors(out)
+        outs = output_tensors(_call_again(rec, call))
         out_fp = fingerprint([o.detach() for o in outs]) if outs else None
         pairs = [(o, g) for o, g in zip(outs, call.out_grads, strict=False) if g is not None and o.requires_grad]
         pairs = _roots(pairs)
