@@ -19,10 +19,9 @@ BUDGET = 0.03
 TRADE = {
     "replica_divergence": "fingerprint every N steps instead of every step: --fingerprint-every 10 "
                           "(a divergence is then found within N steps)",
-    "nan_origin": "run it with --nan-watch on-demand (the default where a rank can re-execute its forward alone: "
-                  "the module is named by re-executing the step found non-finite, not watched every step), or leave "
-                  "it out with --detectors=-nan_origin; loss_nonfinite stays (the step and rank of a NaN loss, not "
-                  "the module and parameter it started in)",
+    "nan_origin": "leave it out with --detectors=-nan_origin; loss_nonfinite stays (the step and rank of a NaN loss, "
+                  "not the module and parameter it started in); a run given --nan-watch full pays a check per "
+                  "module per step that the default on-demand watch does not",
     "loss_spike": "leave it out with --detectors=-loss_spike (spikes are then not judged)",
     "data_order": "leave it out with --detectors=-data_order (identical batches across ranks are then not seen)",
     "bn_divergence": "leave it out with --detectors=-bn_divergence (BatchNorm statistics are then not compared)",
