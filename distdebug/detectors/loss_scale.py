@@ -6,8 +6,16 @@ again after a run of good steps. A skipped step is the scaler working as designe
 an info record, ``scaler skipped step N: scale X -> Y``, and the NaN and spike checks leave that step
 alone (the session marks it: ``StepEvent.skipped``). What is worth a warning is a scale that keeps
 collapsing: below ``min_scale`` (1 by default: gradients are then scaled *down*), or
-``skipped_in_a_row`` skipped steps in a row (the gradients are non-finite whatever the scale: a real
-NaN or Inf that the scaler cannot cure, or a model in fp16 that needs bf16).
+``skipped_in_a_row`` skipped steps in a row once the scaler has found a scale that works (the gradients
+are non-finite whatever the scale: a real NaN or Inf that the scaler cannot cure, or a model in fp16
+that needs bf16).
+
+Calibration is not collapse. A run's first steps are skipped until the scale has come down from its
+initial value to one the gradients fit: PyTorch's GradScaler says so ("the scale factor often causes
+infs/NaNs to appear in gradients for the first few iterations as its value calibrates"), and it takes
+log2(initial / fitting) steps: 14 from Megatron's and many DeepSpeed configs' 2^32 to 2^18. Until a step
+has been applied, a run of skips is that search (each its info record); what bounds it is ``min_scale``:
+a search that falls below it found no scale, which is then the warning.
 
 The scale comes with the step's one host read (GradScaler's scale tensor) or from DeepSpeed's own
 host value; which steps were skipped is known on the host (GradScaler.step did not call the
@@ -41,6 +49,7 @@ class LossScale(Detector):
         self.run: list[int] = []  # the current run of skipped steps
         self.warned_run = False
         self.warned_low = False
+        self.calibrated = False  # a step has been applied: the scaler has found a scale the gradients fit
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         self.rank = event.rank
@@ -53,7 +62,7 @@ class LossScale(Detector):
             self.run.append(event.step)
             if len(self.skipped) <= MAX_INFO:
                 self.pending = (event.step, event.loss_scale)
-            if len(self.run) >= self.config.skipped_in_a_row and not self.warned_run:
+            if len(self.run) >= self.config.skipped_in_a_row and self.calibrated and not self.warned_run:
                 self.warned_run = True
                 out.append(Finding(
                     severity=Severity.WARNING, detector=self.name, ranks=[event.rank], step=self.run[0],
@@ -67,6 +76,7 @@ class LossScale(Detector):
                 ))
         else:
             self.run = []
+            self.calibrated = True
         scale = event.loss_scale
         if scale is not None and scale < self.config.min_scale and not self.warned_low:
             self.warned_low = True
@@ -74,8 +84,10 @@ class LossScale(Detector):
                 severity=Severity.WARNING, detector=self.name, ranks=[event.rank], step=event.step,
                 subject="loss scale",
                 message=f"the loss scale fell to {scale:g} at step {event.step} (below {self.config.min_scale:g}), "
-                        f"after skipped steps {self._steps(self.skipped)}: gradients are now scaled down and "
-                        "small ones vanish",
+                        f"after skipped steps {self._steps(self.skipped)}: "
+                        + ("gradients are now scaled down and small ones vanish" if self.calibrated else
+                           "no step has been applied yet: no scale makes the gradients finite (a NaN/Inf in "
+                           "every step's backward, not an overflow)"),
                 evidence={"loss_scale": scale, "skipped_steps": self.skipped[-50:]},
                 fix="look for the step where the values first grow (loss_spike, nan_origin); or bf16 autocast",
             ))

@@ -13,6 +13,8 @@ in a row; the real NaN is planted at step 7 of 10 with steps after it.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.test_attach import kinds
 from tests.helpers import DATA, distdebug, read_digests, torchrun
 
@@ -88,3 +90,32 @@ def test_deepspeed_fp16_dynamic_loss_scale_is_followed(tmp_path):
         skipped = [s["step"] for s in steps if s.get("skipped")]
         assert [f for f in findings(tmp_path, rank) if f[0] != "info"] == []
         assert sorted(f[2] for f in findings(tmp_path, rank) if f[1] == "loss_scale") == skipped
+
+
+@pytest.mark.parametrize("wrap,nproc", [("manual", 2), ("none", 1)])
+def test_a_plain_model_is_judged_as_ddp_is_and_the_scales_calibration_is_no_warning(wrap, nproc, tmp_path):
+    """A plain nn.Sequential (not wrapped in DDP) with a hand-written all-reduce of its gradients, or alone
+    in one process, under fp16 autocast and a GradScaler whose initial scale is 2^24: its first seven
+    steps are skipped while the scale calibrates (PyTorch's words; Megatron starts at 2^32), then an
+    overflow is planted at step 14 (a step its clean twin does not skip). Every skip is an info record,
+    no warning, no NaN, --stop-on-nan lets it finish: the same as under DDP. Its clean twin (no overflow
+    planted) has the calibration's infos only. And a real NaN in one rank's batch is still an error on
+    that rank alone."""
+    base = ["--steps", "16", "--wrap", wrap, "--init-scale", str(2.0 ** 24)]
+    for name, extra in (("clean", []), ("overflow", ["--overflow-at", "14"])):
+        run = tmp_path / name
+        r = distdebug("attach", "--nproc-per-node", str(nproc), "--stop-on-nan", "--run-dir", str(run), SCRIPT,
+                      *base, *extra)
+        assert r.returncode == 0, r.output
+        for rank in range(nproc):
+            skipped = [s["step"] for s in kinds(run, rank, "step") if s.get("skipped")]
+            assert skipped[:7] == list(range(1, 8)), skipped  # 2^24 -> 2^17: the calibration
+            assert (14 in skipped) == (name == "overflow"), skipped
+            assert findings(run, rank) == [("info", "loss_scale", s, "skipped step") for s in skipped]
+    if wrap == "manual":
+        r = distdebug("attach", "--run-dir", str(tmp_path / "nan"), SCRIPT, *base, "--nan-at", "12", "--nan-rank", "1")
+        assert r.returncode == 0, r.output
+        errors = {rank: [f for f in findings(tmp_path / "nan", rank) if f[0] == "error"] for rank in (0, 1)}
+        assert errors[0] == []
+        assert sorted((d, step, s) for _, d, step, s in errors[1]) == [
+            ("loss_nonfinite", 12, "loss"), ("nan_origin", 12, "(input of Sequential)")], errors

@@ -6,6 +6,9 @@ scaled gradients overflow and the scaler skips it. Options plant more:
 --overflow-from S   the same at every step from S on (the scale keeps collapsing)
 --nan-at S --nan-rank R   a NaN in rank R's batch at step S (a real NaN, not an overflow)
 --losses-out DIR    each rank writes the loss it computed per step (one per line)
+--init-scale X      the scaler's initial scale (2^16 by default; Megatron's is 2^32: many skips while it calibrates)
+--wrap W            ddp (default); manual: a plain nn.Sequential whose gradients the script all-reduces itself;
+                    none: a plain nn.Sequential and no reduction (for one process)
 """
 
 import os
@@ -27,14 +30,16 @@ def main() -> None:
     p.add_argument("--nan-at", type=int, default=0)
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--losses-out", default=None)
+    p.add_argument("--init-scale", type=float, default=2.0**16)
+    p.add_argument("--wrap", choices=["ddp", "manual", "none"], default="ddp")
     args = p.parse_args()
     setup(args.seed)
     rank = dist.get_rank()
     overflow = {int(s) for s in args.overflow_at.split(",") if s}
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    ddp = DDP(model)
+    ddp = DDP(model) if args.wrap == "ddp" else model
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=args.init_scale)
     g = torch.Generator().manual_seed(100 + rank)
     losses = []
     for step in range(1, args.steps + 1):
@@ -46,6 +51,10 @@ def main() -> None:
         with torch.autocast("cpu", dtype=torch.float16):
             loss = (ddp(x).float() - y).pow(2).mean()
         scaler.scale(loss).backward()
+        if args.wrap == "manual":
+            for q in model.parameters():
+                dist.all_reduce(q.grad)
+                q.grad /= dist.get_world_size()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
