@@ -62,6 +62,11 @@ RULES: dict[str, dict[str, Any]] = {
     "grad_norm": {"rel_floor": GRAD_NORM_FLOOR, "min_history": MIN_HISTORY},
 }
 """Per signal: spike()'s relative floor and the history it needs."""
+EARLY_HISTORY = 5
+EARLY_FLOOR = 0.1
+"""The early rule (steps EARLY_HISTORY + 1 .. MIN_HISTORY, the loss only): the smallest noise scale, in log
+units (10 %). A spike or collapse there is at least threshold x 0.1 = 0.8 log units from the trend's
+prediction: below 0.45x or above 2.2x of it."""
 
 
 def spike(history: list[float], value: float, threshold: float, both: bool = False, rel_floor: float = REL_FLOOR,
@@ -83,6 +88,40 @@ def spike(history: list[float], value: float, threshold: float, both: bool = Fal
     scale = max(noise, floor)
     z = (value - level) / scale
     return (abs(z) if both else z) > threshold, level, z
+
+
+def early_spike(history: list[float], value: float, threshold: float) -> tuple[bool, float, float]:
+    """The loss before MIN_HISTORY values (steps EARLY_HISTORY + 1 to MIN_HISTORY): (is value a spike or a
+    collapse, the level it is measured from, robust z). Too few values for a median level and a noise
+    estimate; early training falls fast and unevenly, and some scripts' losses move 4x from one step to the
+    next (the tensor-parallel recipe's): so in log units (a loss falls by ratios, and a level can never
+    turn negative), from the last three values carried forward by the median step (the trend; their
+    median), against the widest of the spread of the steps (MAD), the trend itself (a steep fall earns as
+    much room), EARLY_FLOOR and, for tails a few values cannot show, a departure twice the largest change
+    seen so far. A value
+    at or below zero after positive values is a collapse (a sign flipped); a history that is not all
+    positive is left to the main rule."""
+    if not EARLY_HISTORY <= len(history) < MIN_HISTORY or not math.isfinite(value) or min(history) <= 0:
+        return False, float("nan"), 0.0
+    logs = [math.log(v) for v in history]
+    steps = [b - a for a, b in zip(logs, logs[1:], strict=False)]
+    trend = statistics.median(steps)
+    spread = 1.4826 * statistics.median(abs(d - trend) for d in steps)
+    # Heavy tails: a MAD of four to eight changes sees the quiet majority (the pipeline x DP recipe's clean
+    # loss: three changes under 0.2, two of 1.2 and 1.6): the departure must also pass twice the largest
+    # change seen so far (threshold x a quarter of it).
+    widest = max(abs(d - trend) for d in steps)
+    scale = max(spread, abs(trend), EARLY_FLOOR, 2 * widest / threshold)
+    # The last three values carried forward by the trend to this step; their median, so that one low or
+    # high value (a pipeline recipe's 0.35 between 1.1 and 1.65) does not become the level, and a fall that
+    # has just begun after a plateau (the trend of the median step is still flat) is followed within a step.
+    n = len(logs)
+    predicted = statistics.median(logs[i] + trend * (n - i) for i in range(n - 3, n))
+    level = math.exp(predicted)
+    if value <= 0:
+        return True, level, (value - level) / (EARLY_FLOOR * level)
+    z = (math.log(value) - predicted) / scale
+    return abs(z) > threshold, level, z
 
 
 def _relative(value: float, level: float) -> str:
@@ -313,7 +352,11 @@ class LossSpike(ExchangeUser, Detector):
                     hist.clear()  # a new phase that starts elsewhere (a fresh model, the next fold): a new level
             # The loss both ways (a collapse, a loss gone negative, is as wrong as a jump); the gradient
             # norm upward only (it falls as training converges).
-            is_spike, med, z = spike(list(hist), value, self.threshold, both=signal == "loss", **RULES[signal])
+            early = signal == "loss" and len(hist) < MIN_HISTORY
+            if early:
+                is_spike, med, z = early_spike(list(hist), value, self.threshold)
+            else:
+                is_spike, med, z = spike(list(hist), value, self.threshold, both=signal == "loss", **RULES[signal])
             if is_spike:
                 self.run[signal] += 1
                 if self.run[signal] > LEVEL:
@@ -329,10 +372,11 @@ class LossSpike(ExchangeUser, Detector):
                         severity=Severity.WARNING, detector=self.name, ranks=[event.rank], step=event.step,
                         subject=signal,
                         message=f"{label} {kind} at step {event.step}: {value:.4g}, {_relative(value, med)} "
-                                f"the level {med:.4g} of the last steps (robust z {z:.1f}, beyond "
-                                f"{self.threshold:g})",
+                                + (f"the {med:.4g} that the first {len(hist)} steps' trend led to" if early else
+                                   f"the level {med:.4g} of the last steps")
+                                + f" (robust z {z:.1f}, beyond {self.threshold:g})",
                         evidence={"value": value, "median": med, "robust_z": z, "window": len(hist),
-                                  "threshold": self.threshold},
+                                  "threshold": self.threshold, "rule": "early" if early else "level"},
                         fix="a bad batch (look at the data of that step), a learning-rate schedule jump, or "
                             "instability before a NaN; gradient clipping and a lower learning rate damp it",
                     ))

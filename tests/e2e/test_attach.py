@@ -307,6 +307,27 @@ def test_spikes_both_ways_and_the_gradient_norm_before_the_scripts_clipping(tmp_
         assert f["evidence"]["robust_z"] < -8
 
 
+def test_an_early_collapse_in_a_short_run_is_found_at_its_step_and_the_clean_run_has_none(tmp_path):
+    """Issue 38: a collapse about step 10 of a short run was not reported (the rule judged from step 11).
+    The loss is judged from step 6 now, against the trend of the steps so far (in log units, with room
+    for this script's noise: a batch of 4 moves its loss 3x step to step, and 50x at times): a sign flipped
+    at step 10 and, with a batch of 64, a collapse to a thousandth at step 7 (labels leaked, a mask that hid
+    everything) are found at their step on both ranks; the clean run of the same length has no finding."""
+    for name, extra, step in (("sign", ["--collapse-at", "10"], 10),
+                              ("leak", ["--batch", "64", "--collapse-at", "7", "--collapse-factor", "0.001"], 7),
+                              ("clean", [], None), ("clean64", ["--batch", "64"], None)):
+        r = distdebug("attach", "--run-dir", str(tmp_path / name), SCRIPT, "--steps", "12", *extra)
+        assert r.returncode == 0, r.output
+        for rank in (0, 1):
+            found = [f for f in kinds(tmp_path / name, rank, "finding") if f["severity"] != "info"]
+            if step is None:
+                assert found == [], found
+                continue
+            f = found[0]
+            assert (f["detector"], f["subject"], f["step"], f["ranks"]) == ("loss_spike", "loss", step, [rank]), found
+            assert f["message"].startswith(f"loss collapse at step {step}") and f["evidence"]["rule"] == "early"
+
+
 def test_loss_spike_in_its_step_and_none_in_the_recipes_normal_training(tmp_path):
     r = distdebug("attach", "--run-dir", str(tmp_path / "spike"), SCRIPT, "--steps", "40", "--spike-at", "30")
     assert r.returncode == 0, r.output

@@ -26,9 +26,11 @@ p.add_argument("--flip-at", type=int, default=None, help="flip one bit of one pa
 p.add_argument("--nan-at", type=int, default=None, help="a NaN in one input value on --fault-rank at this step")
 p.add_argument("--spike-at", type=int, default=None, help="a corrupted batch (inputs x 30) at this step")
 p.add_argument("--spike-rank", type=int, default=None, help="only on this rank (default: every rank)")
-p.add_argument("--collapse-at", type=int, default=None, help="the loss's sign flipped (x -39) at this step")
+p.add_argument("--collapse-at", type=int, default=None, help="the loss times --collapse-factor at this step")
+p.add_argument("--collapse-factor", type=float, default=-39.0, help="-39 (a sign flipped); 0.001 (a leak, a mask)")
 p.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this after the all_reduce")
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--batch", type=int, default=4, help="per-rank batch size (4: a loss that moves 3x step to step)")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -45,14 +47,16 @@ for step in range(1, args.steps + 1):
     if rank == args.fault_rank and step == args.flip_at:
         with torch.no_grad():
             model[2].weight.view(-1).view(torch.int32)[3] ^= 1 << 12  # silent data corruption
-    x = torch.randn(4, 8, generator=g)
+    x = torch.randn(args.batch, 8, generator=g)
     if step == args.spike_at and args.spike_rank in (None, rank):
         x = x * 30
     if rank == args.fault_rank and step == args.nan_at:
         x[1, 2] = float("nan")  # a bad sample: NaN from the first layer on
     loss = (model(x) - x[:, :1]).pow(2).mean()
     if step == args.collapse_at:
-        loss = loss * -39  # a sign bug (a log-likelihood where its negative was meant): the loss collapses
+        # -39: a sign bug (a log-likelihood where its negative was meant); 0.001: labels leaked into the
+        # inputs, a mask that hid every token: the loss collapses
+        loss = loss * args.collapse_factor
     loss.backward()
     for prm in model.parameters():
         dist.all_reduce(prm.grad)
