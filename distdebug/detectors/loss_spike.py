@@ -348,15 +348,12 @@ class LossSpike(ExchangeUser, Detector):
             hist = self.history[signal]
             if signal == "loss" and self._phase_start:
                 self._phase_start = False
-                if spike(list(hist), value, self.threshold, both=True)[0]:
+                if self._judge(signal, hist, value)[0]:
                     hist.clear()  # a new phase that starts elsewhere (a fresh model, the next fold): a new level
             # The loss both ways (a collapse, a loss gone negative, is as wrong as a jump); the gradient
             # norm upward only (it falls as training converges).
+            is_spike, med, z = self._judge(signal, hist, value)
             early = signal == "loss" and len(hist) < MIN_HISTORY
-            if early:
-                is_spike, med, z = early_spike(list(hist), value, self.threshold)
-            else:
-                is_spike, med, z = spike(list(hist), value, self.threshold, both=signal == "loss", **RULES[signal])
             if is_spike:
                 self.run[signal] += 1
                 if self.run[signal] > LEVEL:
@@ -384,6 +381,13 @@ class LossSpike(ExchangeUser, Detector):
             self.run[signal] = 0
             hist.append(value)
         return out
+
+    def _judge(self, signal: str, hist: deque[float], value: float) -> tuple[bool, float, float]:
+        """(spike, level, z) of one value: the loss both ways (from step 6, by the early rule until MIN_HISTORY
+        values), the gradient norm upward only."""
+        if signal == "loss" and len(hist) < MIN_HISTORY:
+            return early_spike(list(hist), value, self.threshold)
+        return spike(list(hist), value, self.threshold, both=signal == "loss", **RULES[signal])
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)

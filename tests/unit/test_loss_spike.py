@@ -232,3 +232,14 @@ def test_the_clean_runs_of_every_recipe_have_no_spike_early_or_late():
         assert run(loss) == [], (name, loss)
     ppdp = [1.39, 1.199, 1.327, 1.106, 0.345, 1.651, 1.732, 0.156]  # pipeline x DP, rank 3: steps 6 and 8
     assert run(ppdp[:6]) == [] and run(ppdp) == []
+
+
+def test_a_new_phase_after_a_short_history_starts_a_new_level_under_the_early_rule_too():
+    """A phase handed 6 values (a fit of 6 steps, then the next fold's fresh model at 10x the loss): the early
+    rule would call its first loss a spike; it is a new level, as after a long history."""
+    old = LossSpike()
+    assert _feed(old, curve(6, 7)) == []
+    nxt = LossSpike()
+    old.handover(nxt)
+    assert _feed(nxt, [v * 10 for v in curve(10, 8)], 7) == []
+    assert len(nxt.history["loss"]) == 10
