@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
+sys.path.insert(0, str(ROOT / "tests" / "data" / "scripts"))
 OUT = ROOT / "tests" / "data" / "loss_curves" / "traces.json"
 
 
@@ -39,29 +40,14 @@ def _norm(params: list) -> float:
 
 
 def resnet(seed: int, steps: int) -> dict[str, list[float]]:
-    import torch
-    import torch.nn as nn
     import torch.nn.functional as F
+    from resnet_train import batches, build  # tests/data/scripts: the same model the e2e tests train
 
-    class Block(nn.Module):
-        def __init__(self, c: int) -> None:
-            super().__init__()
-            self.a, self.b = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.Conv2d(c, c, 3, padding=1, bias=False)
-            self.na, self.nb = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.relu(x + self.nb(self.b(F.relu(self.na(self.a(x))))))
-
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-                          Block(16), Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-    g = torch.Generator().manual_seed(1000 + seed)
-    teacher = torch.randn(3 * 16 * 16, 10, generator=g)
+    model, opt = build(seed)
+    data = batches(seed)
     out: dict[str, list[float]] = {"loss": [], "grad_norm": []}
     for _ in range(steps):
-        x = torch.randn(32, 3, 16, 16, generator=g)
-        y = (x.flatten(1) @ teacher).argmax(1)
+        x, y = next(data)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         out["loss"].append(float(loss.detach()))

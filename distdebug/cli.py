@@ -244,6 +244,39 @@ def report(run: str | None, as_json: bool, html_out: str | None) -> int:
 
 @main.command()
 @click.argument("run", required=False)
+@click.option("--timeout", type=float, default=5.0, show_default=True,
+              help="Seconds to wait for every rank's answer.")
+@click.option("--native/--no-native", default=True, show_default=True,
+              help="Native frames too, through py-spy where it is installed.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: the groups and every answer.")
+def stacks(run: str | None, timeout: float, native: bool, as_json: bool) -> int:
+    """Every rank's Python stack of the running job RUN (default: the newest run), now, grouped by
+    identical stacks: which rank waits where. The job goes on."""
+    import json
+
+    from distdebug.analysis import stacks as stacks_mod
+    from distdebug.artifacts.runs import resolve_run
+
+    if not timeout > 0:
+        raise UserError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+    answers, missing = stacks_mod.request(resolve_run(run), timeout)
+    groups = stacks_mod.group(answers)
+    dumps, note = stacks_mod.native_dumps(answers) if native and answers else ({}, None)
+    if as_json:
+        click.echo(json.dumps({
+            "headline": stacks_mod.headline(groups),
+            "groups": [{"ranks": g.ranks, "summary": g.summary, "frames": g.frames} for g in groups],
+            "missing": {str(r): why for r, why in missing.items()},
+            "answers": {str(r): a.answer for r, a in sorted(answers.items())},
+            "native": {str(r): text for r, text in dumps.items()}, "native_note": note,
+        }, default=str))
+    else:
+        click.echo(stacks_mod.render(groups, missing, dumps, note))
+    return 1 if missing else 0
+
+
+@main.command()
+@click.argument("run", required=False)
 @click.argument("other", required=False)
 @click.option("--step", type=int, default=None, help="Compare the ranks at this step (default: find the first "
               "divergent step).")

@@ -13,6 +13,8 @@ NODE_TEMPLATE = "nodes/node-{node:03d}.json"
 RANK_DIR_TEMPLATE = "rank-{rank:05d}"
 EVENTS = "events.jsonl"
 STACKS = "stacks.txt"
+STACKS_REQUEST = "requests/stacks.json"
+STACKS_ANSWER = "stacks-now.json"
 FR_TRACE = "fr_trace.pkl"
 RUN_FINDINGS = "findings.jsonl"
 INFLIGHT = "inflight"
@@ -39,6 +41,9 @@ FILES: tuple[tuple[str, str], ...] = (
     (f"{RANK_DIR_TEMPLATE}/{EVENTS}", "per rank, append-only JSON Lines: the record kinds below"),
     (f"{RANK_DIR_TEMPLATE}/{INFLIGHT}", "the collective the rank is inside now (memory-mapped; survives a crash)"),
     (f"{RANK_DIR_TEMPLATE}/{STACKS}", "on a stall: every thread's Python stack"),
+    (STACKS_REQUEST, "distdebug stacks' latest request (its id and time): each rank's watchdog answers it"),
+    (f"{RANK_DIR_TEMPLATE}/{STACKS_ANSWER}", "the rank's answer to distdebug stacks: every thread's stack, "
+                                             "step, phase, collective in flight (replaced at each request)"),
     (f"{RANK_DIR_TEMPLATE}/{FR_TRACE}",
      "on a stall or failed collective: PyTorch Flight Recorder dump (torch's pickle)"),
     (f"{RANK_DIR_TEMPLATE}/{CRASH}", "on a fatal signal (SIGABRT, SIGSEGV): faulthandler stacks (empty otherwise)"),
@@ -69,6 +74,14 @@ def events_path(run_dir: Path, rank: int) -> Path:
 
 def stacks_path(run_dir: Path, rank: int) -> Path:
     return rank_dir(run_dir, rank) / STACKS
+
+
+def stacks_request_path(run_dir: Path) -> Path:
+    return run_dir / STACKS_REQUEST
+
+
+def stacks_answer_path(run_dir: Path, rank: int) -> Path:
+    return rank_dir(run_dir, rank) / STACKS_ANSWER
 
 
 def fr_trace_path(run_dir: Path, rank: int) -> Path:

@@ -31,21 +31,27 @@ def frames_of(stack: traceback.StackSummary) -> list[dict[str, Any]]:
     return [{"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()} for f in stack]
 
 
-def thread_stacks() -> tuple[str, list[dict[str, Any]]]:
-    """All threads' Python stacks as text, and the main thread's as structured frames (innermost last)."""
+def other_threads() -> list[tuple[int, str, bool, traceback.StackSummary]]:
+    """(ident, name, is the main thread, stack) of every thread but the caller's, the main thread first.
+    Read from another thread while the main one is blocked in C code (a collective's wait, a sleep, a
+    data loader's queue): those release the GIL, and their Python frames stay where they called in."""
     names = {t.ident: t.name for t in threading.enumerate()}
     main_id = threading.main_thread().ident
     me = threading.get_ident()
+    out = [(ident, names.get(ident, "?"), ident == main_id, traceback.extract_stack(frame))
+           for ident, frame in sys._current_frames().items() if ident != me]
+    return sorted(out, key=lambda t: not t[2])
+
+
+def thread_stacks() -> tuple[str, list[dict[str, Any]]]:
+    """All threads' Python stacks as text, and the main thread's as structured frames (innermost last)."""
     parts: list[str] = []
     main_frames: list[dict[str, Any]] = []
-    for ident, frame in sys._current_frames().items():
-        if ident == me:
-            continue
-        stack = traceback.extract_stack(frame)
-        parts.append(f'Thread "{names.get(ident, "?")}" ({ident}){" [main]" if ident == main_id else ""}:\n')
+    for ident, name, main, stack in other_threads():
+        parts.append(f'Thread "{name}" ({ident}){" [main]" if main else ""}:\n')
         parts.extend(traceback.format_list(stack))
         parts.append("\n")
-        if ident == main_id:
+        if main:
             main_frames = frames_of(stack)
     return "".join(parts), main_frames
 
@@ -108,6 +114,7 @@ class RankWatchdog:
         self.interval = interval
         self.parent = os.getppid()
         self.clock = StallClock(stall_timeout)
+        self._request_seen: int | None = None  # the stacks request last answered (its file's mtime)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,6 +130,10 @@ class RankWatchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
+            try:
+                self.answer_stacks()
+            except Exception:  # a request it could not answer: distdebug stacks says the rank did not answer
+                pass
             try:
                 self.check()
             except Exception as e:  # the watchdog must never take the rank down; it keeps watching
@@ -149,6 +160,48 @@ class RankWatchdog:
                 s.emit(schema.record(schema.STALL_CLEARED, rank=s.identity.rank, step=p.step, time=time.time()))
             else:
                 self.record_stall(now - last)
+
+    def answer_stacks(self) -> None:
+        """``distdebug stacks``: when its request file is new (one stat a wake-up, nothing else while none
+        comes), write every thread's stack with the rank's step, phase and collective in flight to the
+        rank's answer file (written aside and renamed: a reader never sees half of it). From this thread,
+        so the answer comes while the training thread is blocked, and the training is not stopped."""
+        run_dir = self.session.ctx.run_dir
+        if run_dir is None:
+            return
+        request = layout.stacks_request_path(run_dir)
+        try:
+            stamp = request.stat().st_mtime_ns
+        except OSError:
+            return
+        if stamp == self._request_seen:
+            return
+        self._request_seen = stamp
+        import json
+
+        from distdebug.artifacts.redact import Redactor
+
+        try:
+            asked = json.loads(request.read_text()).get("id")
+        except (OSError, ValueError, AttributeError):
+            return
+        redact = Redactor()
+        s, p = self.session, self.session.progress
+        current = p.in_collective
+        in_coll = dict(current) if current else None
+        if in_coll is not None:
+            in_coll["waiting_s"] = round(time.monotonic() - in_coll.pop("since"), 3)
+        threads = [{"name": name, "ident": ident, "main": main,
+                    "frames": [{**f, "code": redact(f["code"])} for f in frames_of(stack)]}
+                   for ident, name, main, stack in other_threads()]
+        answer = {"request": asked, "rank": s.identity.rank, "host": s.identity.host, "pid": s.identity.pid,
+                  "time": time.time(), "step": p.step, "phase": p.phase, "in_collective": in_coll,
+                  "idle_s": round(time.monotonic() - p.last, 3), "threads": threads}
+        path = layout.stacks_answer_path(run_dir, s.identity.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(answer, default=str))
+        os.replace(tmp, path)
 
     def record_stall(self, idle: float) -> None:
         s = self.session

@@ -224,6 +224,19 @@ def test_replay_on_a_gpt_script_with_accumulation_and_a_schedule_catches_every_f
         "loss_spike", "transient_compute", "persistent_compute"}
 
 
+def test_replay_on_a_resnet_style_script_its_early_bump_is_clean_and_a_spike_is_caught(tmp_path):
+    """Issue 38: a healthy ResNet-style script (residual blocks, BatchNorm, SGD momentum 0.9 at lr 0.1) got a
+    loss_spike warning for its early gradient-norm bump. tests/data/scripts/resnet_train.py is the model whose
+    curves bench/loss_traces.py records (seed 7 doubled its gradient norm at step 11); replayed under DDP: the
+    clean run has no finding and an injected loss spike is caught on its rank and step."""
+    junit = tmp_path / "faults.xml"
+    r = distdebug("faults", "replay", "--fault", "loss_spike", "--work-dir", str(tmp_path / "runs"), "--junit",
+                  str(junit), str(DATA / "scripts" / "resnet_train.py"), "--seed", "7", "--steps", "30", timeout=900)
+    assert r.returncode == 0, r.output[-4000:]
+    assert "1 applicable, 1 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    assert {name for name, c in _cases(junit).items() if c.find("skipped") is None} == {"clean", "loss_spike"}
+
+
 def test_replay_on_a_pipeline_script_aims_at_the_stage_that_has_it(tmp_path):
     """A pipeline (2 stages, send/recv, the loss on the last stage only) replayed as a user's script: the NaN
     is planted on the stage with an inner module (stage 0; stage 1 is one layer), the loss spike on the stage

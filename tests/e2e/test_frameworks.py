@@ -219,6 +219,19 @@ def test_hf_trainer_token_weighted_losses_are_no_alarm(tmp_path):
     assert max(abs(a - b) for a, b in zip(*losses, strict=True)) > 1.0  # the token weighting is really there
 
 
+def test_hf_trainer_classifier_over_60_steps_is_clean(tmp_path):
+    """Issue 38: a clean Trainer run got a loss_spike grad_norm warning. The BERT classifier (its gradient norm
+    moves most early) for 60 steps, every step judged from 6 (loss) and 11 (gradient norm): no finding but the
+    Trainer's own find_unused_parameters note. (The padded GPT-2 run above is its causal-LM twin.)"""
+    needs("transformers")
+    run = tmp_path / "run"
+    r = distdebug("attach", "--run-dir", str(run), str(SCRIPTS / "fw_hf_trainer.py"), "--model", "bert",
+                  "--steps", "60", timeout=600, env=hf_env())
+    assert r.returncode == 0, r.output[-3000:]
+    assert findings(run) == [("info", "config_lint", [0, 1], 1, "find_unused_parameters")]
+    assert len(recorded_losses(run, 0)) == 60
+
+
 def test_a_loss_spike_on_one_rank_blames_that_rank_under_accelerate(tmp_path):
     """Issue 22: loss_spike:rank=1 under accelerate blamed the healthy rank 0 (losses recorded at half,
     divided by accelerate before backward). Now rank 1's own loss spikes and it departs from the others'."""

@@ -1,0 +1,71 @@
+"""Tier 3 (CLI): a running job seen from another terminal (issue 39): ``distdebug stacks``.
+
+Needs: 3 ranks (one asleep, two waiting for it in the collective: two groups, one of two ranks); a sleep
+of 8 s a step on rank 1, so that the stacks are asked while it sleeps (the others are then inside step
+2's all_reduce), and 3 steps, so that the job then finishes by itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distdebug.artifacts import layout
+from distdebug.procs import kill_tree
+from tests.e2e.test_attach import kinds
+from tests.helpers import DATA, ROOT, distdebug, make_env
+
+SCRIPT = str(DATA / "scripts" / "handwritten_allreduce.py")
+
+
+@pytest.mark.waits  # its ranks sleep and wait: it may run beside a CPU-bound test
+def test_stacks_of_a_running_job_name_the_sleeping_rank_and_the_others_in_the_collective(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "attach", "--nproc-per-node", "3", "--run-dir",
+                             str(run), SCRIPT, "--steps", "3", "--sleep", "8", "--sleep-rank", "1"],
+                            env=make_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline and not all(
+                layout.events_path(run, r).exists() and kinds(run, r, "step") for r in range(3)):
+            time.sleep(0.2)
+        assert all(kinds(run, r, "step") for r in range(3)), "the ranks did not finish step 1"
+        time.sleep(1.0)  # rank 1 asleep after step 1; ranks 0 and 2 into step 2's all_reduce
+        r = distdebug("stacks", str(run), "--timeout", "5")
+        assert r.returncode == 0, r.output
+        head = r.stdout.splitlines()[0]
+        groups = dict(part.split(": ", 1) for part in head.split(" | "))
+        assert set(groups) == {"ranks 0, 2", "rank 1"}, head
+        assert groups["rank 1"].startswith("at handwritten_allreduce.py:") and "time.sleep(args.sleep)" in groups[
+            "rank 1"], head
+        assert groups["ranks 0, 2"].startswith("in all_reduce (torch.distributed) at handwritten_allreduce.py:"), head
+        assert "dist.all_reduce(prm.grad)" in groups["ranks 0, 2"], head
+        assert "inside all_reduce" in r.stdout  # the collective each waiting rank is in, from its progress record
+        if shutil.which("py-spy") is None:
+            assert "native frames: py-spy is not installed" in r.stdout
+        else:  # a test extra: the C++ wait the collective sits in, and the sleep's
+            waiting, asleep = r.stdout.split("\n== rank 1:")
+            assert "native (py-spy dump --native) of rank 0, one of 2:" in waiting, r.stdout
+            assert "c10d::Work::wait" in waiting and "time_sleep" in asleep, r.stdout
+        # every rank answered from its watchdog thread: the job was not stopped, and finishes by itself
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        assert [s["step"] for s in kinds(run, 1, "step")] == [1, 2, 3]
+        assert [f for r in range(3) for f in kinds(run, r, "finding") if f["severity"] != "info"] == []
+    finally:
+        kill_tree(proc.pid)
+
+
+def test_stacks_of_a_finished_run_is_one_clear_line(tmp_path):
+    r = distdebug("attach", "--run-dir", str(tmp_path / "run"), SCRIPT, "--steps", "2")
+    assert r.returncode == 0, r.output
+    r = distdebug("stacks", str(tmp_path / "run"))
+    assert r.returncode == 1, r.output
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("distdebug: error: no rank of ") and "'distdebug report' reads a finished one" in line
+
