@@ -67,22 +67,27 @@ def main() -> None:
 
 
 @main.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False})
-@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None,
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None, envvar="PET_NPROC_PER_NODE",
               help="Ranks on this node: a number, or gpu/cpu/auto. Default: one per GPU, else 2.")
-@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX (elastic).")
+@click.option("--nnodes", default="1", show_default=True, envvar="PET_NNODES",
+              help="Nodes: N or MIN:MAX (elastic).")
 @click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
-              help="This node's rank (static rendezvous).")
+              envvar="PET_NODE_RANK", help="This node's rank (static rendezvous).")
 @click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True,
-              help="Rendezvous backend: static or c10d.")
-@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="", help="Rendezvous HOST:PORT.")
-@click.option("--rdzv-id", "--rdzv_id", "rdzv_id", default="none", show_default=True, help="Rendezvous job id.")
-@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
+              envvar="PET_RDZV_BACKEND", help="Rendezvous backend: static or c10d.")
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="", envvar="PET_RDZV_ENDPOINT",
+              help="Rendezvous HOST:PORT.")
+@click.option("--rdzv-id", "--rdzv_id", "rdzv_id", default="none", show_default=True, envvar="PET_RDZV_ID",
+              help="Rendezvous job id.")
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", envvar="PET_RDZV_CONF",
               help="Rendezvous options key=value,... (e.g. join_timeout=60).")
-@click.option("--standalone", is_flag=True, help="Single node with a local rendezvous on a free port.")
+@click.option("--standalone", is_flag=True, envvar="PET_STANDALONE",
+              help="Single node with a local rendezvous on a free port.")
 @click.option("--max-restarts", "--max_restarts", "max_restarts", type=int, default=0, show_default=True,
-              help="Restarts of the worker group before failing.")
-@click.option("--master-addr", "--master_addr", "master_addr", default=None, help="Static rendezvous address.")
-@click.option("--master-port", "--master_port", "master_port", type=int, default=None,
+              envvar="PET_MAX_RESTARTS", help="Restarts of the worker group before failing.")
+@click.option("--master-addr", "--master_addr", "master_addr", default=None, envvar="PET_MASTER_ADDR",
+              help="Static rendezvous address.")
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None, envvar="PET_MASTER_PORT",
               help="Static rendezvous port.")
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run like python -m.")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
@@ -208,18 +213,19 @@ def _resolve_faults(specs: tuple[str, ...]) -> list[dict]:
 
 
 @main.command()
-@click.argument("run", required=False)
+@click.argument("runs", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write a self-contained HTML report with plots to this file.")
-def report(run: str | None, as_json: bool, html_out: str | None) -> int:
-    """Findings (with likely cause and fix) and per-rank progress of RUN (default: the newest run under
-    ./distdebug-runs); --html FILE also writes a self-contained page with plots."""
+def report(runs: tuple[str, ...], as_json: bool, html_out: str | None) -> int:
+    """Incidents, findings (with likely cause and fix) and per-rank progress of RUN (default: the newest run
+    under ./distdebug-runs); several RUNs: one job's nodes, each with its own run directory, merged into one
+    run. --html FILE also writes a self-contained page with plots."""
     from distdebug.analysis.summary import summarize
-    from distdebug.artifacts.reader import load_run
+    from distdebug.artifacts.reader import load_runs
     from distdebug.artifacts.runs import resolve_run
 
-    loaded = load_run(resolve_run(run))
+    loaded = load_runs([resolve_run(r) for r in runs] if runs else [resolve_run(None)])
     summary = summarize(loaded)
     for warning in summary.warnings:  # damage is said, never silently skipped; stdout stays the report
         print(f"distdebug: warning: {warning}", file=sys.stderr)
@@ -239,6 +245,35 @@ def report(run: str | None, as_json: bool, html_out: str | None) -> int:
         except OSError as e:
             raise UserError(f"--html {html_out}: cannot write it ({e.strerror or e}); choose a writable path") from None
         print(f"distdebug: HTML report {path}", file=sys.stderr)
+    return 0
+
+
+@main.command()
+@click.argument("runs", nargs=-1)
+@click.option("--once", is_flag=True, help="Print the ranks' state once and exit (also when stdout is not a "
+              "terminal).")
+@click.option("--json", "as_json", is_flag=True, help="The ranks' state once, machine-readable.")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
+def top(runs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> int:
+    """Each rank of RUN (default: the newest run; several: one job's nodes) as it is now: step, steps/s, last
+    loss, step time, findings, status; refreshed until every rank has ended. A finished run: its final state."""
+    import json
+
+    from distdebug.analysis.live import Follower, running, snapshot_rows
+    from distdebug.artifacts.runs import resolve_run
+
+    if not interval > 0:
+        raise UserError(f"--interval must be a positive number of seconds, got {interval:g}")
+    dirs = [resolve_run(r) for r in runs] if runs else [resolve_run(None)]
+    follower = Follower(dirs)
+    ranks = follower.poll()
+    if as_json:
+        click.echo(json.dumps({"run_dirs": [str(d) for d in dirs], "running": running(ranks, dirs),
+                               "ranks": snapshot_rows(ranks)}))
+        return 0
+    from distdebug.report.live_view import show
+
+    show(follower, dirs, live=not once and sys.stdout.isatty(), interval=interval)
     return 0
 
 
@@ -281,13 +316,17 @@ def stacks(run: str | None, timeout: float, native: bool, as_json: bool) -> int:
 @click.option("--step", type=int, default=None, help="Compare the ranks at this step (default: find the first "
               "divergent step).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def diff(run: str | None, other: str | None, step: int | None, as_json: bool) -> int:
+@click.option("--node", "nodes", multiple=True, metavar="DIR",
+              help="Another node's run directory of the same job (nodes without a shared file system each write "
+                   "their own): its ranks are compared too. Repeatable.")
+def diff(run: str | None, other: str | None, step: int | None, as_json: bool, nodes: tuple[str, ...]) -> int:
     """Cross-rank fingerprint diff of RUN (default: newest), or run-against-run with OTHER.
 
     \b
     distdebug diff RUN --step N     tensors that differ across ranks at step N
     distdebug diff RUN              the first step where replicas diverge
     distdebug diff RUN_A RUN_B      the first step and tensor where two runs differ
+    distdebug diff RUN --node DIR   RUN with another node's run directory of the same job
     Exit code 1 when something differs, 0 when identical.
     """
     from distdebug.analysis import diff as diff_mod
@@ -295,11 +334,11 @@ def diff(run: str | None, other: str | None, step: int | None, as_json: bool) ->
     from distdebug.report import diffview
 
     if other is not None:
-        if step is not None:
-            raise click.UsageError("--step applies to one run; give RUN alone, or RUN_A RUN_B without --step")
+        if step is not None or nodes:
+            raise click.UsageError("--step and --node apply to one run; give RUN alone, or RUN_A RUN_B without them")
         result = diff_mod.runs_result(resolve_run(run), resolve_run(other))
     else:
-        result = diff_mod.rank_result(resolve_run(run), step)
+        result = diff_mod.rank_result(resolve_run(run), step, [resolve_run(n) for n in nodes])
     if as_json:
         import json
 
@@ -323,10 +362,10 @@ def list_detectors() -> int:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--bandwidth", is_flag=True, help="Also an all_reduce bandwidth sweep and a pairwise link matrix "
               "across the ranks (started like attach).")
-@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None,
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None, envvar="PET_NPROC_PER_NODE",
               help="Check across this many ranks per node, started like attach (default with --bandwidth: "
                    "as attach). Without it and --bandwidth: this host only, no ranks.")
-@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
+@click.option("--nnodes", default="1", show_default=True, envvar="PET_NNODES", help="Nodes: N or MIN:MAX.")
 @click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True)
 @click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True)
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="")

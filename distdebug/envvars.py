@@ -48,6 +48,9 @@ REPLICA_GROUPS = "DISTDEBUG_REPLICA_GROUPS"
 MEASURE_OVERHEAD = "DISTDEBUG_MEASURE_OVERHEAD"
 """``attach --measure-overhead``: steps per block of the in-job A/B (runtime.overhead); empty or 0: off."""
 
+STATUS = "DISTDEBUG_STATUS"
+"""``0``: no status line from ``attach`` even on a terminal (launch.status)."""
+
 ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, DETERMINISTIC, INJECT,
        REPLICA_GROUPS, MEASURE_OVERHEAD)
 

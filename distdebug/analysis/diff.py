@@ -125,8 +125,15 @@ def diff_runs(a: Snapshots, b: Snapshots) -> tuple[RunDiff | None, int]:
 
 
 # ---------------------------------------------------------------- distdebug diff
-def rank_result(run_dir: Path, step: int | None) -> dict[str, Any]:
+def rank_result(run_dir: Path, step: int | None, nodes: list[Path] | None = None) -> dict[str, Any]:
+    """``nodes``: the other run directories of the same job (each node wrote its own; checked to be one job)."""
     snaps = load_snapshots(run_dir)
+    if nodes:
+        from distdebug.artifacts.reader import load_runs
+
+        load_runs([run_dir, *nodes])  # one line, and nothing compared, when they are not one job's
+        for node in nodes:
+            snaps.update(load_snapshots(node))
     steps = steps_of(snaps)
     if step is not None:
         if step not in steps:

@@ -180,9 +180,9 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
                 st.collective_error, st.stack = r.get("collective"), r.get("stack") or []
             elif kind == schema.END and st.status != Status.RAISED:
                 st.status, st.exit_code = Status.EXITED, r.get("exit_code")
-        st.inflight_state, st.inflight = read_inflight(layout.inflight_path(run.path, rank))
+        st.inflight_state, st.inflight = read_inflight(layout.inflight_path(run.dir_of(rank), rank))
         try:
-            crash = layout.crash_path(run.path, rank).read_text()
+            crash = layout.crash_path(run.dir_of(rank), rank).read_text()
         except FileNotFoundError:
             crash = ""
         if crash.strip():
@@ -222,7 +222,8 @@ def _normalise_dump(dump: dict[str, Any], world_size: int) -> dict[str, Any]:
 
 def flight_recorder_verdict(run: Run, world_size: int) -> dict[str, Any] | None:
     """First collective that PyTorch's analyzer finds with missing ranks or a mismatch, or None."""
-    dumps = {r: layout.fr_trace_path(run.path, r) for r in run.ranks if layout.fr_trace_path(run.path, r).exists()}
+    dumps = {r: layout.fr_trace_path(run.dir_of(r), r) for r in run.ranks
+             if layout.fr_trace_path(run.dir_of(r), r).exists()}
     if not dumps:
         return None
     try:

@@ -12,6 +12,8 @@ from typing import Any
 
 from distdebug.analysis import cost, overhead
 from distdebug.analysis.errors import error_findings
+from distdebug.analysis.incidents import Incident
+from distdebug.analysis.incidents import group as group_incidents
 from distdebug.analysis.traces import analyze_run
 from distdebug.artifacts import schema
 from distdebug.artifacts.reader import Run
@@ -47,6 +49,10 @@ class RunSummary:
     failure: str | None
     ranks: list[RankSummary] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    run_dirs: list[str] = field(default_factory=list)
+    """Every directory read: one, or one per node for a job whose nodes share no file system."""
+    incidents: list[Incident] = field(default_factory=list)
+    """The findings grouped by shared cause, the root first (analysis.incidents)."""
     discovery: dict[str, Any] | None = None
     injected: list[dict[str, Any]] = field(default_factory=list)
     """Faults injected on purpose (attach --inject), as each rank recorded them acting."""
@@ -65,6 +71,7 @@ class RunSummary:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["findings"] = [f.to_dict() for f in self.findings]
+        d["incidents"] = [i.to_dict() for i in self.incidents]
         return d
 
 
@@ -156,6 +163,7 @@ def summarize(run: Run) -> RunSummary:
             exit_code = node["exit_code"] if exit_code in (None, 0) else exit_code
         failure = failure or node.get("message")
     manifest = run.manifest or {}
+    merged = _merge(findings)
     return RunSummary(
         run_dir=str(run.path),
         command=manifest.get("command"),
@@ -165,8 +173,10 @@ def summarize(run: Run) -> RunSummary:
         ranks=ranks,
         injected=injected,
         never_acted=never_acted(manifest.get("faults"), injected),
-        windows=analyze_run(run.path),
-        findings=_merge(findings),
+        windows=[w for path in run.paths or [run.path] for w in analyze_run(path)],
+        run_dirs=[str(p) for p in run.paths or [run.path]],
+        findings=merged,
+        incidents=group_incidents(merged),
         discovery=_with_layouts(discovery, per_rank_layout),
         warnings=list(run.warnings),
         harness_cost=cost.summarize_cost(costs),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from distdebug.artifacts import layout
 from distdebug.artifacts.schema import SCHEMA_VERSION
@@ -73,6 +74,15 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     """Damage found while reading (an unreadable manifest, skipped lines): said, never silently skipped."""
 
+    paths: list[Path] = field(default_factory=list)
+    """Every run directory this run was read from: one, or one per node of a job whose nodes share no file
+    system (load_runs); ``path`` is the first."""
+    rank_paths: dict[int, Path] = field(default_factory=dict)
+    """The run directory that holds each rank's own files (inflight, stacks, Flight Recorder dump)."""
+
+    def dir_of(self, rank: int) -> Path:
+        return self.rank_paths.get(rank, self.path)
+
     def all_findings(self) -> list[dict]:
         """Every finding record: the ranks' own (their last attempt) and the run-level ones."""
         return [r for s in self.ranks.values() for r in s.last_attempt() if r.get("kind") == "finding"] \
@@ -106,4 +116,66 @@ def load_run(run_dir: Path) -> Run:
             warnings.append(f"rank {rank}: {stream.damaged_lines} unreadable line(s) skipped in {layout.EVENTS}")
     if damaged:
         warnings.append(f"{damaged} unreadable line(s) skipped in {layout.run_findings_path(run_dir).name}")
-    return Run(run_dir, manifest, nodes, ranks, findings, warnings)
+    return Run(run_dir, manifest, nodes, ranks, findings, warnings, [run_dir], {r: run_dir for r in ranks})
+
+
+def job_identity(run: Run) -> dict[str, Any]:
+    """What every node's run directory of one job shares: the script and its arguments, the number of nodes
+    and the rendezvous (backend, address, id). Two directories that differ in any of these are two jobs."""
+    m = run.manifest or {}
+    launcher = m.get("launcher") or {}
+    address = launcher.get("rdzv_endpoint") or (
+        f"{launcher.get('master_addr')}:{launcher.get('master_port')}" if launcher.get("master_port") else "")
+    return {"script": m.get("target"), "arguments": m.get("target_args"), "nodes": launcher.get("nnodes"),
+            "rendezvous": f"{launcher.get('rdzv_backend')} {address} id={launcher.get('rdzv_id')}".strip()}
+
+
+def _window(run: Run) -> tuple[float, float] | None:
+    """When the run's launcher agents ran (the earliest start, the latest end or start), from its nodes' files."""
+    starts = [n["started"] for n in run.nodes.values() if isinstance(n.get("started"), (int, float))]
+    ends = [n.get("ended") or n["started"] for n in run.nodes.values() if isinstance(n.get("started"), (int, float))]
+    return (min(starts), max(e for e in ends if isinstance(e, (int, float)))) if starts else None
+
+
+def load_runs(paths: list[Path]) -> Run:
+    """One run from the run directories of one job's nodes (each node wrote its own: no shared file system).
+    Refused with one line (UserError) when they are not one job: a different script, arguments, number of
+    nodes or rendezvous, the same rank in two of them, or agents that did not run at the same time."""
+    from distdebug.errors import UserError
+
+    runs = [load_run(p) for p in paths]
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    ident = job_identity(first)
+    seen: dict[int, Path] = {}
+    for other in runs[1:]:
+        theirs = job_identity(other)
+        differ = [k for k in ident if ident[k] != theirs[k]]
+        if differ:
+            k = differ[0]
+            raise UserError(f"{other.path} is not of the same job as {first.path} ({k}: {theirs[k]!r} against "
+                            f"{ident[k]!r}); give the run directories of one job's nodes")
+        a, b = _window(first), _window(other)
+        if a and b and (b[0] > a[1] + 60 or a[0] > b[1] + 60):
+            raise UserError(f"{other.path} is not of the same job as {first.path}: their launchers did not run at "
+                            "the same time (the same script and rendezvous, run twice); give one job's directories")
+    for run in runs:
+        for rank in run.ranks:
+            if rank in seen:
+                raise UserError(f"rank {rank} is in both {seen[rank]} and {run.path}: these are not the run "
+                                "directories of one job's different nodes (the same node twice, or two jobs)")
+            seen[rank] = run.path
+    manifest = dict(first.manifest or {})
+    layout_map: dict[str, Any] = {}
+    for run in runs:
+        layout_map.update((run.manifest or {}).get("layout") or {})
+    manifest["layout"] = layout_map
+    manifest["run_dirs"] = [str(r.path) for r in runs]
+    findings: list[dict] = []
+    for run in runs:  # a verdict each node's supervisor wrote alike is said once
+        findings += [f for f in run.findings if f not in findings]
+    return Run(first.path, manifest, {k: v for run in runs for k, v in run.nodes.items()},
+               {k: v for run in runs for k, v in run.ranks.items()}, findings,
+               [f"{run.path.name}: {w}" for run in runs for w in run.warnings],
+               [run.path for run in runs], {rank: run.path for run in runs for rank in run.ranks})

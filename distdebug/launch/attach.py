@@ -176,6 +176,11 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         expected_nodes=parse_nnodes(cfg.nnodes)[0], on_stall=cfg.on_stall,
     )
     supervisor.start()
+    from distdebug.launch.status import StatusLine
+
+    status = StatusLine(run_dir, cfg.node_rank) if StatusLine.wanted() else None
+    if status is not None:
+        status.start()
     code, message = 0, None
     end = JobEnd(exit_code=0, primary=cfg.node_rank == 0)
     try:
@@ -191,6 +196,8 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         # torch's own validation of launcher options (e.g. a bad --rdzv-conf)
         code, message = 2, f"the launcher refused to start: {e}"
     finally:
+        if status is not None:
+            status.stop()
         supervisor.stop()
     end.exit_code = code
     end.hang_named = supervisor.verdict is not None and code != 0

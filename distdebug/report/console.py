@@ -12,7 +12,7 @@ from rich.table import Table
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.summary import RunSummary
 from distdebug.report.fmt import memory_mb, number, rank_list
-from distdebug.report.knowledge import advise_all, findings_with_advice
+from distdebug.report.knowledge import advise_all, findings_with_advice, incidents_with_advice
 
 SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -21,6 +21,9 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
     # Piped output defaults to 80 columns, which folds every row of a per-rank table.
     console = console or Console(width=None if Console().is_terminal else 140)
     console.print(f"[bold]distdebug report[/bold]  {esc(summary.run_dir)}")
+    if len(summary.run_dirs) > 1:
+        console.print(f"merged from {len(summary.run_dirs)} run directories (one per node): "
+                      + esc(", ".join(summary.run_dirs)))
     if summary.command:
         console.print(f"command: {esc(' '.join(summary.command))}")
     disc = summary.discovery or {}
@@ -53,6 +56,8 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         tail = f" ({esc(summary.failure)})" if summary.failure else ""
         console.print(f"exit code: [{style}]{summary.exit_code}[/{style}]{tail}")
 
+    if summary.incidents:
+        render_incidents(summary, console)
     if summary.findings:
         table = Table(title=f"Findings ({len(summary.findings)})", show_lines=False)
         for col in ("severity", "detector", "rank(s)", "step", "subject", "message"):
@@ -151,8 +156,30 @@ def _windows(console: Console, windows: list[dict]) -> None:
     console.print(table)
 
 
+def render_incidents(summary: RunSummary, console: Console) -> None:
+    """The first screen: one block per incident (warnings and worse; notes counted), its root's message,
+    what followed from it, and one fix."""
+    shown = [i for i in incidents_with_advice(summary.incidents, summary.findings, run_dir=summary.run_dir)
+             if i["severity"] != "info"]
+    notes = len(summary.incidents) - len(shown)
+    console.print(f"[bold]Incidents ({len(shown)})[/bold]" + (f"  and {notes} note(s) below" if notes else ""))
+    for n, inc in enumerate(shown, 1):
+        sev, root = inc["severity"], inc["root"]
+        step = "" if root["step"] is None else f" step {root['step']}"
+        console.print(f"{n}. [{SEVERITY_STYLE[sev]}]{sev}[/] {esc(inc['title'])} (rank(s) {rank_list(root['ranks'])}"
+                      f"{step}): {esc(root['message'])}")
+        for m in inc["members"][1:]:
+            mstep = "" if m["step"] is None else f" step {m['step']}"
+            console.print(f"   then {esc(m['severity'])} {esc(m['detector'])} {esc(m['subject'])} (rank(s) "
+                          f"{rank_list(m['ranks'])}{mstep})")
+        if inc["fix"]:
+            console.print(f"   [bold]fix[/bold]: {esc(inc['fix'])}")
+
+
 def render_json(summary: RunSummary) -> str:
-    """The summary; each finding with its ``advice`` (symptom, likely cause, check, fix)."""
+    """The summary; each finding with its ``advice`` (symptom, likely cause, check, fix); ``incidents``: the
+    findings grouped by shared cause, each with its root, members and one fix."""
     d = summary.to_dict()
     d["findings"] = findings_with_advice(summary.findings, run_dir=summary.run_dir)
+    d["incidents"] = incidents_with_advice(summary.incidents, summary.findings, run_dir=summary.run_dir)
     return json.dumps(d, indent=2, default=str)

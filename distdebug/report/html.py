@@ -24,7 +24,7 @@ from distdebug.analysis.summary import RunSummary
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import Run, read_json
 from distdebug.report.fmt import memory_mb, number, rank_list
-from distdebug.report.knowledge import findings_with_advice
+from distdebug.report.knowledge import findings_with_advice, incidents_with_advice
 
 MAX_RANK_ROWS = 64
 """Ranks listed openly; beyond, the table is folded (the plots carry the picture)."""
@@ -80,6 +80,31 @@ def _findings_table(findings: list[dict[str, Any]]) -> str:
             f"<td><code>{_e(f['subject'])}</code></td><td>{_e(f['message'])}{advice}</td></tr>")
     return ("<table class='findings'><tr><th>severity</th><th>detector</th><th>rank(s)</th><th>step</th>"
             "<th>subject</th><th>what, likely cause, check, fix</th></tr>" + "".join(rows) + "</table>")
+
+
+def _merged(summary: RunSummary) -> str:
+    if len(summary.run_dirs) < 2:
+        return ""
+    return f"merged from {len(summary.run_dirs)} run directories (one per node): {_e(', '.join(summary.run_dirs))}<br>"
+
+
+def _incidents(summary: RunSummary) -> str:
+    """Incidents: the findings grouped by shared cause, each with its root, what followed and one fix."""
+    incs = incidents_with_advice(summary.incidents, summary.findings, run_dir=summary.run_dir)
+    if not incs:
+        return ""
+    items = []
+    for inc in incs:
+        root = inc["root"]
+        then = "".join(f"<li>{_e(m['severity'])} {_e(m['detector'])} <code>{_e(m['subject'])}</code> rank(s) "
+                       f"{_e(rank_list(m['ranks']))} step {_e('-' if m['step'] is None else m['step'])}: "
+                       f"{_e(m['message'])}</li>" for m in inc["members"][1:])
+        items.append(f"<li class='incident'><span class='sev {_e(inc['severity'])}'>{_e(inc['severity'])}</span> "
+                     f"<b>{_e(inc['title'])}</b> rank(s) {_e(rank_list(root['ranks']))} step "
+                     f"{_e('-' if root['step'] is None else root['step'])}: {_e(root['message'])}"
+                     + (f"<ul>{then}</ul>" if then else "")
+                     + (f"<div class='advice'><b>fix:</b> {_e(inc['fix'])}</div>" if inc["fix"] else "") + "</li>")
+    return f"<section><h2>Incidents ({len(incs)}), root cause first</h2><ol>{''.join(items)}</ol></section>"
 
 
 def _ranks_table(summary: RunSummary) -> str:
@@ -223,10 +248,11 @@ def render_html(run: Run, summary: RunSummary, out: Path) -> Path:
 <title>distdebug report: {_e(Path(summary.run_dir).name)}</title>
 <style>{_asset("report.css")}</style></head>
 <body><header><h1>distdebug report</h1>
-<div class="meta">{_e(summary.run_dir)}<br>command: {_e(" ".join(summary.command or []))}<br>
+<div class="meta">{_e(summary.run_dir)}<br>{_merged(summary)}command: {_e(" ".join(summary.command or []))}<br>
 world size {_e(summary.world_size or "?")} &middot; exit code {_e(exit_text)} &middot; {len(summary.findings)} findings
 &middot; generated {datetime.datetime.now().isoformat(timespec="seconds")}</div></header>
 <main>{banner}
+{_incidents(summary)}
 <section><h2>Findings ({len(findings)}), most severe first</h2>{_findings_table(findings)}</section>
 <div class="grid">{plots}</div>
 {_doctor_checks(run)}

@@ -226,3 +226,23 @@ def findings_with_advice(findings: list[Finding], *, run_dir: str = "RUN") -> li
     """Each finding as a dict with its ``advice`` (what ``report --json`` and ``--html`` show)."""
     advice = advise_all(findings, run_dir=run_dir)
     return [{**f.to_dict(), "advice": a.to_dict()} for f, a in zip(findings, advice, strict=True)]
+
+
+def incidents_with_advice(incidents: list[Any], findings: list[Finding], *,
+                          run_dir: str = "RUN") -> list[dict[str, Any]]:
+    """Each incident (analysis.incidents) as a dict: its severity, title, the fix (the root's own, else its
+    advice's), the root and its members as findings with their advice (computed over all the run's findings,
+    so that the context the table uses, such as an earlier NaN, is there)."""
+    advice = {id(f): a for f, a in zip(findings, advise_all(findings, run_dir=run_dir), strict=True)}
+    out = []
+    for inc in incidents:
+        def one(f: Finding) -> dict[str, Any]:
+            a = advice.get(id(f)) or advise(f, run_dir=run_dir)
+            return {**f.to_dict(), "advice": a.to_dict()}
+
+        root = one(inc.root)
+        out.append({"severity": inc.severity.value, "title": inc.title,
+                    "fix": inc.root.fix or root["advice"]["fix"], "root": root,
+                    "members": [one(m) for m in inc.members]})
+    return out
+

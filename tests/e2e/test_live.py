@@ -69,3 +69,51 @@ def test_stacks_of_a_finished_run_is_one_clear_line(tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("distdebug: error: no rank of ") and "'distdebug report' reads a finished one" in line
 
+
+
+def test_a_status_line_on_a_terminal_and_top_from_another_while_it_runs_and_after(tmp_path):
+    """attach on a terminal (a pseudo-terminal here): one status line for the node, refreshed; `distdebug
+    top --json` from outside while it runs (every rank, its step, running); `distdebug top` after it ended:
+    the final state; and no status line when attach's output is not a terminal."""
+    import json
+    import os
+    import pty
+    import select
+
+    run = tmp_path / "run"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "attach", "--run-dir", str(run), SCRIPT,
+                             "--steps", "16", "--sleep", "0.25"], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave, env=make_env(), cwd=ROOT, start_new_session=True)
+    os.close(slave)
+    out, seen_running = b"", None
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the terminal's other end closed: the launcher is gone
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            if seen_running is None and all(
+                    layout.events_path(run, r).exists() and len(kinds(run, r, "step")) >= 3 for r in (0, 1)):
+                seen_running = json.loads(distdebug("top", "--json", str(run)).stdout)
+        proc.wait(timeout=60)
+    finally:
+        os.close(master)
+        kill_tree(proc.pid)
+    assert proc.returncode == 0
+    text = out.decode(errors="replace")
+    assert "distdebug: node 0 | step " in text and " steps/s | loss " in text and "| findings 0" in text, text[-3000:]
+    assert seen_running is not None and seen_running["running"], seen_running
+    assert [r["rank"] for r in seen_running["ranks"]] == [0, 1]
+    assert all(r["step"] >= 3 and r["status"] == "running" for r in seen_running["ranks"]), seen_running
+    final = distdebug("top", str(run))
+    assert final.returncode == 0, final.output
+    assert "distdebug top (2 ranks, ended)" in final.stdout and final.stdout.count("exited 0") == 2, final.stdout
+    piped = distdebug("attach", "--run-dir", str(tmp_path / "piped"), SCRIPT, "--steps", "4", "--sleep", "1.2")
+    assert piped.returncode == 0 and "steps/s" not in piped.output

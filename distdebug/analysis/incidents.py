@@ -1,0 +1,174 @@
+"""Incidents: the findings that share a cause, as one problem with one fix, the root cause first.
+
+Why: one cause shows in several detectors. DDP's ``broadcast_buffers=False`` with BatchNorm is a
+configuration warning at step 1, a ``bn_divergence`` error on ``body.1`` at step 2 and a
+``replica_divergence`` error on ``body.1.running_mean`` at step 4: three rows, sorted by severity, the
+cause last. A NaN born on rank 1 is its ``nan_origin`` error, a ``loss_nonfinite`` error on every rank
+(the all-reduce spread it), the loss scaler's skipped step, the other ranks' "received" warnings.
+
+The rule is a table of what can cause what (``CAUSES``), as PyTorch behaves, and a few conditions per
+link: the effect does not come before its cause (steps), it is on the cause's ranks unless it spreads
+by communication (a reduced NaN, a replica compared across ranks), and where the table asks, it is
+about the same module (a BatchNorm and its buffers). Findings of one kind at one step are one event
+(bn_divergence on four modules at step 2; every rank's NaN origin in a batch that all of them read).
+Linked findings are one incident; its root is the member of the earliest kind in ``ORDER`` (a
+configuration before statistics before replicas), ties broken by step, then severity. Findings linked
+to nothing stay incidents of their own: unrelated problems are never merged.
+
+Pure: findings in, incidents out (no torch, no rich).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from distdebug.findings import Finding, Severity
+
+ORDER = ("config", "environment", "seed", "checkpoint", "data", "nan", "hang", "statistics", "replica",
+         "verdict", "nonfinite", "spike", "scale", "other")
+"""Kinds from the most root to the most downstream: an incident's root is its member of the earliest kind."""
+
+CAUSES: dict[str, tuple[str, ...]] = {
+    "config": ("statistics", "replica"),  # broadcast_buffers=False -> BatchNorm statistics -> replicas
+    "seed": ("replica", "spike", "data"),  # different initial weights: replicas, losses that differ
+    "checkpoint": ("replica", "spike", "nan"),  # a restored shard that is not what was saved
+    "nan": ("nan", "nonfinite", "replica", "spike", "scale", "statistics", "verdict"),
+    "statistics": ("replica", "spike"),  # BatchNorm buffers differ -> the replicas' buffers, the losses
+    "replica": ("verdict", "spike"),  # a replica that diverged -> its re-execution's verdict, its loss
+    "nonfinite": ("scale",),  # a non-finite loss -> the scaler's skipped step
+    "hang": ("other",),  # a hang -> the ranks' collective errors and stalls
+}
+"""Cause kind -> the kinds it can produce (what is not listed here causes nothing else)."""
+
+SPREADS = {("nan", "nan"), ("nan", "nonfinite"), ("nan", "replica"), ("nan", "scale"), ("nan", "spike"),
+           ("nonfinite", "scale"), ("seed", "replica"), ("seed", "spike"), ("checkpoint", "replica"),
+           ("statistics", "replica"), ("replica", "spike"), ("seed", "data"), ("config", "statistics"),
+           ("config", "replica"), ("hang", "other")}
+"""Links whose effect may be on other ranks than its cause: what the all-reduce, a comparison across ranks
+or the collective the others wait in carries from one rank to the rest."""
+
+
+def kind(f: Finding) -> str:
+    """What a finding is evidence of, for the causal table."""
+    d = f.detector
+    if d == "config_lint":
+        return "config" if f.subject == "broadcast_buffers" else "other"
+    if d in ("env_check", "env_diff", "link_matrix"):
+        return "environment"
+    if d == "init_seed":
+        return "seed" if Severity(f.severity).order >= Severity.WARNING.order else "other"
+    if d == "checkpoint_roundtrip":
+        return "checkpoint"
+    if d == "data_order":
+        return "data"
+    if d == "nan_origin":
+        return "nan"
+    if d == "loss_nonfinite":
+        return "nonfinite"
+    if d == "loss_scale":
+        return "scale"
+    if d == "bn_divergence":
+        return "statistics"
+    if d == "replica_divergence":
+        return "replica"
+    if d == "rerun":
+        return "verdict"
+    if d == "loss_spike":
+        return "spike"
+    if d in ("hang", "startup"):
+        return "hang"
+    return "other"
+
+
+@dataclass
+class Incident:
+    """One problem: its root finding, what followed from it (root first), the severity of the worst member,
+    and the root's fix."""
+
+    root: Finding
+    members: list[Finding] = field(default_factory=list)
+
+    @property
+    def severity(self) -> Severity:
+        return max((Severity(m.severity) for m in self.members), key=lambda s: s.order)
+
+    @property
+    def title(self) -> str:
+        return f"{self.root.detector}: {self.root.subject}"
+
+    def to_dict(self, advice: dict[int, Any] | None = None) -> dict[str, Any]:
+        return {"severity": self.severity.value, "title": self.title, "root": self.root.to_dict(),
+                "fix": self.root.fix, "members": [m.to_dict() for m in self.members]}
+
+
+def _modules(f: Finding) -> list[str]:
+    """The modules a cause is about: a config warning's BatchNorm modules, a bn_divergence's module."""
+    if f.detector == "config_lint":
+        return [str(m) for m in (f.evidence or {}).get("modules") or []]
+    return [f.subject]
+
+
+def _about(module: str, effect: Finding) -> bool:
+    """Whether an effect (a BatchNorm's statistics, a replica's tensor) is about ``module`` or inside it."""
+    s = effect.subject
+    return s == module or s.startswith(module + ".") or not module
+
+
+def linked(cause: Finding, effect: Finding) -> bool:
+    """Whether ``effect`` can follow from ``cause`` by the table, its steps, ranks and modules."""
+    a, b = kind(cause), kind(effect)
+    if b not in CAUSES.get(a, ()):
+        return False
+    if cause.step is not None and effect.step is not None and effect.step < cause.step:
+        return False
+    if (a, b) not in SPREADS and cause.ranks and effect.ranks and not set(cause.ranks) & set(effect.ranks):
+        return False
+    if a in ("config", "statistics") and b in ("statistics", "replica"):
+        return any(_about(m, effect) for m in _modules(cause))
+    if (a, b) == ("replica", "verdict") or (a, b) == ("nan", "verdict"):
+        return effect.step == cause.step or cause.step is None
+    return True
+
+
+def same_event(f: Finding, g: Finding) -> bool:
+    """Two findings of one event: the same detector at the same step (several modules, tensors or ranks
+    of one happening), or a rank's loss spike and its departure from the other ranks at that step."""
+    if f.detector != g.detector or f.step is None or f.step != g.step:
+        return False
+    if kind(f) == "other":  # unrelated notes of one detector (two configuration notes) stay apart
+        return False
+    if f.detector == "loss_spike":
+        return bool(set(f.ranks) & set(g.ranks)) or not f.ranks or not g.ranks
+    return True
+
+
+def group(findings: list[Finding]) -> list[Incident]:
+    """The incidents of a run's findings, the most severe first, then by the root's step."""
+    n = len(findings)
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in range(n):
+        for j in range(i + 1, n):
+            f, g = findings[i], findings[j]
+            if same_event(f, g) or linked(f, g) or linked(g, f):
+                parent[find(i)] = find(j)
+    groups: dict[int, list[Finding]] = {}
+    for i in range(n):
+        groups.setdefault(find(i), []).append(findings[i])
+
+    def depth(f: Finding) -> tuple[int, int, int]:
+        return (ORDER.index(kind(f)), f.step if f.step is not None else -1, -Severity(f.severity).order)
+
+    incidents = []
+    for members in groups.values():
+        ordered = sorted(members, key=depth)
+        incidents.append(Incident(root=ordered[0], members=ordered))
+    return sorted(incidents, key=lambda i: (-i.severity.order, i.root.step if i.root.step is not None else -1,
+                                            i.root.detector, i.root.subject))

@@ -1,0 +1,201 @@
+"""What a running job is doing now, per rank, read from its run directory as the ranks write it: the live
+view (``attach``'s status line per node on a terminal, ``distdebug top``).
+
+Why the run directory: the ranks already append their step records there; following the files costs the
+training nothing (no message, no lock, no collective). Each file is read from where the last read stopped
+(a partial last line waits for its end), and only what the view shows is kept: the last step's values, a
+few recent step times, counts. A file of a million steps costs its bytes once, and memory stays flat.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distdebug.artifacts import layout, schema
+
+RATE_STEPS = 20
+"""Step records the steps/s is measured over (the most recent)."""
+
+
+@dataclass
+class RankLive:
+    """One rank as its records say now."""
+
+    rank: int
+    node: int | None = None
+    host: str | None = None
+    step: int = 0
+    loss: float | None = None
+    step_time_s: float | None = None
+    findings: int = 0
+    worst: str | None = None
+    """The most severe finding's severity so far (None: none)."""
+    status: str = "starting"
+    """starting, running, stalled, exited N, raised."""
+    last_record: float | None = None
+    """Wall time of its newest record."""
+    times: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_STEPS))
+    """Wall times of its most recent step records."""
+
+    @property
+    def steps_per_s(self) -> float | None:
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return None
+        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+    def feed(self, r: dict[str, Any]) -> None:
+        kind = r.get("kind")
+        if isinstance(r.get("time"), (int, float)):
+            self.last_record = r["time"]
+        if kind == schema.START:  # a restart begins again (its steps go on from the checkpoint's)
+            self.node, self.host, self.status = r.get("node"), r.get("host"), "running"
+            self.times.clear()
+        elif kind == schema.STEP:
+            self.step = r.get("step") or self.step
+            self.loss = r.get("loss", self.loss)
+            self.step_time_s = r.get("step_time_s", self.step_time_s)
+            if isinstance(r.get("time"), (int, float)):
+                self.times.append(r["time"])
+            if self.status in ("starting", "stalled"):
+                self.status = "running"
+        elif kind == schema.FINDING:
+            self.findings += 1
+            order = ("info", "warning", "error", "critical")
+            sev = r.get("severity")
+            if sev in order and (self.worst is None or order.index(sev) > order.index(self.worst)):
+                self.worst = sev
+        elif kind == schema.STALL:
+            self.status = "stalled"
+        elif kind == schema.STALL_CLEARED:
+            self.status = "running"
+        elif kind == schema.SCRIPT_ERROR:
+            self.status = f"raised {r.get('exception')}"
+        elif kind == schema.END:
+            if not self.status.startswith("raised"):
+                self.status = f"exited {r.get('exit_code')}"
+
+
+class Follower:
+    """Follows every rank's events file of a run directory (or several: one job's nodes), incrementally."""
+
+    def __init__(self, run_dirs: list[Path], ranks: list[int] | None = None) -> None:
+        self.run_dirs = run_dirs
+        self.only = set(ranks) if ranks is not None else None
+        self.ranks: dict[int, RankLive] = {}
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    def _files(self) -> list[tuple[int, Path]]:
+        out = []
+        for run_dir in self.run_dirs:
+            try:
+                children = list(run_dir.iterdir())
+            except OSError:
+                continue
+            for child in children:
+                rank = layout.rank_of_dir(child.name)
+                if rank is not None and (self.only is None or rank in self.only):
+                    out.append((rank, child / layout.EVENTS))
+        return sorted(out)
+
+    def poll(self) -> dict[int, RankLive]:
+        """Read what each file gained since the last poll; the ranks as they are now."""
+        for rank, path in self._files():
+            live = self.ranks.setdefault(rank, RankLive(rank))
+            try:
+                with path.open("rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            self._offsets[path] = self._offsets.get(path, 0) + len(data)
+            data = self._partial.pop(path, b"") + data
+            lines = data.split(b"\n")
+            if lines[-1]:
+                self._partial[path] = lines[-1]  # a record still being written
+            for raw in lines[:-1]:
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    live.feed(rec)
+        return dict(sorted(self.ranks.items()))
+
+
+def running(ranks: dict[int, RankLive], run_dirs: list[Path] | None = None) -> bool:
+    """Whether any rank may still be running: one without its end record, unless every launcher agent of the
+    run directories has ended (a rank killed before it could write one is then over too)."""
+    if run_dirs and launchers_ended(run_dirs):
+        return False
+    return not ranks or any(not (r.status.startswith("exited") or r.status.startswith("raised"))
+                            for r in ranks.values())
+
+
+def launchers_ended(run_dirs: list[Path]) -> bool:
+    """Every launcher agent's node file says it ended (and there is one at least)."""
+    files = [f for d in run_dirs for f in sorted((d / "nodes").glob("node-*.json"))]
+    if not files:
+        return False
+    for f in files:
+        try:
+            if "ended" not in json.loads(f.read_text()):
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+def slowest(ranks: list[RankLive]) -> RankLive | None:
+    """The rank with the fewest steps, else the longest last step (None when all are alike or unknown)."""
+    stepping = [r for r in ranks if r.step_time_s is not None]
+    if len(stepping) < 2:
+        return None
+    lowest = min(r.step for r in stepping)
+    if any(r.step != lowest for r in stepping):
+        return min(stepping, key=lambda r: (r.step, -(r.step_time_s or 0.0)))
+    return max(stepping, key=lambda r: r.step_time_s or 0.0)
+
+
+def node_line(ranks: list[RankLive], now: float | None = None) -> str:
+    """One line for one node's ranks: step, steps/s, last loss, slowest rank, findings so far."""
+    if not ranks:
+        return "distdebug: waiting for the ranks to start"
+    node = ranks[0].node
+    step = min(r.step for r in ranks)
+    rates = [r.steps_per_s for r in ranks if r.steps_per_s is not None]
+    losses = [r.loss for r in ranks if r.loss is not None]
+    slow = slowest(ranks)
+    found = sum(r.findings for r in ranks)
+    worst = max((r.worst for r in ranks if r.worst), key=("info", "warning", "error", "critical").index,
+                default=None)
+    parts = [f"node {node if node is not None else '?'}", f"step {step}"]
+    parts.append(f"{min(rates):.3g} steps/s" if rates else "- steps/s")
+    parts.append(f"loss {losses[0]:.4g}" if losses else "loss -")
+    if slow is not None:
+        parts.append(f"slowest rank {slow.rank} ({slow.step_time_s * 1000:.0f} ms)" if slow.step_time_s else
+                     f"slowest rank {slow.rank}")
+    parts.append(f"findings {found}" + (f" (worst: {worst})" if worst else ""))
+    stalled = [r.rank for r in ranks if r.status == "stalled"]
+    if stalled:
+        parts.append(f"stalled: rank(s) {', '.join(map(str, stalled))}")
+    if now is not None:
+        ages = [now - r.last_record for r in ranks if r.last_record is not None]
+        if ages and min(ages) > 10:
+            parts.append(f"quiet {min(ages):.0f} s")
+    return "distdebug: " + " | ".join(parts)
+
+
+def snapshot_rows(ranks: dict[int, RankLive], now: float | None = None) -> list[dict[str, Any]]:
+    """``distdebug top``'s table, a row per rank (also its --json)."""
+    now = time.time() if now is None else now
+    return [{"rank": r.rank, "node": r.node, "host": r.host, "step": r.step, "steps_per_s": r.steps_per_s,
+             "loss": r.loss, "step_time_ms": None if r.step_time_s is None else r.step_time_s * 1000,
+             "findings": r.findings, "worst": r.worst, "status": r.status,
+             "last_record_s_ago": None if r.last_record is None else round(now - r.last_record, 1)}
+            for r in ranks.values()]

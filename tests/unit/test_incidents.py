@@ -1,0 +1,73 @@
+"""Tier 1 (pure): findings grouped into incidents by shared cause, the root first (issue 39, item 4)."""
+
+from __future__ import annotations
+
+from distdebug.analysis.incidents import group
+from distdebug.findings import Finding, Severity
+
+
+def f(detector, subject, step, ranks, severity="error", **evidence):
+    return Finding(severity=Severity(severity), detector=detector, ranks=ranks, step=step, subject=subject,
+                   message=f"{detector} {subject}", evidence=evidence, fix=f"fix {detector}")
+
+
+def shape(incidents):
+    return [[(m.detector, m.subject) for m in i.members] for i in incidents]
+
+
+def test_configuration_then_statistics_then_replicas_is_one_incident_with_the_configuration_first():
+    """The issue's example: sorted by severity these are three rows with the cause last."""
+    findings = [f("bn_divergence", "body.1", 2, [0, 1]),
+                f("replica_divergence", "body.1.running_mean", 4, [1]),
+                f("config_lint", "broadcast_buffers", 1, [0, 1], "warning", modules=["body.1", "body.4"]),
+                f("straggler", "compute", 9, [1], "warning")]
+    incidents = group(findings)
+    assert shape(incidents) == [
+        [("config_lint", "broadcast_buffers"), ("bn_divergence", "body.1"),
+         ("replica_divergence", "body.1.running_mean")],
+        [("straggler", "compute")]]
+    assert incidents[0].severity == Severity.ERROR and incidents[0].root.fix == "fix config_lint"
+
+
+def test_a_nan_origin_and_what_followed_are_one_incident_and_an_unrelated_problem_is_not():
+    findings = [f("loss_nonfinite", "loss", 7, [0, 1]),
+                f("nan_origin", "(input of Sequential)", 7, [1], origin="this rank"),
+                f("nan_origin", "gradients", 7, [0], "warning", origin="another rank"),
+                f("loss_scale", "skipped step", 7, [0, 1], "info"),
+                f("nan_origin", "non-finite steps", 7, [0, 1], "warning"),
+                f("data_order", "input batches", 2, [0, 1], "warning"),
+                f("replica_divergence", "head.weight", 30, [1])]
+    incidents = group(findings)
+    nan = next(i for i in incidents if i.root.detector == "nan_origin")
+    assert nan.root.subject == "(input of Sequential)"  # the origin, before what it spread to
+    assert {(m.detector, m.subject) for m in nan.members} == {
+        ("nan_origin", "(input of Sequential)"), ("nan_origin", "gradients"), ("nan_origin", "non-finite steps"),
+        ("loss_nonfinite", "loss"), ("loss_scale", "skipped step"), ("replica_divergence", "head.weight")}
+    assert [i.root.detector for i in incidents if i is not nan] == ["data_order"]
+
+
+def test_effects_before_their_cause_or_on_other_ranks_or_modules_are_not_linked():
+    findings = [f("bn_divergence", "body.4", 2, [0, 1]),
+                f("replica_divergence", "head.weight", 4, [1]),  # not a BatchNorm buffer of body.4
+                f("loss_spike", "loss", 3, [0], "warning"),
+                f("rerun", "re-execution of step 4", 4, [1], "warning"),  # the verdict on the replica at step 4
+                f("loss_spike", "loss across ranks", 3, [0], "warning"),  # the same spike, seen across ranks
+                f("loss_spike", "loss", 3, [1], "warning")]  # another rank's own spike at the same step
+    incidents = group(findings)
+    assert sorted(shape(incidents)) == sorted([
+        [("bn_divergence", "body.4"), ("loss_spike", "loss"), ("loss_spike", "loss across ranks"),
+         ("loss_spike", "loss")],
+        [("replica_divergence", "head.weight"), ("rerun", "re-execution of step 4")]])
+    # a replica divergence at step 4 cannot come from a bn_divergence that starts at step 6
+    later = group([f("bn_divergence", "body.1", 6, [0, 1]), f("replica_divergence", "body.1.running_var", 4, [0])])
+    assert len(later) == 2
+
+
+def test_unrelated_notes_of_one_detector_stay_apart_and_nothing_is_lost():
+    findings = [f("config_lint", "find_unused_parameters", 1, [0, 1], "info"),
+                f("config_lint", "torch.save of engine state", 1, [0], "warning"),
+                f("memory", "activations", 3, [0], "info")]
+    incidents = group(findings)
+    assert len(incidents) == 3
+    assert sorted(id(m) for i in incidents for m in i.members) == sorted(id(x) for x in findings)
+    assert incidents[0].severity == Severity.WARNING  # the most severe first

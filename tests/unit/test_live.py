@@ -1,0 +1,48 @@
+"""Tier 1: the live view's reading of a run directory as the ranks write it (issue 39, item 2)."""
+
+from __future__ import annotations
+
+import json
+
+from distdebug.analysis.live import Follower, node_line, running, snapshot_rows
+from distdebug.artifacts import layout
+
+
+def rec(**r):
+    return (json.dumps({"v": 1, **r}) + "\n").encode()
+
+
+def test_each_file_is_read_from_where_it_stopped_and_a_half_written_record_waits(tmp_path):
+    for rank in (0, 1):
+        layout.rank_dir(tmp_path, rank).mkdir(parents=True)
+        layout.events_path(tmp_path, rank).write_bytes(
+            rec(kind="start", rank=rank, node=0, host="h", time=100.0)
+            + b"".join(rec(kind="step", rank=rank, step=s, loss=2.0 - s / 10, step_time_s=0.05 * (1 + rank),
+                           time=100.0 + s * (1 + rank) / 10) for s in range(1, 6)))
+    f = Follower([tmp_path])
+    ranks = f.poll()
+    assert [r.step for r in ranks.values()] == [5, 5] and round(ranks[0].steps_per_s, 6) == 10.0
+    line = node_line(list(ranks.values()))
+    assert line.startswith("distdebug: node 0 | step 5 | 5 steps/s | loss 1.5 | slowest rank 1 (100 ms)"), line
+    assert line.endswith("findings 0")
+    # rank 1 falls behind and writes half a record: the half waits, then counts once complete
+    whole = rec(kind="finding", rank=1, severity="warning", detector="straggler", step=6)
+    with layout.events_path(tmp_path, 1).open("ab") as out:
+        out.write(whole[:20])
+    with layout.events_path(tmp_path, 0).open("ab") as out:
+        out.write(rec(kind="step", rank=0, step=6, loss=1.3, step_time_s=0.05, time=100.6))
+    ranks = f.poll()
+    assert (ranks[0].step, ranks[1].findings) == (6, 0)
+    with layout.events_path(tmp_path, 1).open("ab") as out:
+        out.write(whole[20:] + rec(kind="end", rank=1, exit_code=0))
+    ranks = f.poll()
+    assert ranks[1].findings == 1 and ranks[1].worst == "warning" and ranks[1].status == "exited 0"
+    assert "slowest rank 1" in node_line(list(ranks.values())) and "findings 1 (worst: warning)" in node_line(
+        list(ranks.values()))
+    assert running(ranks)  # rank 0 has no end record
+    (tmp_path / "nodes").mkdir()
+    layout.node_path(tmp_path, 0).write_text(json.dumps({"node_rank": 0, "started": 1.0, "ended": 2.0}))
+    assert not running(ranks, [tmp_path])  # its launcher ended: so did the job
+    rows = snapshot_rows(ranks, now=110.6)
+    assert [(r["rank"], r["step"], r["status"], r["last_record_s_ago"]) for r in rows] == [
+        (0, 6, "running", 10.0), (1, 5, "exited 0", 9.6)]
