@@ -133,10 +133,15 @@ def linked(cause: Finding, effect: Finding) -> bool:
 
 def same_event(f: Finding, g: Finding) -> bool:
     """Two findings of one event: the same detector at the same step (several modules, tensors or ranks
-    of one happening), or a rank's loss spike and its departure from the other ranks at that step."""
-    if f.detector != g.detector or f.step is None or f.step != g.step:
+    of one happening), a rank's loss spike and its departure from the other ranks at that step, or the
+    same detector on the same subject again (a straggler slow at step 10 and still at step 40)."""
+    if f.detector != g.detector:
         return False
-    if kind(f) == "other":  # unrelated notes of one detector (two configuration notes) stay apart
+    if f.subject == g.subject and f.detector != "loss_spike":
+        return True
+    if f.step is None or f.step != g.step:
+        return False
+    if kind(f) == "other":  # unrelated notes of one detector at one step (two configuration notes) stay apart
         return False
     if f.detector == "loss_spike":
         return bool(set(f.ranks) & set(g.ranks)) or not f.ranks or not g.ranks

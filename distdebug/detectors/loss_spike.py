@@ -95,33 +95,42 @@ def early_spike(history: list[float], value: float, threshold: float) -> tuple[b
     collapse, the level it is measured from, robust z). Too few values for a median level and a noise
     estimate; early training falls fast and unevenly, and some scripts' losses move 4x from one step to the
     next (the tensor-parallel recipe's): so in log units (a loss falls by ratios, and a level can never
-    turn negative), from the last three values carried forward by the median step (the trend; their
-    median), against the widest of the spread of the steps (MAD), the trend itself (a steep fall earns as
-    much room), EARLY_FLOOR and, for tails a few values cannot show, a departure twice the largest change
-    seen so far. A value
+    turn negative), and judged by two levels that fail differently, a value counting only when it is
+    beyond the threshold from both (the smaller z is reported):
+
+    - the recent trend: the last three values carried forward by the median step; it follows a fall that
+      has just begun after a plateau, and over-extrapolates noise that happens to lean one way;
+    - a robust line through all the values (Theil-Sen: the median of the pairwise slopes); it is not led
+      by a few noisy steps, and lags a change of pace.
+
+    Each against the widest of its values' spread around it (MAD), its slope (a steep fall earns as much
+    room), EARLY_FLOOR and, for tails a few values cannot show, twice its largest departure so far. A value
     at or below zero after positive values is a collapse (a sign flipped); a history that is not all
     positive is left to the main rule."""
     if not EARLY_HISTORY <= len(history) < MIN_HISTORY or not math.isfinite(value) or min(history) <= 0:
         return False, float("nan"), 0.0
     logs = [math.log(v) for v in history]
+    n = len(logs)
     steps = [b - a for a, b in zip(logs, logs[1:], strict=False)]
     trend = statistics.median(steps)
-    spread = 1.4826 * statistics.median(abs(d - trend) for d in steps)
-    # Heavy tails: a MAD of four to eight changes sees the quiet majority (the pipeline x DP recipe's clean
-    # loss: three changes under 0.2, two of 1.2 and 1.6): the departure must also pass twice the largest
-    # change seen so far (threshold x a quarter of it).
-    widest = max(abs(d - trend) for d in steps)
-    scale = max(spread, abs(trend), EARLY_FLOOR, 2 * widest / threshold)
-    # The last three values carried forward by the trend to this step; their median, so that one low or
-    # high value (a pipeline recipe's 0.35 between 1.1 and 1.65) does not become the level, and a fall that
-    # has just begun after a plateau (the trend of the median step is still flat) is followed within a step.
-    n = len(logs)
-    predicted = statistics.median(logs[i] + trend * (n - i) for i in range(n - 3, n))
-    level = math.exp(predicted)
-    if value <= 0:
-        return True, level, (value - level) / (EARLY_FLOOR * level)
-    z = (math.log(value) - predicted) / scale
-    return abs(z) > threshold, level, z
+    # The last three values carried forward; their median, so that one odd value among them (a pipeline
+    # recipe's 0.35 between 1.1 and 1.65) is not the level.
+    recent = statistics.median(logs[i] + trend * (n - i) for i in range(n - 3, n))
+    slope = statistics.median((logs[j] - logs[i]) / (j - i) for i in range(n) for j in range(i + 1, n))
+    intercept = statistics.median(y - slope * i for i, y in enumerate(logs))
+    line = intercept + slope * n
+    judged = []
+    for predicted, rate, deviations in ((recent, trend, [d - trend for d in steps]),
+                                        (line, slope, [y - intercept - slope * i for i, y in enumerate(logs)])):
+        spread = 1.4826 * statistics.median(abs(d) for d in deviations)
+        widest = max(abs(d) for d in deviations)
+        scale = max(spread, abs(rate), EARLY_FLOOR, 2 * widest / threshold)
+        level = math.exp(predicted)
+        z = (value - level) / (EARLY_FLOOR * level) if value <= 0 else (math.log(value) - predicted) / scale
+        judged.append((abs(z) > threshold, level, z))
+    (hit_a, level_a, z_a), (hit_b, level_b, z_b) = judged
+    hit = hit_a and hit_b and (z_a > 0) == (z_b > 0)
+    return (hit, level_a, z_a) if abs(z_a) <= abs(z_b) else (hit, level_b, z_b)
 
 
 def _relative(value: float, level: float) -> str:

@@ -121,10 +121,15 @@ def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path, part):
     engines = CATALOGUE_PARTS[part]
     junit = tmp_path / "faults.xml"
     args = [a for e in engines for a in ("--recipe", e)]
-    r = distdebug("faults", "replay", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit), *args,
-                  timeout=1500)
+    r = distdebug("faults", "replay", "--keep-runs", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
+                  *args, timeout=1500)
     assert r.returncode == 0, r.output
     cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).iter("testcase")}
+    # One incident per injected fault (issue 39): its findings share one cause; a clean run has none.
+    for engine, name in cases:
+        run = tmp_path / "runs" / f"{name}-{engine}" / "run"
+        if run.is_dir():
+            assert len(incidents_of(run)) == (name != "clean"), (engine, name, incidents_of(run))
     # Every fault on each of its engines in this part, each engine's clean run: all run, nothing else.
     assert set(cases) == {(e, n) for n, e in plan(None, list(engines))}
     # Every fault caught with the exact rank, step and subject; every clean run: no finding at all.
@@ -136,6 +141,15 @@ def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path, part):
     ran = len(cases) - clean
     assert (f"{ran} applicable, {ran} caught-localised, 0 not applicable; {clean} of {clean} clean runs clean; "
             "0 failed") in r.stdout
+
+
+def incidents_of(run_dir):
+    """The run's incidents of warnings and worse: [(root detector, root subject, [member detectors])]."""
+    from distdebug.analysis.summary import summarize
+    from distdebug.artifacts.reader import load_run
+
+    return [(i.root.detector, i.root.subject, [m.detector for m in i.members])
+            for i in summarize(load_run(run_dir)).incidents if i.severity.value != "info"]
 
 
 def _cases(junit):

@@ -232,6 +232,10 @@ def test_the_clean_runs_of_every_recipe_have_no_spike_early_or_late():
         assert run(loss) == [], (name, loss)
     ppdp = [1.39, 1.199, 1.327, 1.106, 0.345, 1.651, 1.732, 0.156]  # pipeline x DP, rank 3: steps 6 and 8
     assert run(ppdp[:6]) == [] and run(ppdp) == []
+    # tests/data/scripts/amp_train.py --overflow-at 6, the steps its scaler did not skip (a batch of 4): the
+    # median step of seven noisy values leaned +0.5 a step, and the recent trend alone called 0.139 a collapse
+    assert run([0.495, 1.039, 0.476, 0.758, 1.757, 3.011, 0.844, 0.1389, 1.5615]) == []
+    assert run([0.9908, 0.4796, 0.0126, 1.4435, 0.1824, 0.3564, 0.3617, 1.7513, 0.5032]) == []
 
 
 def test_a_new_phase_after_a_short_history_starts_a_new_level_under_the_early_rule_too():
