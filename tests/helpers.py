@@ -110,3 +110,13 @@ def spawn_ranks(fn: Callable[..., Any], world: int = 2, timeout: float = 60, **k
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
     return [results[r] for r in range(world)]
+
+
+def incidents_of(run_dir: Path) -> list[tuple[str, str, list[str]]]:
+    """A run's incidents of warnings and worse: [(root detector, root subject, [member detectors])]."""
+    from distdebug.analysis.summary import summarize
+    from distdebug.artifacts.reader import load_run
+
+    return [(i.root.detector, i.root.subject, [m.detector for m in i.members])
+            for i in summarize(load_run(run_dir)).incidents if i.severity.value != "info"]
+

@@ -20,7 +20,7 @@ from distdebug.config import EXIT_NEVER_ACTED
 from fault_injection.matrix import ENGINES, plan
 from fault_injection.registry import FAULTS
 from tests.e2e.test_layouts import LAYOUT_RECIPES
-from tests.helpers import DATA, RECIPES, distdebug
+from tests.helpers import DATA, RECIPES, distdebug, incidents_of
 
 
 def records(run_dir, rank, kind):
@@ -141,15 +141,6 @@ def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path, part):
     ran = len(cases) - clean
     assert (f"{ran} applicable, {ran} caught-localised, 0 not applicable; {clean} of {clean} clean runs clean; "
             "0 failed") in r.stdout
-
-
-def incidents_of(run_dir):
-    """The run's incidents of warnings and worse: [(root detector, root subject, [member detectors])]."""
-    from distdebug.analysis.summary import summarize
-    from distdebug.artifacts.reader import load_run
-
-    return [(i.root.detector, i.root.subject, [m.detector for m in i.members])
-            for i in summarize(load_run(run_dir)).incidents if i.severity.value != "info"]
 
 
 def _cases(junit):

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from tests.e2e.test_attach import kinds
-from tests.helpers import DATA, RECIPES, distdebug, read_digests, run
+from tests.helpers import DATA, RECIPES, distdebug, incidents_of, read_digests, run
 
 TP = str(RECIPES / "tensor_parallel.py")
 PP = str(RECIPES / "pipeline_parallel.py")
@@ -196,6 +196,10 @@ def test_fault_replay_on_every_layout_recipe(tmp_path):
                   timeout=1200)
     assert r.returncode == 0, r.output
     cases = {(c.get("classname").split(".", 1)[1], c.get("name")): c for c in ET.parse(junit).iter("testcase")}
+    for engine, name in cases:  # one incident per injected fault (issue 39); a clean run has none
+        if (work / f"{name}-{engine}" / "run").is_dir():
+            found = incidents_of(work / f"{name}-{engine}" / "run")
+            assert len(found) == (name != "clean"), (engine, name, found)
     assert set(cases) == {(e, "clean") for e in LAYOUT_RECIPES} | {
         ("tp", "nan_activation"), ("hsdp_tp", "nan_activation"), ("pp", "nan_activation"),
         ("ddp_tp", "bitflip_param"), ("hsdp_tp", "bitflip_param"), ("pp_dp", "bitflip_param"), ("ddp_tp", "hang")}

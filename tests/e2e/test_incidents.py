@@ -1,0 +1,39 @@
+"""Tier 3 (CLI): incidents in the report (issue 39, item 4): the issue's own example, end to end.
+
+DDP(broadcast_buffers=False) with BatchNorm: a configuration warning at step 1, bn_divergence errors on
+each BatchNorm at step 2, a replica_divergence error on their buffers: one incident, the configuration
+first, its fix the configuration's; in the terminal's first screen, --json and --html. (The fault replays'
+own cells, one incident each, are checked in test_faults and test_layouts.)
+
+Needs: the DDP ConvNet recipe (2 BatchNorms) for 8 steps (replicas checked at 2, 4 and 8).
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import RECIPES, distdebug
+
+
+def test_configuration_statistics_and_replicas_are_one_incident_with_the_configuration_first(tmp_path):
+    run = tmp_path / "run"
+    r = distdebug("attach", "--run-dir", str(run), str(RECIPES / "ddp_convnet.py"), "--steps", "8",
+                  "--no-broadcast-buffers")
+    assert r.returncode == 0, r.output
+    report = json.loads(distdebug("report", "--json", str(run)).stdout)
+    assert len(report["findings"]) == 4
+    (inc,) = report["incidents"]
+    assert (inc["severity"], inc["title"]) == ("error", "config_lint: broadcast_buffers")
+    assert [(m["detector"], m["subject"]) for m in inc["members"]] == [
+        ("config_lint", "broadcast_buffers"), ("bn_divergence", "features.1"), ("bn_divergence", "features.4"),
+        ("replica_divergence", "features.1.running_mean")]
+    assert inc["fix"] == "keep broadcast_buffers=True, or convert to SyncBatchNorm"
+    assert all("advice" in m for m in inc["members"])
+    text = distdebug("report", str(run)).stdout
+    first = text[:text.index("Findings (4)")]  # the first screen: the incident, before the findings' table
+    assert "Incidents (1)" in first and "1. error config_lint: broadcast_buffers (rank(s) 0,1 step 1)" in first
+    assert "then error bn_divergence features.1 (rank(s) 0,1 step 2)" in first
+    assert "fix: keep broadcast_buffers=True, or convert to SyncBatchNorm" in first
+    assert distdebug("report", "--html", str(tmp_path / "r.html"), str(run)).returncode == 0
+    page = (tmp_path / "r.html").read_text()
+    assert "Incidents (1), root cause first" in page and page.index("Incidents (1)") < page.index("Findings (4)")
