@@ -49,36 +49,20 @@ SPREADS = {("nan", "nan"), ("nan", "nonfinite"), ("nan", "replica"), ("nan", "sc
 or the collective the others wait in carries from one rank to the rest."""
 
 
+KINDS = {"env_check": "environment", "env_diff": "environment", "link_matrix": "environment",
+         "checkpoint_roundtrip": "checkpoint", "data_order": "data", "nan_origin": "nan", "loss_nonfinite": "nonfinite",
+         "loss_scale": "scale", "bn_divergence": "statistics", "replica_divergence": "replica", "rerun": "verdict",
+         "loss_spike": "spike", "hang": "hang", "startup": "hang"}
+"""Detector -> the kind of evidence its findings are (config_lint and init_seed depend on the finding)."""
+
+
 def kind(f: Finding) -> str:
     """What a finding is evidence of, for the causal table."""
-    d = f.detector
-    if d == "config_lint":
+    if f.detector == "config_lint":  # the one configuration with consequences other detectors see
         return "config" if f.subject == "broadcast_buffers" else "other"
-    if d in ("env_check", "env_diff", "link_matrix"):
-        return "environment"
-    if d == "init_seed":
+    if f.detector == "init_seed":  # its info note (torch.manual_seed seen) causes nothing
         return "seed" if Severity(f.severity).order >= Severity.WARNING.order else "other"
-    if d == "checkpoint_roundtrip":
-        return "checkpoint"
-    if d == "data_order":
-        return "data"
-    if d == "nan_origin":
-        return "nan"
-    if d == "loss_nonfinite":
-        return "nonfinite"
-    if d == "loss_scale":
-        return "scale"
-    if d == "bn_divergence":
-        return "statistics"
-    if d == "replica_divergence":
-        return "replica"
-    if d == "rerun":
-        return "verdict"
-    if d == "loss_spike":
-        return "spike"
-    if d in ("hang", "startup"):
-        return "hang"
-    return "other"
+    return KINDS.get(f.detector, "other")
 
 
 @dataclass
