@@ -11,8 +11,9 @@ link: the effect does not come before its cause (steps), it is on the cause's ra
 by communication (a reduced NaN, a replica compared across ranks), and where the table asks, it is
 about the same module (a BatchNorm and its buffers). Findings of one kind at one step are one event
 (bn_divergence on four modules at step 2; every rank's NaN origin in a batch that all of them read).
-Linked findings are one incident; its root is the member of the earliest kind in ``ORDER`` (a
-configuration before statistics before replicas), ties broken by step, then severity. Findings linked
+Linked findings are one incident; its root is a member that nothing else in it can have caused, the
+one of the earliest kind in ``ORDER`` (a configuration before statistics before replicas) among several,
+ties broken by step, then severity. Findings linked
 to nothing stay incidents of their own: unrelated problems are never merged.
 
 Pure: findings in, incidents out (no torch, no rich).
@@ -35,7 +36,9 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "checkpoint": ("replica", "spike", "nan"),  # a restored shard that is not what was saved
     "nan": ("nan", "nonfinite", "replica", "spike", "scale", "statistics", "verdict"),
     "statistics": ("replica", "spike"),  # BatchNorm buffers differ -> the replicas' buffers, the losses
-    "replica": ("verdict", "spike"),  # a replica that diverged -> its re-execution's verdict, its loss
+    # a replica that diverged (a skipped step, a flipped bit) -> its re-execution's verdict, its loss, and the
+    # BatchNorm statistics its different weights then compute
+    "replica": ("verdict", "spike", "statistics"),
     "nonfinite": ("scale",),  # a non-finite loss -> the scaler's skipped step
     "hang": ("other",),  # a hang -> the ranks' collective errors and stalls
 }
@@ -43,7 +46,8 @@ CAUSES: dict[str, tuple[str, ...]] = {
 
 SPREADS = {("nan", "nan"), ("nan", "nonfinite"), ("nan", "replica"), ("nan", "scale"), ("nan", "spike"),
            ("nonfinite", "scale"), ("seed", "replica"), ("seed", "spike"), ("checkpoint", "replica"),
-           ("statistics", "replica"), ("replica", "spike"), ("seed", "data"), ("config", "statistics"),
+           ("statistics", "replica"), ("replica", "spike"), ("replica", "statistics"), ("seed", "data"),
+           ("config", "statistics"),
            ("config", "replica"), ("hang", "other")}
 """Links whose effect may be on other ranks than its cause: what the all-reduce, a comparison across ranks
 or the collective the others wait in carries from one rank to the rest."""
@@ -157,7 +161,11 @@ def group(findings: list[Finding]) -> list[Incident]:
 
     incidents = []
     for members in groups.values():
-        ordered = sorted(members, key=depth)
-        incidents.append(Incident(root=ordered[0], members=ordered))
+        # The root: a member nothing else in the incident can have caused (the table both ways, a replica's
+        # divergence and BatchNorm statistics, is settled by the steps); among those the earliest kind.
+        causes = [m for m in members if not any(o is not m and linked(o, m) for o in members)] or members
+        root = min(causes, key=depth)
+        incidents.append(Incident(root=root, members=[root, *sorted((m for m in members if m is not root),
+                                                                    key=depth)]))
     return sorted(incidents, key=lambda i: (-i.severity.order, i.root.step if i.root.step is not None else -1,
                                             i.root.detector, i.root.subject))
