@@ -41,6 +41,8 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "replica": ("verdict", "spike", "statistics"),
     "nonfinite": ("scale",),  # a non-finite loss -> the scaler's skipped step
     "hang": ("other",),  # a hang -> the ranks' collective errors and stalls
+    "environment": ("hang",),  # a bad variable (a network interface that is not there) -> ranks that never meet
+    "spike": ("spike",),  # a corrupted step moves the weights: the next few steps' losses are off too
 }
 """Cause kind -> the kinds it can produce (what is not listed here causes nothing else)."""
 
@@ -48,9 +50,13 @@ SPREADS = {("nan", "nan"), ("nan", "nonfinite"), ("nan", "replica"), ("nan", "sc
            ("nonfinite", "scale"), ("seed", "replica"), ("seed", "spike"), ("checkpoint", "replica"),
            ("statistics", "replica"), ("replica", "spike"), ("replica", "statistics"), ("seed", "data"),
            ("config", "statistics"),
-           ("config", "replica"), ("hang", "other")}
+           ("config", "replica"), ("hang", "other"), ("environment", "hang")}
 """Links whose effect may be on other ranks than its cause: what the all-reduce, a comparison across ranks
 or the collective the others wait in carries from one rank to the rest."""
+
+WINDOW = {("spike", "spike"): 8}
+"""Links that hold only within this many steps after the cause: a spike's aftershocks (the loss still off while
+the weights recover from the corrupted update), not a spike fifty steps later."""
 
 
 KINDS = {"env_check": "environment", "env_diff": "environment", "link_matrix": "environment",
@@ -108,7 +114,8 @@ def linked(cause: Finding, effect: Finding) -> bool:
     a, b = kind(cause), kind(effect)
     if b not in CAUSES.get(a, ()):
         return False
-    if cause.step is not None and effect.step is not None and effect.step < cause.step:
+    if cause.step is not None and effect.step is not None and (
+            effect.step < cause.step or effect.step - cause.step > WINDOW.get((a, b), effect.step - cause.step)):
         return False
     if (a, b) not in SPREADS and cause.ranks and effect.ranks and not set(cause.ranks) & set(effect.ranks):
         return False

@@ -72,3 +72,15 @@ def test_unrelated_notes_of_one_detector_stay_apart_and_nothing_is_lost():
     assert len(incidents) == 3
     assert sorted(id(m) for i in incidents for m in i.members) == sorted(id(x) for x in findings)
     assert incidents[0].severity == Severity.WARNING  # the most severe first
+
+
+def test_a_spikes_aftershocks_are_its_incident_and_a_later_spike_is_not():
+    """The loss_spike fault on the DDP recipe: the corrupted step 20 (loss and gradient norm, both ranks), then
+    the loss still off at steps 22-24 while the weights recover (one rank, then the other, then one rank
+    departing from the other): one incident. A spike 40 steps later is another."""
+    findings = [f("loss_spike", "grad_norm", 20, [0, 1], "warning"), f("loss_spike", "loss", 20, [0, 1], "warning"),
+                f("loss_spike", "loss", 22, [0], "warning"), f("loss_spike", "loss", 23, [1], "warning"),
+                f("loss_spike", "loss across ranks", 24, [1], "warning"), f("loss_spike", "loss", 60, [0], "warning")]
+    incidents = group(findings)
+    assert [(i.root.step, len(i.members)) for i in incidents] == [(20, 5), (60, 1)]
+    assert incidents[0].root.detector == "loss_spike" and incidents[0].root.subject in ("loss", "grad_norm")
