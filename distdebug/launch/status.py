@@ -1,5 +1,5 @@
 """attach's status line: one line for this node's ranks, refreshed in place on the terminal while the job runs
-(step, steps/s, last loss, slowest rank, findings so far). Only when stderr is a terminal: a job whose
+(step, steps/s, last loss, slowest rank, findings so far). Only when the output is a terminal: a job whose
 output goes to a file or a pipe (a scheduler's log, CI) gets nothing extra. A thread of the launcher reads
 the ranks' records (analysis.live); the ranks themselves do nothing for it."""
 
@@ -30,10 +30,10 @@ class StatusLine:
 
     @staticmethod
     def wanted(stream: TextIO | None = None) -> bool:
-        """On a terminal, unless DISTDEBUG_STATUS=0."""
+        """When the output is a terminal (stdout, and the stream the line goes to), unless DISTDEBUG_STATUS=0."""
         stream = stream or sys.stderr
         try:
-            return stream.isatty() and envvars.get(envvars.STATUS, "1") != "0"
+            return stream.isatty() and sys.stdout.isatty() and envvars.get(envvars.STATUS, "1") != "0"
         except (AttributeError, ValueError):
             return False
 
