@@ -15,7 +15,7 @@ from tests.synthetic import write_run
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("command", ["report", "diff"])
+@pytest.mark.parametrize("command", ["report", "diff", "stacks", "top"])
 def test_a_directory_that_is_not_a_run_is_one_line_and_exit_1(command):
     r = distdebug(command, "/etc", timeout=60)
     assert r.returncode == 1
