@@ -212,6 +212,13 @@ def _resolve_faults(specs: tuple[str, ...]) -> list[dict]:
     return [resolve(s) for s in specs]
 
 
+def _run_dirs(runs: tuple[str, ...]) -> list[Path]:
+    """The run directories RUN ... name (paths, or names under ./distdebug-runs), or the newest run."""
+    from distdebug.artifacts.runs import resolve_run
+
+    return [resolve_run(r) for r in runs] if runs else [resolve_run(None)]
+
+
 @main.command()
 @click.argument("runs", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -223,9 +230,8 @@ def report(runs: tuple[str, ...], as_json: bool, html_out: str | None) -> int:
     run. --html FILE also writes a self-contained page with plots."""
     from distdebug.analysis.summary import summarize
     from distdebug.artifacts.reader import load_runs
-    from distdebug.artifacts.runs import resolve_run
 
-    loaded = load_runs([resolve_run(r) for r in runs] if runs else [resolve_run(None)])
+    loaded = load_runs(_run_dirs(runs))
     summary = summarize(loaded)
     for warning in summary.warnings:  # damage is said, never silently skipped; stdout stays the report
         print(f"distdebug: warning: {warning}", file=sys.stderr)
@@ -260,11 +266,10 @@ def top(runs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> in
     import json
 
     from distdebug.analysis.live import Follower, running, snapshot_rows
-    from distdebug.artifacts.runs import resolve_run
 
     if not interval > 0:
         raise UserError(f"--interval must be a positive number of seconds, got {interval:g}")
-    dirs = [resolve_run(r) for r in runs] if runs else [resolve_run(None)]
+    dirs = _run_dirs(runs)
     follower = Follower(dirs)
     ranks = follower.poll()
     if as_json:
@@ -362,10 +367,10 @@ def list_detectors() -> int:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--bandwidth", is_flag=True, help="Also an all_reduce bandwidth sweep and a pairwise link matrix "
               "across the ranks (started like attach).")
-@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None, envvar="PET_NPROC_PER_NODE",
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None,
               help="Check across this many ranks per node, started like attach (default with --bandwidth: "
                    "as attach). Without it and --bandwidth: this host only, no ranks.")
-@click.option("--nnodes", default="1", show_default=True, envvar="PET_NNODES", help="Nodes: N or MIN:MAX.")
+@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
 @click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True)
 @click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True)
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="")

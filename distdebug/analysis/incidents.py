@@ -91,7 +91,7 @@ class Incident:
     def title(self) -> str:
         return f"{self.root.detector}: {self.root.subject}"
 
-    def to_dict(self, advice: dict[int, Any] | None = None) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {"severity": self.severity.value, "title": self.title, "root": self.root.to_dict(),
                 "fix": self.root.fix, "members": [m.to_dict() for m in self.members]}
 

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout, schema
+from distdebug.findings import Severity
+
+SEVERITIES = {s.value for s in Severity}
 
 RATE_STEPS = 20
 """Step records the steps/s is measured over (the most recent)."""
@@ -65,9 +68,8 @@ class RankLive:
                 self.status = "running"
         elif kind == schema.FINDING:
             self.findings += 1
-            order = ("info", "warning", "error", "critical")
             sev = r.get("severity")
-            if sev in order and (self.worst is None or order.index(sev) > order.index(self.worst)):
+            if sev in SEVERITIES and (self.worst is None or Severity(sev).order > Severity(self.worst).order):
                 self.worst = sev
         elif kind == schema.STALL:
             self.status = "stalled"
@@ -172,8 +174,7 @@ def node_line(ranks: list[RankLive], now: float | None = None) -> str:
     losses = [r.loss for r in ranks if r.loss is not None]
     slow = slowest(ranks)
     found = sum(r.findings for r in ranks)
-    worst = max((r.worst for r in ranks if r.worst), key=("info", "warning", "error", "critical").index,
-                default=None)
+    worst = max((r.worst for r in ranks if r.worst), key=lambda s: Severity(s).order, default=None)
     parts = [f"node {node if node is not None else '?'}", f"step {step}"]
     parts.append(f"{min(rates):.3g} steps/s" if rates else "- steps/s")
     parts.append(f"loss {losses[0]:.4g}" if losses else "loss -")

@@ -29,6 +29,7 @@ from typing import Any
 from distdebug.analysis.hang import user_frame
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import read_events
+from distdebug.artifacts.writer import write_json_atomic
 from distdebug.errors import UserError
 
 NATIVE_TIMEOUT_S = 10.0
@@ -98,11 +99,8 @@ def request(run_dir: Path, timeout: float, poll: float = 0.1) -> tuple[dict[int,
         raise UserError(f"no rank of {run_dir} is running (each wrote its end record, or none started): "
                         "'distdebug stacks' reads a running job; 'distdebug report' reads a finished one")
     asked = uuid.uuid4().hex
-    path = layout.stacks_request_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"id": asked, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}))
-    os.replace(tmp, path)
+    write_json_atomic(layout.stacks_request_path(run_dir),
+                      {"id": asked, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
     answers: dict[int, RankAnswer] = {}
     deadline = time.monotonic() + timeout
     while True:

@@ -164,6 +164,7 @@ def summarize(run: Run) -> RunSummary:
         failure = failure or node.get("message")
     manifest = run.manifest or {}
     merged = _merge(findings)
+    dirs = run.paths or [run.path]
     return RunSummary(
         run_dir=str(run.path),
         command=manifest.get("command"),
@@ -173,8 +174,8 @@ def summarize(run: Run) -> RunSummary:
         ranks=ranks,
         injected=injected,
         never_acted=never_acted(manifest.get("faults"), injected),
-        windows=[w for path in run.paths or [run.path] for w in analyze_run(path)],
-        run_dirs=[str(p) for p in run.paths or [run.path]],
+        windows=[w for path in dirs for w in analyze_run(path)],
+        run_dirs=[str(p) for p in dirs],
         findings=merged,
         incidents=group_incidents(merged),
         discovery=_with_layouts(discovery, per_rank_layout),

@@ -54,3 +54,13 @@ def append_run_findings(run_dir: Path, findings: list) -> None:
     for f in findings:
         w.write(schema.record(schema.FINDING, **f.to_dict()))
     w.close()
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """One JSON file (a manifest, a node's record, a stacks request or answer), secrets redacted, written
+    aside and renamed: a reader never sees half of it, and a writer killed midway leaves the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(Redactor()(json.dumps(data, indent=2, default=str)))
+    os.replace(tmp, path)
+

@@ -133,6 +133,11 @@ def early_spike(history: list[float], value: float, threshold: float) -> tuple[b
     return (hit, level_a, z_a) if abs(z_a) <= abs(z_b) else (hit, level_b, z_b)
 
 
+def _early(signal: str, hist: deque[float]) -> bool:
+    """Whether a value of ``signal`` is judged by the early rule: the loss, before MIN_HISTORY values."""
+    return signal == "loss" and len(hist) < MIN_HISTORY
+
+
 def _relative(value: float, level: float) -> str:
     """How far a value is from its level, for a message: '21217.1x', '1/39.0 of', or the other side of 0."""
     ratio = value / level if level else 0.0
@@ -361,8 +366,8 @@ class LossSpike(ExchangeUser, Detector):
                     hist.clear()  # a new phase that starts elsewhere (a fresh model, the next fold): a new level
             # The loss both ways (a collapse, a loss gone negative, is as wrong as a jump); the gradient
             # norm upward only (it falls as training converges).
+            early = _early(signal, hist)
             is_spike, med, z = self._judge(signal, hist, value)
-            early = signal == "loss" and len(hist) < MIN_HISTORY
             if is_spike:
                 self.run[signal] += 1
                 if self.run[signal] > LEVEL:
@@ -394,7 +399,7 @@ class LossSpike(ExchangeUser, Detector):
     def _judge(self, signal: str, hist: deque[float], value: float) -> tuple[bool, float, float]:
         """(spike, level, z) of one value: the loss both ways (from step 6, by the early rule until MIN_HISTORY
         values), the gradient norm upward only."""
-        if signal == "loss" and len(hist) < MIN_HISTORY:
+        if _early(signal, hist):
             return early_spike(list(hist), value, self.threshold)
         return spike(list(hist), value, self.threshold, both=signal == "loss", **RULES[signal])
 

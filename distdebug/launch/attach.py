@@ -24,6 +24,7 @@ from distdebug.analysis.teardown import how
 from distdebug.analysis.teardown import summary_line as teardown_summary
 from distdebug.artifacts import layout, runs
 from distdebug.artifacts.reader import read_json
+from distdebug.artifacts.writer import write_json_atomic
 from distdebug.config import EXIT_HANG, EXIT_NEVER_ACTED, AttachConfig, parse_nnodes
 from distdebug.detectors import registry
 from distdebug.errors import UserError
@@ -154,7 +155,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
 
     launcher = _launcher_info(cfg, nproc)
     if cfg.node_rank == 0 or not layout.manifest_path(run_dir).exists():
-        manifest_mod.write_json_atomic(
+        write_json_atomic(
             layout.manifest_path(run_dir),
             manifest_mod.build_manifest(
                 argv=argv or sys.argv, target=cfg.target, target_args=cfg.target_args, module=cfg.module,
@@ -166,7 +167,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         "node_rank": cfg.node_rank, "host": socket.gethostname(), "pid": os.getpid(),
         "started": time.time(), "launcher": launcher,
     }
-    manifest_mod.write_json_atomic(node_file, node_info)
+    write_json_atomic(node_file, node_info)
 
     _worker_env(cfg, run_dir, detectors)
     _quiet_torch_launcher(cfg.launcher_log_level)
@@ -216,11 +217,11 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
             f"never acted: {', '.join(result.never_acted)} (nothing it acts through was there, or its step never "
             "came; distdebug faults replay SCRIPT says which faults can act on a script)")
     node_info.update(ended=time.time(), exit_code=code, message=message)
-    manifest_mod.write_json_atomic(node_file, node_info)
+    write_json_atomic(node_file, node_info)
     if cfg.node_rank == 0:
         data = read_json(layout.manifest_path(run_dir)) or {}
         data.update(world_size=result.world_size, layout=result.layout)
-        manifest_mod.write_json_atomic(layout.manifest_path(run_dir), data)
+        write_json_atomic(layout.manifest_path(run_dir), data)
     return AttachResult(code, run_dir, message, result.completed or code == EXIT_NEVER_ACTED)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
@@ -12,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from distdebug.artifacts.redact import Redactor, redact_argv, redact_env
+from distdebug.artifacts.redact import redact_argv, redact_env
 from distdebug.artifacts.schema import MANIFEST_SCHEMA, SCHEMA_VERSION
 
 
@@ -73,9 +72,3 @@ def build_manifest(*, argv: list[str], target: str, target_args: list[str], modu
         "env": redact_env(dict(os.environ)),
     }
 
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(Redactor()(json.dumps(data, indent=2, default=str)))
-    os.replace(tmp, path)

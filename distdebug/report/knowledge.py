@@ -245,4 +245,3 @@ def incidents_with_advice(incidents: list[Any], findings: list[Finding], *,
                     "fix": inc.root.fix or root["advice"]["fix"], "root": root,
                     "members": [one(m) for m in inc.members]})
     return out
-

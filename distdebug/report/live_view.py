@@ -11,9 +11,8 @@ from rich.live import Live
 from rich.table import Table
 
 from distdebug.analysis.live import Follower, RankLive, running, slowest, snapshot_rows
+from distdebug.report.console import SEVERITY_STYLE
 from distdebug.report.fmt import number
-
-STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 def table(ranks: dict[int, RankLive], dirs: list[Path]) -> Table:
@@ -24,7 +23,7 @@ def table(ranks: dict[int, RankLive], dirs: list[Path]) -> Table:
         t.add_column(col, justify="right" if col not in ("status", "findings") else "left")
     for row in snapshot_rows(ranks):
         worst = row["worst"]
-        found = str(row["findings"]) + (f" [{STYLE[worst]}]({worst})[/]" if worst else "")
+        found = str(row["findings"]) + (f" [{SEVERITY_STYLE[worst]}]({worst})[/]" if worst else "")
         ago = "-" if row["last_record_s_ago"] is None else f"{row['last_record_s_ago']:.0f} s ago"
         rank = f"[bold]{row['rank']}[/bold] (slowest)" if slow is not None and slow.rank == row["rank"] else \
             str(row["rank"])

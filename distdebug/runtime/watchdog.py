@@ -23,6 +23,7 @@ from distdebug.artifacts import layout, schema
 from distdebug.findings import Severity
 
 if TYPE_CHECKING:
+    from distdebug.runtime.progress import Progress
     from distdebug.runtime.session import Session
 
 
@@ -69,6 +70,16 @@ def flight_recorder_dump() -> bytes | None:
         return data if isinstance(data, bytes) and data else None
     except Exception:
         return None
+
+
+def _in_collective(p: Progress) -> dict[str, Any] | None:
+    """The collective the training thread is inside now (a copy), with how long it has waited there."""
+    current = p.in_collective
+    if not current:
+        return None
+    out = dict(current)
+    out["waiting_s"] = round(time.monotonic() - out.pop("since"), 3)
+    return out
 
 
 CLEARED, STALLED, STILL_STALLED = "cleared", "stalled", "still-stalled"
@@ -179,29 +190,19 @@ class RankWatchdog:
         self._request_seen = stamp
         import json
 
-        from distdebug.artifacts.redact import Redactor
+        from distdebug.artifacts.writer import write_json_atomic
 
         try:
             asked = json.loads(request.read_text()).get("id")
         except (OSError, ValueError, AttributeError):
             return
-        redact = Redactor()
         s, p = self.session, self.session.progress
-        current = p.in_collective
-        in_coll = dict(current) if current else None
-        if in_coll is not None:
-            in_coll["waiting_s"] = round(time.monotonic() - in_coll.pop("since"), 3)
-        threads = [{"name": name, "ident": ident, "main": main,
-                    "frames": [{**f, "code": redact(f["code"])} for f in frames_of(stack)]}
+        threads = [{"name": name, "ident": ident, "main": main, "frames": frames_of(stack)}
                    for ident, name, main, stack in other_threads()]
         answer = {"request": asked, "rank": s.identity.rank, "host": s.identity.host, "pid": s.identity.pid,
-                  "time": time.time(), "step": p.step, "phase": p.phase, "in_collective": in_coll,
+                  "time": time.time(), "step": p.step, "phase": p.phase, "in_collective": _in_collective(p),
                   "idle_s": round(time.monotonic() - p.last, 3), "threads": threads}
-        path = layout.stacks_answer_path(run_dir, s.identity.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(answer, default=str))
-        os.replace(tmp, path)
+        write_json_atomic(layout.stacks_answer_path(run_dir, s.identity.rank), answer)  # secrets redacted
 
     def record_stall(self, idle: float) -> None:
         s = self.session
@@ -216,12 +217,8 @@ class RankWatchdog:
             if fr is not None:
                 layout.fr_trace_path(run_dir, s.identity.rank).write_bytes(fr)
         p = s.progress
-        current = p.in_collective
-        in_coll = dict(current) if current else None
-        if in_coll is not None:
-            in_coll["waiting_s"] = round(time.monotonic() - in_coll.pop("since"), 3)
         s.emit(schema.record(
             schema.STALL, rank=s.identity.rank, step=p.step, phase=p.phase, idle_s=round(idle, 3),
-            collectives_entered=p.collective_seq, in_collective=in_coll, main_stack=main_frames,
+            collectives_entered=p.collective_seq, in_collective=_in_collective(p), main_stack=main_frames,
             flight_recorder=fr is not None, time=time.time(),
         ))
