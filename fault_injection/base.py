@@ -65,6 +65,48 @@ class Expect:
         return ", ".join(parts)
 
 
+class Pace:
+    """How long a slow-rank fault (straggler, slow_dataloader) sleeps in each step: ``delay`` seconds at
+    least, and at least ``factor`` times the rank's own time per step (its step time less what it slept;
+    median of its last WINDOW steps, step 1's start-up left out), at most CAP.
+
+    Why not a fixed delay: the straggler detector judges a rank by its share of the step (relative speed
+    score under 0.7: 43 % slower than the fastest), and the step time depends on the machine's load. A
+    50 ms sleep doubled a 40 ms step but was 28 % of a 361 ms step when a replay ran two jobs' ranks on 2
+    cores (score 0.73: a miss in CI). A sleep as long as the rank's own work makes the rank half as fast
+    (score about 0.5) whatever the load, which is the fault the replay means to inject."""
+
+    WINDOW = 5
+    CAP = 2.0
+
+    def __init__(self, delay: float, factor: float) -> None:
+        from collections import deque
+
+        self.delay, self.factor = delay, factor
+        self.own: deque[float] = deque(maxlen=self.WINDOW)  # recent steps' times less the sleep in them
+        self.slept = 0.0  # seconds slept in the step in progress
+        self.due = True  # the step in progress has not slept yet
+
+    def now(self) -> float:
+        """The sleep for this step: its length the first time it is asked in a step, then 0."""
+        if not self.due:
+            return 0.0
+        import statistics
+
+        own = statistics.median(self.own) if self.own else 0.0
+        self.due = False
+        self.slept = min(self.CAP, max(self.delay, self.factor * own))
+        return self.slept
+
+    def step_ended(self, event: StepEvent) -> None:
+        if event.step >= 2:  # step 1 holds the start-up
+            self.own.append(max(event.step_time_s - self.slept, 0.0))
+        self.slept, self.due = 0.0, True
+
+
+FACTOR = Param("factor", float, 1.0, "and at least this many times its own time per step (0: `delay` only)")
+
+
 RANK = Param("rank", int, 1, "the rank it acts on (-1: every rank)")
 STEP = Param("step", int, 3, "the optimizer step it acts in (>= 2)")
 MODULE = Param("module", str, "", "module name (default: the middle module with parameters)")

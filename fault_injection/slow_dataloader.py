@@ -1,6 +1,7 @@
-"""slow_dataloader: one rank's DataLoader takes `delay` seconds longer for every batch (a slow disk,
-too few workers): the rank is slow because it waits for data, not because it computes slowly.
-The straggler detector must name it and blame its data loader.
+"""slow_dataloader: one rank's DataLoader is slow (a slow disk, too few workers): the rank is slow
+because it waits for data, not because it computes slowly. The straggler detector must name it and
+blame its data loader. It sleeps once per step, in the step's first batch, for as long as ``Pace``
+says: ``delay`` or its own time per step, whichever is longer.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from distdebug.context import RankContext
-from fault_injection.base import RANK, Expect, Fault, Param
+from distdebug.context import RankContext, StepEvent
+from fault_injection.base import FACTOR, RANK, Expect, Fault, Pace, Param
 
 if TYPE_CHECKING:
     from fault_injection.probe import Facts
@@ -17,14 +18,17 @@ if TYPE_CHECKING:
 
 class SlowDataloader(Fault):
     name = "slow_dataloader"
-    description = "one rank's DataLoader sleeps `delay` seconds before every batch"
+    description = ("one rank's DataLoader sleeps before the first batch of every step: `delay` seconds, or `factor` "
+                   "times its own time per step where that is longer")
     delay: float
-    params = (RANK, Param("delay", float, 0.05, "seconds added to each batch"))
+    factor: float
+    params = (RANK, Param("delay", float, 0.05, "seconds added to each step's batches (at least)"), FACTOR)
     catcher = "straggler"
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
+        self.pace = Pace(self.delay, self.factor)
         if not self.mine():
             return
         from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -33,12 +37,17 @@ class SlowDataloader(Fault):
         fault = self
 
         def __next__(it: Any) -> Any:
-            if not fault.acted:
-                fault.injected(delay=fault.delay)
-            time.sleep(fault.delay)
+            delay = fault.pace.now()
+            if delay and not fault.acted:
+                fault.injected(delay=round(delay, 4))
+            time.sleep(delay)
             return original(it)
 
         ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
+
+    def on_step(self, event: StepEvent) -> tuple[()]:
+        self.pace.step_ended(event)
+        return super().on_step(event)
 
     needs = 20  # the scores need medians over 8 steps every rank reported
 

@@ -1,7 +1,10 @@
 """straggler: one rank is slower in every step from ``step`` on (a throttled GPU, a noisy neighbour).
 
 Every other rank then waits for it in each all-reduce. The straggler detector must name it, and say
-that it computes slower (its data loader is not the cause).
+that it computes slower (its data loader is not the cause). It sleeps once per step, in the step's
+first forward (under gradient accumulation the rank is then late at the reduction of the step's last
+micro-batch, as a slow GPU is), for as long as ``Pace`` says: ``delay`` or its own time per step,
+whichever is longer.
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from distdebug.context import RankContext
-from fault_injection.base import RANK, STEP, Expect, Fault, Param
+from distdebug.context import RankContext, StepEvent
+from fault_injection.base import FACTOR, RANK, STEP, Expect, Fault, Pace, Param
 
 if TYPE_CHECKING:
     from fault_injection.probe import Facts
@@ -18,23 +21,33 @@ if TYPE_CHECKING:
 
 class Straggler(Fault):
     name = "straggler"
-    description = "one rank sleeps `delay` seconds in every forward from `step` on"
+    description = ("one rank sleeps in its first forward of every step from `step` on: `delay` seconds, or `factor` "
+                   "times its own time per step where that is longer")
     delay: float
-    params = (RANK, STEP, Param("delay", float, 0.05, "seconds added to each of its steps"))
+    factor: float
+    params = (RANK, STEP, Param("delay", float, 0.05, "seconds added to each of its steps (at least)"), FACTOR)
     catcher = "straggler"
     continuing = True
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
+        if not hasattr(self, "pace"):  # a new phase's model: the same pace goes on
+            self.pace = Pace(self.delay, self.factor)
         if ctx.models and self.mine():
             ctx.models[0].register_forward_pre_hook(self._pre)
 
     def _pre(self, module: Any, args: Any) -> None:
         if self.current >= self.step and self.mine():
-            if not self.acted:
-                self.injected(delay=self.delay)
-            time.sleep(self.delay)
+            delay = self.pace.now()
+            if delay and not self.acted:
+                self.injected(delay=round(delay, 4))
+            time.sleep(delay)
+
+    def on_step(self, event: StepEvent) -> tuple[()]:
+        if hasattr(self, "pace"):
+            self.pace.step_ended(event)
+        return super().on_step(event)
 
     needs = 17  # the scores need medians over 8 steps every rank reported: found 13-15 steps after it starts
 
