@@ -22,6 +22,9 @@ a bad spec is a one-line error.
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -80,8 +83,6 @@ class Pace:
     CAP = 2.0
 
     def __init__(self, delay: float, factor: float) -> None:
-        from collections import deque
-
         self.delay, self.factor = delay, factor
         self.own: deque[float] = deque(maxlen=self.WINDOW)  # recent steps' times less the sleep in them
         self.slept = 0.0  # seconds slept in the step in progress
@@ -91,8 +92,6 @@ class Pace:
         """The sleep for this step: its length the first time it is asked in a step, then 0."""
         if not self.due:
             return 0.0
-        import statistics
-
         own = statistics.median(self.own) if self.own else 0.0
         self.due = False
         self.slept = min(self.CAP, max(self.delay, self.factor * own))
@@ -236,6 +235,29 @@ class Fault(Detector):
     def spec(self) -> str:
         vals = ",".join(f"{p.name}={getattr(self, p.name)}" for p in self.params)
         return f"{self.name}:{vals}" if vals else self.name
+
+
+class SlowRank(Fault):
+    """A fault that makes its rank slow (straggler, slow_dataloader): its ``delay`` and ``factor`` parameters
+    drive one ``Pace``, which learns the rank's own step time at every step boundary; ``lag()`` sleeps this
+    step's share once and records the first time it acts."""
+
+    delay: float
+    factor: float
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.pace = Pace(self.delay, self.factor)
+
+    def lag(self) -> None:
+        delay = self.pace.now()
+        if delay and not self.acted:
+            self.injected(delay=round(delay, 4))
+        time.sleep(delay)
+
+    def on_step(self, event: StepEvent) -> tuple[()]:
+        self.pace.step_ended(event)
+        return super().on_step(event)
 
 
 def parse_spec(spec: str, known: dict[str, type[Fault]]) -> tuple[type[Fault], dict[str, Any]]:

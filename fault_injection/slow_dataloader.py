@@ -6,29 +6,25 @@ says: ``delay`` or its own time per step, whichever is longer.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
-from distdebug.context import RankContext, StepEvent
-from fault_injection.base import FACTOR, RANK, Expect, Fault, Pace, Param
+from distdebug.context import RankContext
+from fault_injection.base import FACTOR, RANK, Expect, Param, SlowRank
 
 if TYPE_CHECKING:
     from fault_injection.probe import Facts
 
 
-class SlowDataloader(Fault):
+class SlowDataloader(SlowRank):
     name = "slow_dataloader"
     description = ("one rank's DataLoader sleeps before the first batch of every step: `delay` seconds, or `factor` "
                    "times its own time per step where that is longer")
-    delay: float
-    factor: float
     params = (RANK, Param("delay", float, 0.05, "seconds added to each step's batches (at least)"), FACTOR)
     catcher = "straggler"
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
-        self.pace = Pace(self.delay, self.factor)
         if not self.mine():
             return
         from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -37,17 +33,10 @@ class SlowDataloader(Fault):
         fault = self
 
         def __next__(it: Any) -> Any:
-            delay = fault.pace.now()
-            if delay and not fault.acted:
-                fault.injected(delay=round(delay, 4))
-            time.sleep(delay)
+            fault.lag()
             return original(it)
 
         ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
-
-    def on_step(self, event: StepEvent) -> tuple[()]:
-        self.pace.step_ended(event)
-        return super().on_step(event)
 
     needs = 20  # the scores need medians over 8 steps every rank reported
 

@@ -9,22 +9,19 @@ whichever is longer.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
-from distdebug.context import RankContext, StepEvent
-from fault_injection.base import FACTOR, RANK, STEP, Expect, Fault, Pace, Param
+from distdebug.context import RankContext
+from fault_injection.base import FACTOR, RANK, STEP, Expect, Param, SlowRank
 
 if TYPE_CHECKING:
     from fault_injection.probe import Facts
 
 
-class Straggler(Fault):
+class Straggler(SlowRank):
     name = "straggler"
     description = ("one rank sleeps in its first forward of every step from `step` on: `delay` seconds, or `factor` "
                    "times its own time per step where that is longer")
-    delay: float
-    factor: float
     params = (RANK, STEP, Param("delay", float, 0.05, "seconds added to each of its steps (at least)"), FACTOR)
     catcher = "straggler"
     continuing = True
@@ -32,22 +29,12 @@ class Straggler(Fault):
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
-        if not hasattr(self, "pace"):  # a new phase's model: the same pace goes on
-            self.pace = Pace(self.delay, self.factor)
         if ctx.models and self.mine():
             ctx.models[0].register_forward_pre_hook(self._pre)
 
     def _pre(self, module: Any, args: Any) -> None:
         if self.current >= self.step and self.mine():
-            delay = self.pace.now()
-            if delay and not self.acted:
-                self.injected(delay=round(delay, 4))
-            time.sleep(delay)
-
-    def on_step(self, event: StepEvent) -> tuple[()]:
-        if hasattr(self, "pace"):
-            self.pace.step_ended(event)
-        return super().on_step(event)
+            self.lag()
 
     needs = 17  # the scores need medians over 8 steps every rank reported: found 13-15 steps after it starts
 

@@ -63,4 +63,3 @@ def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(Redactor()(json.dumps(data, indent=2, default=str)))
     os.replace(tmp, path)
-
