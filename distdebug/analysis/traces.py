@@ -5,7 +5,8 @@ waiting for the data loader, and which operators took the time.
 Stages: load (torch's Chrome trace JSON, gzip or not) -> intervals -> numbers -> verdicts. What
 counts as what, read from the events torch writes:
 
-- steps: ``ProfilerStep#N`` annotations (the attach profiler numbers them by optimizer step);
+- steps: ``ProfilerStep#N`` annotations (the attach profiler numbers them by optimizer step), the
+  window's complete steps only: what follows the job's last step is no step (``real_steps``);
 - communication: on GPU the NCCL kernels (``cat`` kernel, name containing ``nccl``); on CPU the
   gloo work annotations (``gloo:all_reduce`` ..., which span a collective from enqueue to done);
 - computation: on GPU every other kernel; on CPU the operators of the training thread (the thread
@@ -19,6 +20,7 @@ are merged first, so nested operators are not counted twice.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -71,16 +73,50 @@ def intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
     return out
 
 
-def analyze_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
-    """Per step and for the whole window of one rank's trace (times in microseconds)."""
+def real_steps(trace: dict[str, Any], named: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The ``ProfilerStep#N`` marks of ``trace`` that are whole steps: [A, B], or None for all of them.
+
+    A job that ends inside a window leaves one more mark after its last step (torch's profiler opens
+    the next mark at each step's end): its end (a save, destroy_process_group, the rest of the script)
+    or the unfinished step that raised. The profiler records the complete steps in the trace
+    (``distdebug_window``); a trace written before it did is cut by its directory's name (``named``,
+    the steps it covers); a trace of no window of ours keeps every mark. (A, A - 1): none completed."""
+    record = trace.get(layout.TRACE_WINDOW_KEY)
+    if isinstance(record, dict) and isinstance(record.get("steps"), list):
+        done = record["steps"]
+        if len(done) == 2:
+            return int(done[0]), int(done[1])
+        planned = record.get("planned") or [0]
+        return int(planned[0]), int(planned[0]) - 1
+    return named
+
+
+def analyze_trace(trace: dict[str, Any], top: int = 10, named: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Per step and for the whole window of one rank's trace (times in microseconds). Only whole steps
+    count (``real_steps``): the marks after them are listed in ``left_out``, and operators are counted
+    inside the whole steps only."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = {}
+    keep = real_steps(trace, named)
+    steps, left_out = {}, {}
     main_tid = None
     for e in events:
         m = STEP_RE.match(str(e.get("name", "")))
         if m:
-            steps[int(m.group(1))] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            n, span = int(m.group(1)), (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            if keep is None or keep[0] <= n <= keep[1]:
+                steps[n] = span
+            else:
+                left_out[n] = span
             main_tid = e.get("tid")
+    # Operators and kernels are counted by where they start: inside a whole step. (A kernel of the
+    # last step that runs after its host-side mark is left out, as at a window's planned end.)
+    spans = merge(list(steps.values()))
+    starts = [a for a, _ in spans]
+
+    def in_steps(t: float) -> bool:
+        i = bisect.bisect_right(starts, t) - 1
+        return i >= 0 and t < spans[i][1]
+
     gpu = any(e.get("cat") == "kernel" for e in events)
     comm: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
@@ -98,7 +134,7 @@ def analyze_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
         elif cat == "cpu_op" and e.get("tid") == main_tid:
             if not gpu and not name.startswith("c10d::"):
                 compute.append(iv)
-        if cat in ("cpu_op", "kernel") and not STEP_RE.match(name):
+        if cat in ("cpu_op", "kernel") and not STEP_RE.match(name) and in_steps(iv[0]):
             total, count = ops.get(name, (0.0, 0))
             ops[name] = (total + float(e["dur"]), count + 1)
     comm, compute, data = merge(comm), merge(compute), merge(data)
@@ -115,6 +151,7 @@ def analyze_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
     return {
         "device": "gpu" if gpu else "cpu",
         "steps": rows,
+        "left_out": [{"mark": n, "us": b - a} for n, (a, b) in sorted(left_out.items())],
         "overlap_ratio": total["overlap_us"] / total["comm_us"] if total["comm_us"] else None,
         "comm_share": total["comm_us"] / total["step_us"] if total["step_us"] else None,
         "data_share": total["data_us"] / total["step_us"] if total["step_us"] else None,
@@ -140,12 +177,14 @@ def _verdicts(summary: dict[str, Any]) -> list[str]:
 def analyze_window(directory: Path) -> dict[str, Any]:
     """One window (all ranks' traces in ``directory``): per rank, a summary across ranks and verdicts."""
     ranks: dict[int, dict[str, Any]] = {}
+    steps = re.match(r"steps-(\d+)-(\d+)", directory.name)
+    named = (int(steps.group(1)), int(steps.group(2))) if steps else None
     for path in sorted(directory.glob("rank-*.json*")):
         m = RANK_RE.search(path.name)
         if m is None:
             continue
         try:
-            result = analyze_trace(load_trace(path), top=5)
+            result = analyze_trace(load_trace(path), top=5, named=named)
         except (OSError, ValueError, EOFError) as e:  # a trace cut by a kill: say so, keep the others
             result = {"error": f"{type(e).__name__}: {e}"}
         result["path"] = str(path)
@@ -157,9 +196,12 @@ def analyze_window(directory: Path) -> dict[str, Any]:
         summary[key] = statistics.median(values) if values else None
         summary[f"{key}_min"] = min(values) if values else None
         summary[f"{key}_max"] = max(values) if values else None
-    steps = re.match(r"steps-(\d+)-(\d+)", directory.name)
-    return {"steps": [int(steps.group(1)), int(steps.group(2))] if steps else None, "dir": str(directory),
-            "ranks": ranks, "summary": summary, "verdicts": _verdicts(summary)}
+    verdicts = _verdicts(summary)
+    if ok and not any(r["steps"] for r in ok):  # "healthy" would be a verdict on nothing
+        verdicts = [f"no complete step: the job ended inside step {named[0] if named else '?'}, before the "
+                    "window's first step finished (nothing measured)"]
+    return {"steps": list(named) if named else None, "dir": str(directory),
+            "ranks": ranks, "summary": summary, "verdicts": verdicts}
 
 
 def analyze_run(run_dir: Path) -> list[dict[str, Any]]:

@@ -26,6 +26,9 @@ DOCTOR = "doctor.json"
 TRACES = "traces"
 TRACE_WINDOW_TEMPLATE = "steps-{start}-{end}"
 TRACE_FILE_TEMPLATE = "rank-{rank:05d}.pt.trace.json.gz"
+TRACE_WINDOW_KEY = "distdebug_window"
+"""Top-level key of each window's trace: {"planned": [A, B], "steps": the steps that completed inside
+the window, [A, last], or [] when the job ended inside step A}: which ``ProfilerStep#N`` marks are steps."""
 DEFAULT_RUNS_ROOT = "distdebug-runs"
 LATEST_LINK = "latest"
 

@@ -5,7 +5,9 @@ and read the timeline", made automatic), and of the steps right after a detector
   (A >= 2: step boundaries are known from the end of step 1 on). Each step is marked
   ``ProfilerStep#N`` with N the optimizer step, the same on every rank, so windows line up across
   ranks. Each rank writes ``traces/steps-A-B/rank-NNNNN.pt.trace.json.gz``: torch's own gzip
-  Chrome trace, with its ``distributedInfo``, which Perfetto and Holistic Trace Analysis open as is.
+  Chrome trace, with its ``distributedInfo``, which Perfetto and Holistic Trace Analysis open as is,
+  and ``distdebug_window``: the steps that completed inside the window (a job that ends inside one
+  leaves one more mark, which holds its end, not a step).
 - ``--profile-on-finding N`` (default 5, 0: off): when loss_spike, nan_origin, loss_nonfinite or
   straggler reports a warning or worse, the next N steps are profiled on every rank, once per run.
   The rank that saw it writes the window's first step into the job's own store (the one
@@ -20,6 +22,7 @@ when triggered windows are on).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -163,19 +166,31 @@ class Profiler(Detector):
         self.prof, self.window = prof, window
 
     def _stop(self) -> None:
-        prof, window = self.prof, self.window
+        prof, planned = self.prof, self.window
         self.prof, self.window = None, None
-        assert window is not None
+        assert planned is not None
+        # The steps that ended inside the window. At a step's end torch's profiler closes its mark and
+        # opens the next one at once, so a job that ends (returns or raises) inside a window leaves a
+        # last mark that is no step: what ran after the last step's end (a save, destroy_process_group,
+        # the rest of the script) or the unfinished step that raised. The trace says which marks are
+        # steps; the analysis reads only those (analysis.traces).
+        last = min(planned[1], self.current - 1)
+        steps = [planned[0], last] if last >= planned[0] else []
+        try:
+            prof.add_metadata_json(layout.TRACE_WINDOW_KEY, json.dumps({"planned": list(planned), "steps": steps}))
+        except Exception:  # the analysis falls back on the directory's name
+            pass
         with _without_profiler_chatter():
             prof.stop()
-        # Named for the steps it covers: a script that ends inside a window ran only some of them.
-        window = (window[0], max(window[0], min(window[1], self.current - 1)))
+        # Named for the steps it covers: a script that ends inside a window ran only some of them
+        # (one that ends inside the first step keeps the first step's name; its record says none).
+        window = (planned[0], max(planned[0], last))
         if self.ctx is not None and self.ctx.run_dir is not None:
             out = trace_dir(Path(self.ctx.run_dir), *window)
             out.mkdir(parents=True, exist_ok=True)
             path = layout.trace_path(Path(self.ctx.run_dir), *window, self.ctx.rank)
             prof.export_chrome_trace(str(path))
-            self.ctx.emit("trace", steps=list(window), path=str(path))
+            self.ctx.emit("trace", steps=list(window), complete=steps, path=str(path))
 
     def on_end(self) -> Iterable[Finding]:
         if self.prof is not None:  # the script ended inside a window: keep what it has

@@ -29,6 +29,8 @@ def test_windows_hold_exactly_the_requested_steps_on_every_rank_and_are_analysed
         for rank, f in enumerate(files):
             assert step_marks(f) == steps
             trace = json.load(gzip.open(f, "rt"))
+            # Windows in the middle of the run end at their planned length: every mark is a step.
+            assert trace["distdebug_window"] == {"planned": [steps[0], steps[-1]], "steps": [steps[0], steps[-1]]}
             # What Holistic Trace Analysis reads to place a trace: the rank and world size.
             assert trace["distributedInfo"]["rank"] == rank and trace["distributedInfo"]["world_size"] == 2
     rep = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)
@@ -36,20 +38,26 @@ def test_windows_hold_exactly_the_requested_steps_on_every_rank_and_are_analysed
     assert w["steps"] == [3, 5] and sorted(w["ranks"]) == ["0", "1"]
     for rank in ("0", "1"):
         a = w["ranks"][rank]
-        assert a["device"] == "cpu" and [s["step"] for s in a["steps"]] == [3, 4, 5]
+        assert a["device"] == "cpu" and [s["step"] for s in a["steps"]] == [3, 4, 5] and a["left_out"] == []
         assert 0 < a["comm_share"] < 1 and 0 <= a["overlap_ratio"] <= 1 and 0 < a["data_share"] < 0.5
         assert a["top_ops"] and all(s["compute_us"] > 0 for s in a["steps"])
     assert "Profiler windows" in distdebug("report", str(tmp_path)).stdout
     assert "USDT:" not in r.stderr and "profiler_start" not in r.stderr  # torch's profiler chatter stays ours
 
 
-def test_a_window_past_the_end_is_named_for_the_steps_it_covers(tmp_path):
+def test_a_window_past_the_end_holds_only_the_steps_it_covers(tmp_path):
+    # The recipe's last step is 10; after it, a parameter digest, a print and destroy_process_group:
+    # torch's profiler holds them in one more mark (11), which is the job's end, not a step.
     r = distdebug("attach", "--run-dir", str(tmp_path), "--profile-steps", "8:14",
                   str(RECIPES / "ddp_convnet.py"), "--steps", "10")
     assert r.returncode == 0, r.output
     assert [p.name for p in (tmp_path / "traces").iterdir()] == ["steps-8-10"]
     for f in sorted((tmp_path / "traces" / "steps-8-10").glob("rank-*.pt.trace.json.gz")):
-        assert step_marks(f)[:3] == [8, 9, 10]
+        assert step_marks(f) == [8, 9, 10, 11]
+        assert json.load(gzip.open(f, "rt"))["distdebug_window"] == {"planned": [8, 14], "steps": [8, 10]}
+    (w,) = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)["windows"]
+    for a in w["ranks"].values():
+        assert [s["step"] for s in a["steps"]] == [8, 9, 10] and [m["mark"] for m in a["left_out"]] == [11]
 
 
 def test_a_finding_triggers_a_window_on_every_rank(tmp_path):

@@ -5,14 +5,24 @@ step 3 is [0, 100): data loader [0, 10), operators of the training thread [10, 4
 add) and [60, 80), a collective enqueue at 40 (not compute), gloo work [30, 70) on another thread;
 step 4 is [100, 150): an operator [105, 145), gloo work [140, 160) (only [140, 150) inside the step).
 An operator on a third thread is not the training thread's compute.
+
+A window the job ends inside (tests/data/traces_job_end, described below) holds only its complete steps;
+the profiler detector, run in this process with torch's real profiler, records them in the trace
+however the window ends.
 """
 
 from __future__ import annotations
 
-import pytest
+import gzip
+import json
 
-from distdebug.analysis.traces import analyze_run, analyze_window, intersect, merge
-from distdebug.detectors.profiler import parse_windows
+import pytest
+import torch
+
+from distdebug.analysis.traces import analyze_run, analyze_trace, analyze_window, intersect, merge
+from distdebug.config import ProfilerConfig
+from distdebug.context import RankContext, RankIdentity, StepEvent
+from distdebug.detectors.profiler import Profiler, parse_windows
 from tests.helpers import DATA
 
 FIXTURE = DATA / "traces" / "steps-3-4"
@@ -63,3 +73,103 @@ def test_gpu_trace_uses_kernels_nccl_for_communication():
     assert r["overlap_ratio"] == pytest.approx(0.5) and r["data_share"] == pytest.approx(0.25)
     assert w["verdicts"] == ["data loading takes 25% of the step: more DataLoader workers, pin_memory, prefetching"]
     assert r["top_ops"][0]["name"] == "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+
+
+# ---------------------------------------------------------------- a window the job ends inside
+JOB_END = DATA / "traces_job_end" / "traces" / "steps-5-6"
+"""Both ranks' traces (by hand, microseconds): steps 5 [0, 100) and 6 [100, 200), each with the data
+loader for 30, compute for 60 and gloo work for 40 inside the compute (100% overlap, data 30% of the
+step: a verdict); then ``ProfilerStep#7`` [200, 1100), which torch's profiler opened at step 6's end
+and closed at the job's end: a save (``aten::copy_``, 700) and a final all_reduce (200) the training
+thread waits on. Rank 0's trace is as written before the window recorded its complete steps (the cut
+comes from the directory's name); rank 1's carries ``distdebug_window`` {planned [5, 9], steps [5, 6]}."""
+
+
+def test_a_window_the_job_ends_inside_holds_only_its_complete_steps():
+    w = analyze_window(JOB_END)
+    assert w["steps"] == [5, 6]
+    for rank in (0, 1):
+        r = w["ranks"][rank]
+        assert [(s["step"], s["step_us"], s["compute_us"], s["comm_us"], s["overlap_us"], s["data_us"])
+                for s in r["steps"]] == [(5, 100, 60, 40, 40, 30), (6, 100, 60, 40, 40, 30)]
+        assert r["left_out"] == [{"mark": 7, "us": 900}]  # the job's end, not a step
+        assert r["overlap_ratio"] == 1 and r["data_share"] == pytest.approx(0.3)
+        assert r["comm_share"] == pytest.approx(0.4) and r["compute_share"] == pytest.approx(0.6)
+        # The save after the loop is not the window's top operator: only the real steps' operators count.
+        assert [(o["name"], o["total_us"], o["count"]) for o in r["top_ops"]] == [("aten::mm", 120, 2)]
+    # The teardown's unoverlapped all_reduce made "communication blocks computation" (29%) and its
+    # length hid the data loader's 30%: the verdicts are the real steps'.
+    assert w["verdicts"] == ["data loading takes 30% of the step: more DataLoader workers, pin_memory, prefetching"]
+
+
+def test_the_cut_is_exact_and_a_window_in_the_middle_is_unchanged():
+    """Clean twin: the same steps without the mark after them (a window that ended at its planned
+    length, in the middle of a run) give the same numbers, and nothing is left out."""
+    trace = json.loads((JOB_END / "rank-00001.pt.trace.json").read_text())
+    middle = {**trace, "distdebug_window": {"planned": [5, 6], "steps": [5, 6]},
+              "traceEvents": [e for e in trace["traceEvents"] if e["ts"] < 200]}
+    cut, whole = analyze_trace(trace), analyze_trace(middle)
+    assert whole["left_out"] == [] and {**cut, "left_out": []} == whole
+    # A trace of no window of ours (no record, no directory to name its steps): every mark is a step.
+    assert [s["step"] for s in analyze_trace({"traceEvents": trace["traceEvents"]})["steps"]] == [5, 6, 7]
+
+
+def test_a_window_without_a_complete_step_says_so_instead_of_a_verdict(tmp_path):
+    """The job ended (returned or raised) inside the window's first step: its trace holds that
+    unfinished step only; it is measured by nothing and judged by nothing."""
+    trace = json.loads((JOB_END / "rank-00001.pt.trace.json").read_text())
+    trace["distdebug_window"] = {"planned": [5, 9], "steps": []}
+    trace["traceEvents"] = [dict(e, name="ProfilerStep#5") if e["name"] == "ProfilerStep#7" else e
+                            for e in trace["traceEvents"] if e["ts"] >= 200]
+    window = tmp_path / "traces" / "steps-5-5"
+    window.mkdir(parents=True)
+    (window / "rank-00001.pt.trace.json").write_text(json.dumps(trace))
+    (w,) = analyze_run(tmp_path)
+    r = w["ranks"][1]
+    assert r["steps"] == [] and r["top_ops"] == [] and r["left_out"] == [{"mark": 5, "us": 900}]
+    assert r["overlap_ratio"] is None and w["summary"]["overlap_ratio"] is None
+    assert w["verdicts"] == ["no complete step: the job ended inside step 5, before the window's first step "
+                             "finished (nothing measured)"]
+
+
+def _event(step: int) -> StepEvent:
+    return StepEvent(rank=0, step=step, loss=None, step_time_s=0.0, backward_calls=1, collectives=0)
+
+
+def _train(n: int) -> None:
+    a = torch.randn(64, 64)
+    for _ in range(n):
+        a = (a @ a).tanh()
+
+
+@pytest.mark.parametrize("end", ["planned", "job", "exception", "first step"])
+def test_the_profiler_records_a_windows_complete_steps_however_it_ends(tmp_path, end):
+    """Tier 1 with torch's real profiler in this process: window 3:5 ends at its planned length
+    (a run of 7 steps), with the job after step 4 (returned; or raised inside step 5), or with the
+    job inside step 3. Work after the last step (a save, a final computation) is no step."""
+    last = {"planned": 7, "job": 4, "exception": 4, "first step": 2}[end]
+    ctx = RankContext(RankIdentity(rank=0, local_rank=0, world_size=1, local_world_size=1, node=0, attempt=0,
+                                   host="h", pid=0), run_dir=tmp_path, rank_dir=None)
+    det = Profiler(ProfilerConfig(steps="3:5", on_finding=0))
+    det.attach(ctx)
+    for step in range(1, last + 1):
+        _train(2)
+        list(det.on_step(_event(step)))
+    try:  # after the loop: the teardown; or the next step, which raises (the session ends the same way)
+        _train(20)
+        if end == "exception":
+            raise RuntimeError("the script's")
+    except RuntimeError:
+        pass
+    finally:
+        list(det.on_end())
+    done = {"planned": [3, 5], "job": [3, 4], "exception": [3, 4], "first step": []}[end]
+    (path,) = (tmp_path / "traces").glob("*/rank-00000.pt.trace.json.gz")
+    assert path.parent.name == {"planned": "steps-3-5", "first step": "steps-3-3"}.get(end, "steps-3-4")
+    trace = json.load(gzip.open(path, "rt"))
+    assert trace["distdebug_window"] == {"planned": [3, 5], "steps": done}
+    (w,) = analyze_run(tmp_path)
+    r = w["ranks"][0]
+    assert [s["step"] for s in r["steps"]] == (list(range(done[0], done[1] + 1)) if done else [])
+    assert [m["mark"] for m in r["left_out"]] == ([] if end == "planned" else [last + 1])
+    assert ("no complete step" in " ".join(w["verdicts"])) == (not done)
