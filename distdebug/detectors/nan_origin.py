@@ -119,12 +119,23 @@ def _finite_norm(t: torch.Tensor) -> float:
     return INF if t.device.type != "cpu" else 2.0
 
 
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """max |x| of ``t`` as a device scalar: NaN when ``t`` holds a NaN, Inf when it holds an Inf, finite
+    otherwise, and never overflowed by finite values (a float32 sum of values near 1e38 is Inf: a model
+    input of 1e38 was named as the NaN's origin). No host read. On a GPU the inf-norm is one fused
+    kernel; on a CPU torch's inf-norm runs at about 1.2 GB/s, ``aminmax`` (one pass) about 15 times faster."""
+    if t.device.type == "cpu":
+        lo, hi = torch.aminmax(t)
+        return torch.maximum(hi, lo.neg())  # maximum() keeps a NaN of either
+    return torch.linalg.vector_norm(t, INF)
+
+
 def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None:
-    """acc[key] = max(|acc[key]|, |total|) on the device: a NaN or Inf survives, a finite value cannot
-    overflow, and the record stays one small tensor per key however often the key comes (an
-    evaluation loop's all_reduce of metrics, gradient accumulation). The key's first value is kept as
-    it is, with no kernel of its own: only finiteness is ever asked of it (the common case, one call
-    per key per step, costs the caller's one sum and nothing more)."""
+    """acc[key] = max(|acc[key]|, |total|) on the device (``total``: a ``finite_flag`` or a norm): a NaN or
+    Inf survives, a finite value cannot overflow, and the record stays one small tensor per key however
+    often the key comes (an evaluation loop's all_reduce of metrics, gradient accumulation). The key's
+    first value is kept as it is, with no kernel of its own: only finiteness is ever asked of it (the
+    common case, one call per key per step, costs the caller's one flag and nothing more)."""
     seen = acc.get(key)
     if seen is None:
         if len(acc) >= MAX_KEYS:
@@ -375,7 +386,7 @@ class NanOrigin(Detector):
         for acc, t in ((self.comm_in, inp), (self.comm_out, out)):
             t = getattr(t, "_local_tensor", t)
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                fold_in(acc, label, t.detach().sum(dtype=torch.float32))
+                fold_in(acc, label, finite_flag(t.detach()))
 
     def _forward_hook(self, label: str, fwd: dict[str, torch.Tensor]) -> Any:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -384,11 +395,10 @@ class NanOrigin(Detector):
             t = out if type(out) is torch.Tensor else first_tensor(out)
             t = getattr(t, "_local_tensor", t)  # a DTensor's local part: summing a DTensor may communicate
             if t is not None and t.is_floating_point():
-                # One pass, no temporary: NaN and Inf survive a sum (accumulated in fp32, so that
-                # finite fp16/bf16 activations cannot overflow it). One value per module per step,
-                # whatever the number of forwards: later ones fold in by max(|sum|), which keeps a
-                # NaN or Inf and never overflows a finite one. Forward order is first-call order.
-                fold_in(fwd, label, t.detach().sum(dtype=torch.float32))
+                # One pass, no temporary: max |x| keeps a NaN or Inf and, unlike a sum, is never
+                # overflowed by finite values. One value per module per step, whatever the number of
+                # forwards: later ones fold in by max. Forward order is first-call order.
+                fold_in(fwd, label, finite_flag(t.detach()))
         return hook
 
     def _shard_hook(self, label: str, params: list[Any], sharded: bool) -> Any:
@@ -407,7 +417,7 @@ class NanOrigin(Detector):
                 if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point():
                     ts.append(t.detach())
             if ts:
-                fold_in(acc, label, torch.stack(torch._foreach_norm(ts, INF)).sum(dtype=torch.float32))
+                fold_in(acc, label, torch.stack(torch._foreach_norm(ts, INF)).amax())  # a sum of maxima overflows
         return hook
 
     def _input_hook(self, label: str, acc: dict[str, torch.Tensor] | None = None) -> Any:
@@ -421,7 +431,7 @@ class NanOrigin(Detector):
             t = first_tensor(args)
             t = getattr(t, "_local_tensor", t)
             if t is not None and t.is_floating_point():
-                fold_in(into, label, t.detach().sum(dtype=torch.float32))
+                fold_in(into, label, finite_flag(t.detach()))
         return hook
 
     # ------------------------------------------------------------------ DDP: local gradients
@@ -458,8 +468,7 @@ class NanOrigin(Detector):
         def hook(param: torch.Tensor) -> None:
             g = param.grad
             if g is not None and g.layout == torch.strided:
-                # One pass, no temporary: NaN and Inf survive the sum (fp32 accumulation).
-                fold_in(local.local, key, g.detach().sum(dtype=torch.float32))
+                fold_in(local.local, key, finite_flag(g.detach()))
         return hook
 
     def _local_norms(self, key: tuple[str, ...], norms: torch.Tensor) -> None:
@@ -474,7 +483,7 @@ class NanOrigin(Detector):
         def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
                 name = det._grad_name(tensor)
-                fold_in(det.local, (name,), tensor.detach().sum(dtype=torch.float32))
+                fold_in(det.local, (name,), finite_flag(tensor.detach()))
             return current(tensor, *args, **kwargs)
 
         return all_reduce
@@ -516,12 +525,13 @@ class NanOrigin(Detector):
             pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()]
             if not pieces:
                 return None
-            # NaN and Inf survive a sum; float64 so that no sum of finite fp32 values can overflow.
-            # One reduction per step, read with everything else (cheaper than isfinite().all()).
+            # Every piece is a max |x| or a norm (never negative): their maximum keeps a NaN or Inf and cannot
+            # overflow, as a sum of values near a dtype's maximum would. One reduction per step, read with
+            # everything else.
             flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            out = {"total": flat.sum(dtype=torch.float64)}
+            out = {"total": flat.amax()}
             if fwd:  # the forward's own flags: what tells a real NaN from a loss scaler's overflow
-                out["forward"] = torch.stack([f for _, f in fwd]).sum(dtype=torch.float64)
+                out["forward"] = torch.stack([f for _, f in fwd]).amax()
             return out
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
@@ -543,7 +553,7 @@ class NanOrigin(Detector):
         if localised:  # on-demand watch: the step's forward again, every module watched (the rare path)
             fwd, self._localised = self._localise(event.step)
             if fwd:
-                forward = float(torch.stack([v for _, v in fwd]).sum(dtype=torch.float64))  # one read
+                forward = float(torch.stack([v for _, v in fwd]).amax())  # one read
         forward_finite = forward is None or math.isfinite(forward)
         if loss_finite and forward_finite and not skipped and not self._nonfinite_now():
             # The norms said non-finite, the values say finite: a finite gradient or parameter past ~1e19,
@@ -561,6 +571,10 @@ class NanOrigin(Detector):
         finding = (self._before(event) or self._received(event, fwd, comm_in, comm_out, stage_input, shards, gathered)
                    or self._explain(event, fwd, local))
         finding.evidence["watch"] = self.watch
+        if event.skipped:  # the non-finite forward or loss made the scaled gradients overflow too
+            finding.message += ("; the loss scaler skipped this step's update (its scaled gradients were non-finite), "
+                                "but the forward or the loss was already non-finite: not an overflow of the scale")
+            finding.evidence["loss_scaler_skipped_step"] = True
         if localised and finding.evidence.get("first_nonfinite_module_output") is None:
             finding.evidence["localisation"] = self._localised or (
                 "the step's forward, re-executed on this rank from its inputs and parameters, was finite in every "
@@ -660,7 +674,12 @@ class NanOrigin(Detector):
         # Parameters in a bucket (or all_reduce input) that was non-finite here before the reduction;
         # named by their gradients after it (the reduction spreads, it does not move, a NaN).
         suspects = {n for names, v in local for n in _nonfinite(names, v)}
-        bad_local = [n for n in bad_grads if n in suspects] or sorted(suspects)
+        # A norm (runtime.localgrads) of a finite gradient past ~1e19 overflows float32: a parameter whose
+        # reduced gradient is finite had a finite local one (a reduction spreads a NaN or Inf, it never
+        # removes one), so it is no suspect. Flattened buffers keep their own names.
+        nonfinite = set(bad_grads)
+        finite_grads = {n for n, p in self.params if p.grad is not None and n not in nonfinite}
+        bad_local = [n for n in bad_grads if n in suspects] or sorted(suspects - finite_grads)
         bad_params = [n for n, p in self.params if not bool(local_view(p).isfinite().all())]
         evidence = {
             "loss": None if event.loss is None else str(event.loss),

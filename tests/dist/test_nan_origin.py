@@ -286,3 +286,108 @@ def test_a_finite_gradient_whose_norm_overflows_is_not_called_non_finite(tmp_pat
     spawn_ranks(_huge, 2, tmp=tmp_path)
     for rank in (0, 1):
         assert [f for f in findings(tmp_path, rank) if f["detector"] == "nan_origin"] == []
+
+# ---------------------------------------------------------------- finite values near the dtype's maximum
+class Amplify(nn.Module):
+    """The script's own module (hooked: not a torch.nn class): finite activations up to 3e38, near float32's
+    maximum, whose float32 sum is Inf."""
+
+    def forward(self, x):
+        return torch.sigmoid(x) * 3e38
+
+
+class Shrink(nn.Module):
+    def forward(self, x):
+        return x * 1e-38
+
+
+class Poison(nn.Module):
+    """A real NaN, later in the forward than the large values, on one rank at one step."""
+
+    def __init__(self, rank, state):
+        super().__init__()
+        self.rank, self.state = rank, state
+
+    def forward(self, x):
+        if self.state.get("poison") == self.rank and self.state["step"] == 3:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return x
+
+
+def _large(rank, world, tmp, watch, poison_rank=None):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distdebug.config import NanOriginConfig
+
+    s = start_session(tmp, rank, detectors=[NanOrigin(NanOriginConfig(watch=watch))])
+    torch.manual_seed(0)
+    state = {"step": 0, "poison": poison_rank}
+    model = nn.Sequential(nn.Linear(4, 16), Amplify(), nn.Tanh(), Shrink(), nn.Linear(16, 8), Poison(rank, state),
+                          nn.Linear(8, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(1, 6):
+        state["step"] = step
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    s.close(0)
+
+
+@pytest.mark.parametrize("watch", ["full", "on-demand"])
+def test_large_finite_activations_are_finite_and_a_later_nan_is_named_at_its_module(tmp_path, watch):
+    """Amplify's outputs are up to 3e38 (finite; tanh of them is 1, Shrink brings them back): a float32 sum of
+    them is Inf, which named Amplify as the NaN's origin (full watch: a false NaN in a clean run too). The
+    origin is the module whose output holds the NaN (Poison, "5"), on its rank and step; the clean twin
+    has no finding in either watch."""
+    spawn_ranks(_large, 2, tmp=tmp_path / "clean", watch=watch)
+    assert findings(tmp_path / "clean", 0) == [] and findings(tmp_path / "clean", 1) == []
+    spawn_ranks(_large, 2, tmp=tmp_path / "nan", watch=watch, poison_rank=1)
+    f = findings(tmp_path / "nan", 1)[0]
+    assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 3, [1], "5")
+    assert f["evidence"]["first_nonfinite_module_output"] == "5" and "started on rank 1 at step 3" in f["message"]
+    assert "through all-reduce" in findings(tmp_path / "nan", 0)[0]["message"]
+
+
+def _overflowing_batch(rank, world, tmp, big_rank=None):
+    """bf16 autocast and a GradScaler (FACTS.md): one rank's batch of finite values near 3e38 at step 3. The
+    first Linear's output overflows bf16 (Inf): that Linear is where the non-finite values start, not the
+    model's input (finite, though its float32 sum is Inf); the scaler skips the step and the finding says so."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distdebug.config import NanOriginConfig
+
+    s = start_session(tmp, rank, detectors=[NanOrigin(NanOriginConfig(watch="full"))])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for step in range(1, 6):
+        x = torch.randn(6, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+        if rank == big_rank and step == 3:
+            x = x.sign() * 3e38  # finite float32 values; in bf16 (autocast) too
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ddp(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    s.close(0)
+    return bool(torch.isfinite(x).all())
+
+
+def test_a_finite_batch_near_the_maximum_is_not_the_origin_the_overflowing_module_is(tmp_path):
+    assert spawn_ranks(_overflowing_batch, 2, tmp=tmp_path / "clean") == [True, True]
+    assert findings(tmp_path / "clean", 0) == [] and findings(tmp_path / "clean", 1) == []
+    assert spawn_ranks(_overflowing_batch, 2, tmp=tmp_path / "big", big_rank=0) == [True, True]
+    f = findings(tmp_path / "big", 0)[0]
+    assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 3, [0], "0")
+    assert "first non-finite module output in forward order: 0" in f["message"]
+    assert "(input of" not in f["message"]
+    assert f["evidence"]["loss_scaler_skipped_step"] is True and "the loss scaler skipped this step" in f["message"]
+    assert findings(tmp_path / "big", 1) == []  # its forward was finite: the scaler skipping is not a NaN of its own
