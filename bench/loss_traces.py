@@ -1,10 +1,11 @@
-"""Loss and gradient-norm traces of two real training scripts over many seeds (issue 38: loss_spike judged on
+"""Loss and gradient-norm traces of real training scripts over many seeds (issue 38: loss_spike judged on
 what a spike is for a run's own history, proven both ways on real curves, not on a formula's).
 
     python bench/loss_traces.py                      # writes tests/data/loss_curves/traces.json
     python bench/loss_traces.py --seeds 20 --steps 60
+    python bench/loss_traces.py --scripts resnet_fast  # records that family only; the file keeps the others
 
-Two scripts of different kinds, each run in one process per seed (the rule is per rank: one rank's curve is
+Scripts of different kinds, each run in one process per seed (the rule is per rank: one rank's curve is
 what it judges), recording per optimizer step what loss_spike reads: the loss (the mean of the step's
 micro-batches) and the L2 norm of the gradients when the step's last backward ends, before clipping:
 
@@ -12,10 +13,17 @@ micro-batches) and the L2 norm of the gradients when the step's last backward en
   and lr 0.1 (the early bumps of such a script are what loss_spike must not call spikes);
 - gpt: recipes/gpt_ddp.py's model (4 blocks), AdamW, a warm-up then a cosine schedule, gradient
   accumulation 2, clipping at 1.0, on synthetic tokens with a learnable structure (a fixed random bigram
-  table), so the loss falls as a language model's does.
+  table), so the loss falls as a language model's does;
+- resnet_fast (issue 45): a fast learner, one rank's share of a ResNet-18/CIFAR-10 DDP run: the same residual
+  CNN on 32x32 CIFAR-like images (a smooth class pattern under pixel noise, learnable), AdamW with the
+  one-cycle schedule fast CIFAR training uses, a per-rank batch of 32 (256 over 8 ranks); 55 steps (its own
+  length, whatever --steps says): the loss falls from ~2.4 to ~0.02, halves within a few steps once the
+  learning rate is up, and one rank's batch drops it 2-3x below the level of the steps before (the level
+  lags a fall): fast learning, not a collapse.
 
 tests/unit/test_loss_spike.py runs the detector over every trace clean (no finding) and with spikes and
-collapses planted at every step it can judge (every one found, at its step).
+collapses planted at every step it can judge (every one found, at its step; resnet_fast's at steps 6-12, and
+a collapse to a thousandth at step 10 of its first 24). Recording resnet_fast alone takes ~25 s of one core.
 """
 
 from __future__ import annotations
@@ -92,7 +100,36 @@ def gpt(seed: int, steps: int, accum: int = 2) -> dict[str, list[float]]:
     return out
 
 
-SCRIPTS = {"resnet": resnet, "gpt": gpt}
+def resnet_fast(seed: int, steps: int) -> dict[str, list[float]]:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from resnet_train import Block
+
+    steps = 55  # the issue's run length: the one-cycle schedule's shape depends on it
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                          Block(16), Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=steps)
+    g = torch.Generator().manual_seed(3000 + seed)
+    # Ten classes, each a smooth colour pattern (4x4 upsampled to 32x32) under unit pixel noise.
+    patterns = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear", align_corners=False)
+    out: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+    for _ in range(steps):
+        y = torch.randint(10, (32,), generator=g)
+        x = patterns[y] + 0.5 * torch.randn(32, 3, 32, 32, generator=g)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        out["loss"].append(float(loss.detach()))
+        out["grad_norm"].append(_norm(list(model.parameters())))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+SCRIPTS = {"resnet": resnet, "gpt": gpt, "resnet_fast": resnet_fast}
 
 
 def main() -> None:
@@ -102,12 +139,18 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--scripts", nargs="+", choices=sorted(SCRIPTS), default=list(SCRIPTS),
+                   help="record these only; the other scripts' traces already in --out are kept")
     args = p.parse_args()
     torch.set_num_threads(1)
-    traces = {name: {str(seed): fn(seed, args.steps) for seed in range(args.seeds)} for name, fn in SCRIPTS.items()}
+    traces = json.loads(args.out.read_text()) if args.out.exists() else {}
+    traces.update({name: {str(seed): SCRIPTS[name](seed, args.steps) for seed in range(args.seeds)}
+                   for name in args.scripts})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(traces, separators=(",", ":")))
-    print(f"wrote {args.out}: {', '.join(f'{k} {len(v)} seeds' for k, v in traces.items())} x {args.steps} steps")
+    sizes = {name: f"{len(seeds)} seeds x {len(next(iter(seeds.values()))['loss'])} steps"
+             for name, seeds in traces.items()}
+    print(f"wrote {args.out}: {', '.join(f'{name} {size}' for name, size in sizes.items())}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ early training does not blunt it: the level is the median of the last LEVEL valu
 noise of the last ``window`` values measured on their step-to-step differences (MAD of the
 differences x 1.4826 / sqrt 2: a steady drop moves every difference alike and leaves it small),
 floored at 5% of the level so that a flat plateau does not make every wiggle a spike. A value is a
-spike when it exceeds level + threshold x scale; one-sided. The first MIN_HISTORY steps only fill
-the window, and a spike is not added to it. Consecutive spiking steps are one episode, reported
-at its first step; after LEVEL of them the values count as a new level.
+spike when it exceeds level + threshold x scale; one-sided. The loss is judged both ways, and a fall
+is a collapse only when it also goes below COLLAPSE of the lowest recent value (an order of magnitude,
+or to zero; fast learning is 2-3x). The first MIN_HISTORY steps only fill the window, and a spike is
+not added to it. Consecutive spiking steps are one episode, reported at its first step; after LEVEL of
+them the values count as a new level.
 
 The gradient norm is the L2 norm of this rank's own gradients when its backward ends, before the
 script's clipping: before their reduction under DDP's default (``gradient_as_bucket_view=False``, read
@@ -62,6 +64,15 @@ RULES: dict[str, dict[str, Any]] = {
     "grad_norm": {"rel_floor": GRAD_NORM_FLOOR, "min_history": MIN_HISTORY},
 }
 """Per signal: spike()'s relative floor and the history it needs."""
+COLLAPSE = 0.2
+"""A fall of the loss is a collapse only below this fraction of the lowest of the last LEVEL values, whatever
+its z (issue 45). A collapse (a broken batch, targets leaking the answer, a masked loss, a dead model) takes
+the loss down by an order of magnitude or to zero; fast learning takes one rank's loss 2-3x down in a step,
+and the median level, lagging a fall by two steps, reads that as far below it while the steady fall's
+step-to-step differences leave the noise small (a ResNet with AdamW on 32-image batches: 1/1.8 of the level at
+z -9). The lowest recent value does not lag: on the recorded clean curves no value went below 1/3.2 of it
+(bench/loss_traces.py's resnet_fast; the TP and pipeline recipes' noisy losses 1/2.2), a fifth leaves room
+beyond that and finds a x0.1 collapse of any value up to twice the recent low."""
 EARLY_HISTORY = 5
 EARLY_FLOOR = 0.1
 """The early rule (steps EARLY_HISTORY + 1 .. MIN_HISTORY, the loss only): the smallest noise scale, in log
@@ -72,8 +83,9 @@ prediction: below 0.45x or above 2.2x of it."""
 def spike(history: list[float], value: float, threshold: float, both: bool = False, rel_floor: float = REL_FLOOR,
           min_history: int = MIN_HISTORY) -> tuple[bool, float, float]:
     """(is value a spike against history, the level it is measured from, robust z). ``both``: a value
-    as far below the level counts too (a loss that collapses). ``rel_floor``: the smallest noise scale, a
-    fraction of the level; ``min_history``: values needed before any is judged."""
+    as far below the level counts too (a loss that collapses) when it is also below COLLAPSE of the lowest of
+    the last LEVEL values (of a history that stayed positive: otherwise the z alone). ``rel_floor``: the
+    smallest noise scale, a fraction of the level; ``min_history``: values needed before any is judged."""
     if len(history) < min_history or not math.isfinite(value):
         return False, float("nan"), 0.0
     level = statistics.median(history[-LEVEL:])
@@ -87,7 +99,16 @@ def spike(history: list[float], value: float, threshold: float, both: bool = Fal
     noise = 1.4826 * statistics.median(abs(d - center) for d in diffs) / math.sqrt(2)
     scale = max(noise, floor)
     z = (value - level) / scale
+    if z < 0 and both and not _collapsed(history, value):
+        return False, level, z
     return (abs(z) if both else z) > threshold, level, z
+
+
+def _collapsed(history: list[float], value: float) -> bool:
+    """Whether a fall to ``value`` is deep enough to be a collapse: below COLLAPSE of the lowest of the last LEVEL
+    values. A history that went to zero or below has no scale for a ratio: the noise alone decides there."""
+    low = min(history[-LEVEL:])
+    return low <= 0 or value <= COLLAPSE * low
 
 
 def early_spike(history: list[float], value: float, threshold: float) -> tuple[bool, float, float]:
@@ -105,8 +126,9 @@ def early_spike(history: list[float], value: float, threshold: float) -> tuple[b
 
     Each against the widest of its values' spread around it (MAD), its slope (a steep fall earns as much
     room), EARLY_FLOOR and, for tails a few values cannot show, twice its largest departure so far. A value
-    at or below zero after positive values is a collapse (a sign flipped); a history that is not all
-    positive is left to the main rule."""
+    at or below zero after positive values is a collapse (a sign flipped), and a fall counts only below COLLAPSE
+    of the lowest of the last LEVEL values, as in the main rule; a history that is not all positive is left to
+    the main rule."""
     if not EARLY_HISTORY <= len(history) < MIN_HISTORY or not math.isfinite(value) or min(history) <= 0:
         return False, float("nan"), 0.0
     logs = [math.log(v) for v in history]
@@ -129,7 +151,7 @@ def early_spike(history: list[float], value: float, threshold: float) -> tuple[b
         z = (value - level) / (EARLY_FLOOR * level) if value <= 0 else (math.log(value) - predicted) / scale
         judged.append((abs(z) > threshold, level, z))
     (hit_a, level_a, z_a), (hit_b, level_b, z_b) = judged
-    hit = hit_a and hit_b and (z_a > 0) == (z_b > 0)
+    hit = hit_a and hit_b and (z_a > 0) == (z_b > 0) and (z_a > 0 or _collapsed(history, value))
     return (hit, level_a, z_a) if abs(z_a) <= abs(z_b) else (hit, level_b, z_b)
 
 
