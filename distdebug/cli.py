@@ -66,9 +66,30 @@ def main() -> None:
     """distdebug: which rank, which step, which tensor broke your distributed training, and what to do."""
 
 
+def _refuse(ctx: click.Context, param: click.Parameter, value: object) -> None:
+    if value:
+        raise UserError(f"{param.opts[0]}: {param.help}", 2)
+
+
+def _torchrun_options(f):  # type: ignore[no-untyped-def]
+    """torchrun's options that attach does not handle itself (launch.torchrun_options): passed to torch's
+    launcher as typed, accepted as what attach does anyway, or refused in one line (hidden from --help)."""
+    from distdebug.launch.torchrun_options import OPTIONS, PASS, REFUSE
+
+    for opt in reversed(OPTIONS):  # click lists options in the order they are declared
+        kind = click.Choice(opt.choices) if opt.choices else click.types.convert_type(opt.type)
+        f = click.option(
+            *opt.names, opt.param, envvar=opt.envvar, help=opt.help, hidden=opt.use == REFUSE,
+            expose_value=opt.use == PASS, callback=_refuse if opt.use == REFUSE else None,
+            **({"is_flag": True, "default": False} if opt.flag else {"type": kind, "default": None}),
+        )(f)
+    return f
+
+
 @main.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False})
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None, envvar="PET_NPROC_PER_NODE",
-              help="Ranks on this node: a number, or gpu/cpu/auto. Default: one per GPU, else 2.")
+              help="Ranks on this node: a number, or gpu/cpu/auto/xpu. Default: one per GPU, else 2 -- not "
+                   "torchrun's 1: the cross-rank checks need two ranks; give 1 for one rank.")
 @click.option("--nnodes", default="1", show_default=True, envvar="PET_NNODES",
               help="Nodes: N or MIN:MAX (elastic).")
 @click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
@@ -89,7 +110,8 @@ def main() -> None:
               help="Static rendezvous address.")
 @click.option("--master-port", "--master_port", "master_port", type=int, default=None, envvar="PET_MASTER_PORT",
               help="Static rendezvous port.")
-@click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run like python -m.")
+@click.option("-m", "--module", is_flag=True, envvar="PET_MODULE", help="SCRIPT is a module name, run like python -m.")
+@_torchrun_options
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where this run's records go. Default: a new directory under ./distdebug-runs/.")
 @click.option("--stall-timeout", type=float, default=option_default(AttachConfig, "stall_timeout"), show_default=True,
@@ -160,13 +182,17 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
            module: bool, inject: tuple[str, ...], detector_option: tuple[str, ...], **launcher: object) -> int:
     """Run SCRIPT on every rank under torch's elastic launcher, instrumented; no code changes.
 
-    Options are torchrun's. Everything after SCRIPT goes to the script. The exit code is the
-    training's exit code.
+    Every torchrun option is accepted with torchrun's meaning (and its PET_* variable), but for
+    --no-python (refused: SCRIPT must run in Python to be instrumented) and the --nproc-per-node
+    default. Everything after SCRIPT goes to the script. The exit code is the training's exit code.
     """
     from distdebug import envvars
     from distdebug.config import SHORTHANDS
+    from distdebug.launch import torchrun_options as passed
     from distdebug.launch.attach import attach as run_attach
 
+    torchrun_args = passed.argv({k[len(passed.PREFIX):]: launcher.pop(k) for k in list(launcher)
+                                 if k.startswith(passed.PREFIX)})
     block, measure = launcher.pop("overhead_block"), launcher.pop("measure_overhead")
     assert isinstance(block, int)  # click typed it
     if measure and block < 2:
@@ -181,7 +207,7 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
         target=script, target_args=list(script_args), module=module, run_dir=run_dir,
         detectors=envvars.decode_list(detectors) if detectors is not None else None,
         inject=_resolve_faults(inject), shorthand_options=options,
-        detector_options=_detector_options(detector_option),
+        detector_options=_detector_options(detector_option), torchrun_args=torchrun_args,
         **launcher,  # type: ignore[arg-type]
     )
     result = run_attach(cfg, argv=["distdebug", *sys.argv[1:]])
@@ -207,7 +233,7 @@ def _detector_options(items: tuple[str, ...]) -> dict[str, dict[str, object]]:
 def _resolve_faults(specs: tuple[str, ...]) -> list[dict]:
     if not specs:
         return []
-    from fault_injection.registry import resolve
+    from distdebug.fault_injection.registry import resolve
 
     return [resolve(s) for s in specs]
 
@@ -443,7 +469,7 @@ def faults_list() -> int:
     """The fault catalogue: what each fault does, its parameters, the detector that must catch it."""
     from rich.console import Console
 
-    from fault_injection.console import catalogue
+    from distdebug.fault_injection.console import catalogue
 
     out = Console()
     catalogue(out if out.is_terminal else Console(width=160))
@@ -496,10 +522,10 @@ def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], ove
 
     from distdebug.artifacts.runs import new_run_dir
     from distdebug.errors import UserError
-    from fault_injection.base import parse_spec
-    from fault_injection.console import matrix, summary
-    from fault_injection.matrix import ENGINES, junit_xml, plan, replay, replay_script
-    from fault_injection.registry import FAULTS
+    from distdebug.fault_injection.base import parse_spec
+    from distdebug.fault_injection.console import matrix, summary
+    from distdebug.fault_injection.matrix import ENGINES, junit_xml, plan, replay, replay_script
+    from distdebug.fault_injection.registry import FAULTS
 
     for f in (*fault_names, *skip_names):
         if f not in FAULTS:

@@ -40,7 +40,8 @@ class AttachConfig:
     module: bool = False
     """Run ``target`` as a module (``-m``), like ``python -m``."""
     nproc_per_node: str | None = None
-    """Ranks on this node: a number, or gpu/cpu/auto. None: one per GPU with CUDA, else 2."""
+    """Ranks on this node: a number, or gpu/cpu/auto/xpu. None: one per GPU with CUDA, else 2 (torchrun's
+    default is 1; a debugger of cross-rank faults needs two ranks to compare)."""
     nnodes: str = "1"
     """Number of nodes, ``N`` or elastic ``MIN:MAX``."""
     node_rank: int = 0
@@ -54,6 +55,9 @@ class AttachConfig:
     max_restarts: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    torchrun_args: list[str] = field(default_factory=list)
+    """torchrun's other options as typed, handed to torch's launcher unchanged (launch.torchrun_options),
+    e.g. ``["--log-dir", "logs", "--tee", "3"]``."""
     run_dir: Path | None = None
     """None: a new directory under ./distdebug-runs/."""
     detectors: list[str] | None = None

@@ -4,7 +4,7 @@ the findings it must cause; and the spec grammar of ``distdebug attach --inject`
 Why faults are detectors to the runtime: a fault needs exactly what a detector gets (a hook before
 the script runs, the discovered models and optimizers, every step boundary) and nothing more, so
 ``distdebug.detectors.base.Detector`` is the interface. It reaches the ranks by import path
-(``fault_injection.nan_grad:NanGrad``), so distdebug itself never imports this package. Faults run
+(``distdebug.fault_injection.nan_grad:NanGrad``), so distdebug's library never imports this package. Faults run
 before the detectors in each rank (their hooks come first), and each writes an ``injected`` record
 when it acts: rank, step and what it hit (the parameter, the module, the file), which is what
 the replay checks the findings' localisation against.
@@ -33,7 +33,7 @@ from distdebug.detectors.base import Detector
 from distdebug.errors import UserError
 
 if TYPE_CHECKING:
-    from fault_injection.probe import Facts
+    from .probe import Facts
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
-from fault_injection.base import Expect, Fault, Param
+
+from .base import Expect, Fault, Param
 
 if TYPE_CHECKING:
-    from fault_injection.probe import Facts
+    from .probe import Facts
 
 
 class CheckpointCorruption(Fault):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fault_injection.matrix import Cell
-from fault_injection.registry import FAULTS
+from .matrix import Cell
+from .registry import FAULTS
 
 STYLE = {"caught-localised": "green", "clean": "green", "caught": "yellow", "miss": "red", "false-alarm": "red",
          "error": "red", "not-applicable": "dim"}

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.config import EXIT_NEVER_ACTED
-from fault_injection.base import Expect, Fault
-from fault_injection.registry import FAULTS
+
+from .base import Expect, Fault
+from .registry import FAULTS
 
 REPLAY_TIMEOUT_S = 300.0
 
@@ -63,7 +64,7 @@ def _script(name: str) -> Path:
         import distdebug.doctor
 
         return Path(distdebug.doctor.__file__).resolve().parent / name.split(":", 1)[1]
-    import recipes
+    import distdebug.recipes as recipes
 
     return Path(recipes.__file__).resolve().parent / name
 
@@ -172,9 +173,13 @@ def _built(detector: str) -> bool:
 
 
 def _cli() -> list[str]:
-    """This checkout's CLI (the cli.py beside this package), else the installed one, with this Python."""
-    here = Path(__file__).resolve().parents[1] / "cli.py"
-    return [sys.executable, str(here)] if here.is_file() else [sys.executable, "-m", "distdebug"]
+    """This checkout's CLI (the root cli.py beside this folder and distdebug/), else the installed one, with
+    this Python. Installed, the folder above this package is distdebug itself: its cli.py is the click
+    module, not an entry to run as a script."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "cli.py").is_file() and (root / "distdebug" / "__init__.py").is_file():
+        return [sys.executable, str(root / "cli.py")]
+    return [sys.executable, "-m", "distdebug"]
 
 
 def _steps(fault: Fault | None) -> int:
@@ -325,7 +330,8 @@ def replay_script(script: list[str], faults: list[str], work: Path, nproc: int =
     of steps, its target from the model; ``overrides``: the user's parameters per fault, which win);
     the others are not-applicable cells with the reason. ``on_plan`` gets the number of runs to come."""
     from distdebug.artifacts.reader import load_run
-    from fault_injection.probe import Facts
+
+    from .probe import Facts
 
     clean = run_cell(None, "script", work, nproc, script=script, timeout=timeout, probe=True, standalone=jobs > 1)
     if on_cell is not None:

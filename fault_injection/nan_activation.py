@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from distdebug.context import RankContext
-from fault_injection._targets import first_float, module, with_nan
-from fault_injection.base import MODULE, RANK, STEP, Expect, Fault
+
+from ._targets import first_float, module, with_nan
+from .base import MODULE, RANK, STEP, Expect, Fault
 
 if TYPE_CHECKING:
-    from fault_injection.probe import Facts
+    from .probe import Facts
 
 
 class NanActivation(Fault):

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
-from fault_injection._targets import parameter
-from fault_injection.base import RANK, STEP, Expect, Fault, Param
+
+from ._targets import parameter
+from .base import RANK, STEP, Expect, Fault, Param
 
 if TYPE_CHECKING:
-    from fault_injection.probe import Facts
+    from .probe import Facts
 
 
 class NanGrad(Fault):

@@ -5,7 +5,7 @@ data; it is not a passing fault of the machine."""
 
 from __future__ import annotations
 
-from fault_injection.transient_compute import TransientCompute
+from .transient_compute import TransientCompute
 
 
 class PersistentCompute(TransientCompute):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distdebug.context import RankContext
-from fault_injection.base import Fault
+
+from .base import Fault
 
 
 class Probe(Fault):
@@ -95,7 +96,7 @@ class Probe(Fault):
 
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
-        from fault_injection import _targets
+        from . import _targets
 
         param = _targets.parameter(ctx, "")
         module = _targets.module(ctx, "")

@@ -5,24 +5,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fault_injection.bad_env import BadEnv
-from fault_injection.base import Fault, parse_spec
-from fault_injection.bitflip_param import BitflipParam
-from fault_injection.checkpoint_corruption import CheckpointCorruption
-from fault_injection.duplicate_data import DuplicateData
-from fault_injection.hang import Hang
-from fault_injection.loss_spike import LossSpike
-from fault_injection.nan_activation import NanActivation
-from fault_injection.nan_grad import NanGrad
-from fault_injection.persistent_compute import PersistentCompute
-from fault_injection.probe import Probe
-from fault_injection.seed_mismatch import SeedMismatch
-from fault_injection.skip_step import SkipStep
-from fault_injection.slow_dataloader import SlowDataloader
-from fault_injection.slow_link import SlowLink
-from fault_injection.straggler import Straggler
-from fault_injection.transient_compute import TransientCompute
-from fault_injection.unsynced_bn import UnsyncedBn
+from .bad_env import BadEnv
+from .base import Fault, parse_spec
+from .bitflip_param import BitflipParam
+from .checkpoint_corruption import CheckpointCorruption
+from .duplicate_data import DuplicateData
+from .hang import Hang
+from .loss_spike import LossSpike
+from .nan_activation import NanActivation
+from .nan_grad import NanGrad
+from .persistent_compute import PersistentCompute
+from .probe import Probe
+from .seed_mismatch import SeedMismatch
+from .skip_step import SkipStep
+from .slow_dataloader import SlowDataloader
+from .slow_link import SlowLink
+from .straggler import Straggler
+from .transient_compute import TransientCompute
+from .unsynced_bn import UnsyncedBn
 
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
     NanGrad, NanActivation, BitflipParam, SkipStep, UnsyncedBn, BadEnv, Hang, Straggler, SlowDataloader,

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
-from fault_injection.base import FACTOR, RANK, Expect, Param, SlowRank
+
+from .base import FACTOR, RANK, Expect, Param, SlowRank
 
 if TYPE_CHECKING:
-    from fault_injection.probe import Facts
+    from .probe import Facts
 
 
 class SlowDataloader(SlowRank):

@@ -10,10 +10,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
-from fault_injection.base import Expect, Fault, Param
+
+from .base import Expect, Fault, Param
 
 if TYPE_CHECKING:
-    from fault_injection.probe import Facts
+    from .probe import Facts
 
 
 class SlowLink(Fault):

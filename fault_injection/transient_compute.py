@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fault_injection.base import Expect
-from fault_injection.nan_activation import NanActivation
+from .base import Expect
+from .nan_activation import NanActivation
 
 if TYPE_CHECKING:
-    from fault_injection.probe import Facts
+    from .probe import Facts
 
 
 class TransientCompute(NanActivation):

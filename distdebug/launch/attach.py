@@ -66,6 +66,7 @@ def torchrun_argv(cfg: AttachConfig, nproc_per_node: str) -> list[str]:
         argv += ["--master-addr", cfg.master_addr]
     if cfg.master_port is not None:
         argv += ["--master-port", str(cfg.master_port)]
+    argv += cfg.torchrun_args
     target = cfg.target if cfg.module else str(Path(cfg.target).resolve())
     argv += ["-m", BOOTSTRAP_MODULE, target, *cfg.target_args]
     return argv
@@ -91,7 +92,7 @@ def _launcher_info(cfg: AttachConfig, nproc: str) -> dict[str, Any]:
         "nproc_per_node": nproc, "nnodes": cfg.nnodes, "node_rank": cfg.node_rank,
         "rdzv_backend": cfg.rdzv_backend, "rdzv_endpoint": cfg.rdzv_endpoint, "rdzv_id": cfg.rdzv_id,
         "standalone": cfg.standalone, "max_restarts": cfg.max_restarts,
-        "master_addr": cfg.master_addr, "master_port": cfg.master_port,
+        "master_addr": cfg.master_addr, "master_port": cfg.master_port, "torchrun_args": cfg.torchrun_args,
     }
 
 
@@ -111,12 +112,20 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
     if cfg.flight_recorder_entries > 0:
         # PyTorch's Flight Recorder: read when each process group is created; records gloo and nccl.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))
-    try:
-        metadata.version("distdebug")
-    except metadata.PackageNotFoundError:
+    root = Path(__file__).resolve().parents[2]
+    if not _installed(root):
         # Running from a source tree that is not installed: workers must still import the bootstrap.
-        root = str(Path(__file__).resolve().parents[2])
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+
+
+def _installed(root: Path) -> bool:
+    """Whether this interpreter finds distdebug without help (a wheel, or an editable install's finder in
+    site-packages), as the workers will. In a checkout, its own distdebug.egg-info (left by an editable
+    install into another environment) is seen only because cli.py put the checkout on this process's
+    path: that is not an install."""
+    checkout = (root / "pyproject.toml").is_file() and (root / "fault_injection").is_dir()
+    return any(not (checkout and Path(str(d.locate_file(""))).resolve() == root)
+               for d in metadata.distributions(name="distdebug"))
 
 
 def _quiet_torch_launcher(level: str) -> None:
@@ -143,12 +152,21 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     # Refused before any run directory is made: bad input leaves no empty run for `latest` to point at.
     nproc = cfg.nproc_per_node or _default_nproc()
     _check_nproc(nproc)
+    import torch.distributed.run as torchrun
+
+    _quiet_torch_launcher(cfg.launcher_log_level)
+    args = torchrun.parse_args(torchrun_argv(cfg, nproc))
+    try:
+        # torch's own checks of its options (the grammar of -t/-r, --local-ranks-filter, --rdzv-conf, a
+        # --logs-specs entry point), made by the code that will use them, before any run directory is made
+        torchrun.config_from_args(args)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        raise UserError(f"the launcher refused its options: {e}", 2) from None
     label = Path(cfg.target).stem if not cfg.module else cfg.target.rsplit(".", 1)[-1]
     run_dir = runs.prepare_run_dir(cfg.run_dir if cfg.run_dir is not None else runs.new_run_dir(label))
     if cfg.run_dir is None:
         runs.mark_latest(run_dir)
 
-    import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -170,8 +188,6 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     write_json_atomic(node_file, node_info)
 
     _worker_env(cfg, run_dir, detectors)
-    _quiet_torch_launcher(cfg.launcher_log_level)
-    args = torchrun.parse_args(torchrun_argv(cfg, nproc))
     supervisor = supervisor_mod.Supervisor(
         run_dir, stall_timeout=cfg.stall_timeout, on_hang=cfg.on_hang, node_rank=cfg.node_rank,
         expected_nodes=parse_nnodes(cfg.nnodes)[0], on_stall=cfg.on_stall,

@@ -188,8 +188,8 @@ def _session_loop(rank, world, tmp, inject):
     from distdebug.detectors.loss_spike import LossSpike
     from distdebug.detectors.nan_origin import NanOrigin
     from distdebug.detectors.rerun import Rerun
-    from fault_injection.persistent_compute import PersistentCompute
-    from fault_injection.transient_compute import TransientCompute
+    from distdebug.fault_injection.persistent_compute import PersistentCompute
+    from distdebug.fault_injection.transient_compute import TransientCompute
 
     faults = {"transient": [TransientCompute(rank=1, step=4)], "persistent": [PersistentCompute(rank=1, step=4)],
               "clean": [], "bare": []}[inject]
@@ -240,7 +240,7 @@ def _three_ranks(rank, world, tmp, fault):
     import torch.distributed as dist
 
     from distdebug.detectors.rerun import Rerun
-    from fault_injection.bitflip_param import BitflipParam
+    from distdebug.fault_injection.bitflip_param import BitflipParam
 
     faults = [BitflipParam(rank=2, step=4, param="2.weight")] if fault == "flip" else []
     s = start_session(tmp, rank, detectors=[*faults, Rerun()])

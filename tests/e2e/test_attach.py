@@ -215,7 +215,7 @@ def test_a_plugin_detector_takes_its_options_on_the_command_line(tmp_path):
 
 def test_module_mode_and_secret_redaction(tmp_path):
     env = make_env(HF_TOKEN="hunter2-secret", MY_PASSWORD="pw-secret-value")
-    r = distdebug("attach", "--run-dir", str(tmp_path), "-m", "recipes.ddp_convnet", "--steps", "2", env=env)
+    r = distdebug("attach", "--run-dir", str(tmp_path), "-m", "distdebug.recipes.ddp_convnet", "--steps", "2", env=env)
     assert r.returncode == 0, r.output
     assert len(kinds(tmp_path, 0, "step")) == 2
     manifest = json.loads((tmp_path / "manifest.json").read_text())

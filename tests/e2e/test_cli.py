@@ -43,6 +43,8 @@ def test_python_dash_m_distdebug_is_the_same_command():
         (["attach", "--nproc-per-node", "0", "cli.py"], "--nproc-per-node must be a positive number"),
         (["attach", "--nproc-per-node", "gpu", "cli.py"], "no CUDA GPU on this machine"),
         (["attach", "--nnodes", "2", "cli.py"], "needs a meeting point"),
+        (["attach", "--no-python", "cli.py"], "--no-python: distdebug instruments SCRIPT inside each rank's Python"),
+        (["attach", "--local-ranks-filter", "a", "cli.py"], "the launcher refused its options: --local_ranks_filter"),
         (["attach", "--detectors", "nope", "cli.py"], "unknown detector 'nope'"),
         (["attach", "--run-dir", "cli.py/run", "cli.py"], "cannot write the run directory"),
         (["report", "no-such-run"], "no run directory 'no-such-run'"),

@@ -17,8 +17,8 @@ import pytest
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
 from distdebug.config import EXIT_NEVER_ACTED
-from fault_injection.matrix import ENGINES, plan
-from fault_injection.registry import FAULTS
+from distdebug.fault_injection.matrix import ENGINES, plan
+from distdebug.fault_injection.registry import FAULTS
 from tests.e2e.test_layouts import LAYOUT_RECIPES
 from tests.helpers import DATA, RECIPES, distdebug, incidents_of
 
@@ -38,7 +38,8 @@ def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
     origin = [f for f in records(tmp_path, 1, "finding") if f["detector"] == "nan_origin"][0]
     assert (origin["ranks"], origin["step"], origin["subject"]) == ([1], 4, "4.weight")
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["faults"] == [{"target": "fault_injection.nan_grad:NanGrad", "params": {"rank": 1, "step": 4}}]
+    assert manifest["faults"] == [{"target": "distdebug.fault_injection.nan_grad:NanGrad",
+                                   "params": {"rank": 1, "step": 4}}]
     text = distdebug("report", str(tmp_path)).stdout
     assert "fault injected on purpose: nan_grad on rank 1 at step 4 (param 4.weight)" in text
     assert "never acted" not in text

@@ -195,3 +195,35 @@ def test_the_private_member_check_sees_a_reach():
     src = "import os\ndef f(s):\n    s._emit(1)\n    self._ok = 1\n    os._exit(0)\n"
     defined, used = _private_names(ast.parse(src))
     assert used == [(3, "_emit")] and "_ok" in defined
+
+
+def _top_level_imports(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines importing one of ``names`` as a top-level package (absolute imports only)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            hit = any(a.name.partition(".")[0] in names for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            hit = node.level == 0 and (node.module or "").partition(".")[0] in names
+        else:
+            continue
+        if hit:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_fault_injection_and_recipes_are_imported_under_one_name():
+    """distdebug.fault_injection and distdebug.recipes, never the checkout's top-level folder names (issue 45,
+    item 7): installed, only distdebug exists; in a checkout both names would load, and a fault class loaded
+    twice is two classes (a second registry, isinstance failing against itself). Everywhere for
+    fault_injection, tests included; the library and CLI for recipes (the recipes and the test scripts that
+    borrow their _common are scripts, importing by path as a user's script would)."""
+    assert _top_level_imports(ast.parse("import fault_injection.x\nfrom recipes import y\nfrom . import z"),
+                              {"fault_injection", "recipes"}) == [1, 2]
+    offenders = []
+    product = [*PKG.rglob("*.py"), *(ROOT / "fault_injection").glob("*.py"), ROOT / "cli.py"]
+    everywhere = [*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")]
+    for path in product + everywhere:
+        names = {"fault_injection", "recipes"} if path in product else {"fault_injection"}
+        offenders += [f"{path.relative_to(ROOT)}:{n}" for n in _top_level_imports(ast.parse(path.read_text()), names)]
+    assert offenders == []

@@ -7,11 +7,11 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from distdebug.errors import UserError
-from fault_injection.base import parse_spec
-from fault_injection.console import summary
-from fault_injection.matrix import ENGINES, Cell, judge, junit_xml, plan
-from fault_injection.probe import Facts
-from fault_injection.registry import FAULTS, resolve
+from distdebug.fault_injection.base import parse_spec
+from distdebug.fault_injection.console import summary
+from distdebug.fault_injection.matrix import ENGINES, Cell, judge, junit_xml, plan
+from distdebug.fault_injection.probe import Facts
+from distdebug.fault_injection.registry import FAULTS, resolve
 
 CATALOGUE = {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "unsynced_bn", "bad_env", "hang",
              "straggler", "slow_dataloader", "loss_spike", "duplicate_data", "seed_mismatch",
@@ -23,7 +23,7 @@ def test_catalogue_is_complete_and_each_fault_declares_its_catcher_and_engines()
     for name, cls in FAULTS.items():
         assert cls.name == name and cls.catcher and cls.description
         assert cls.engines and set(cls.engines) <= set(ENGINES), name
-        assert cls.__module__ == f"fault_injection.{name}"  # one module per fault
+        assert cls.__module__ == f"distdebug.fault_injection.{name}"  # one module per fault
 
 
 def test_spec_grammar_types_values_and_defaults():
@@ -33,7 +33,7 @@ def test_spec_grammar_types_values_and_defaults():
     assert parse_spec("straggler:delay=0.5", FAULTS)[1] == {"delay": 0.5}
     fault = FAULTS["bitflip_param"](**parse_spec("bitflip_param:bit=3", FAULTS)[1])
     assert (fault.rank, fault.step, fault.bit) == (1, 3, 3)
-    assert resolve("hang:rank=0") == {"target": "fault_injection.hang:Hang", "params": {"rank": 0}}
+    assert resolve("hang:rank=0") == {"target": "distdebug.fault_injection.hang:Hang", "params": {"rank": 0}}
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -85,7 +85,7 @@ def test_exit_codes_judged_after_the_findings():
     """attach's never-acted code (issue 22) keeps the never-acted reason; a fault that broke the training is
     the fault injection's error; a clean run or a catch with an unexpected code is an error with the code."""
     from distdebug.config import EXIT_NEVER_ACTED
-    from fault_injection.matrix import judge_exit
+    from distdebug.fault_injection.matrix import judge_exit
 
     never = judge_exit(FAULTS["nan_grad"](), EXIT_NEVER_ACTED, False, _judge("nan_grad", [], []))
     assert never.status == "error" and never.reason.startswith("the fault was scheduled but never acted")
@@ -200,7 +200,7 @@ def test_loss_spike_scales_the_loss_a_model_returns_in_any_shape():
 
     import torch
 
-    from fault_injection.loss_spike import LossSpike
+    from distdebug.fault_injection.loss_spike import LossSpike
 
     class ModelOutput(collections.OrderedDict):  # transformers.utils.ModelOutput's behaviour, in short
         def __setitem__(self, key, value):
@@ -352,7 +352,7 @@ def test_a_slow_ranks_sleep_follows_its_own_step_time_not_a_fixed_delay():
     the timing faults sleep once per step, `delay` or as long as the rank's own time per step (median of its
     recent steps less what it slept), whichever is longer, at most CAP. Step 1's start-up is left out."""
     from distdebug.context import StepEvent
-    from fault_injection.base import Pace
+    from distdebug.fault_injection.base import Pace
 
     def ended(pace: Pace, step: int, seconds: float) -> None:
         pace.step_ended(StepEvent(rank=1, step=step, loss=None, step_time_s=seconds, backward_calls=1, collectives=1))

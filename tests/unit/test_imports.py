@@ -43,12 +43,13 @@ def runtime_closure() -> set[str]:
 
 
 def modules() -> list[str]:
+    """Every module by the name it is imported under: fault_injection/ is distdebug.fault_injection."""
     names = ["cli"]
-    for pkg in ("distdebug", "fault_injection"):
+    for pkg, name in (("distdebug", "distdebug"), ("fault_injection", "distdebug.fault_injection")):
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            rel = path.relative_to(ROOT).with_suffix("")
+            rel = path.relative_to(ROOT / pkg).with_suffix("")
             parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
-            names.append(".".join(parts))
+            names.append(".".join([name, *parts]))
     return names
 
 
@@ -109,3 +110,14 @@ def test_the_console_script_points_into_the_package_and_no_top_level_cli_is_inst
     # The root cli.py stays a thin entry: it defines nothing of its own.
     root = (ROOT / "cli.py").read_text()
     assert "from distdebug.cli import main" in root and "import click" not in root
+
+
+def test_the_wheel_lists_every_package_folder_and_installs_one_top_level_name():
+    # pyproject lists the packages (find cannot map fault_injection/ and recipes/ into distdebug): a new
+    # folder of distdebug's must be listed, or the wheel would ship without it (issue 45, item 7).
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "distdebug").rglob("__init__.py")}
+    mapped = setuptools["package-dir"]
+    assert mapped == {"distdebug.fault_injection": "fault_injection", "distdebug.recipes": "recipes"}
+    assert set(setuptools["packages"]) == folders | set(mapped)
+    assert {name.partition(".")[0] for name in setuptools["packages"]} == {"distdebug"}
