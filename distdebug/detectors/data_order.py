@@ -9,16 +9,16 @@ the same batch but compute different losses.
   sharding) is missing: each rank repeats the others' work. When that is meant (a first
   debugging stage: two ranks, the same data, losses must agree), the losses are compared: the same batch
   with losses apart by more than 1e-5 (relative) means the replicas differ.
-- ``DistributedSampler(shuffle=True)`` iterated again for a new epoch without ``set_epoch`` having
-  changed its epoch repeats the previous order exactly: found from the sampler itself (its
-  ``__iter__`` is watched from the script's first line), with the file and line of the loop.
+- ``DistributedSampler(shuffle=True)`` trained on again with an epoch already trained on repeats that
+  epoch's order exactly (``set_epoch`` not called): found from the sampler itself (its ``__iter__`` is
+  watched from the script's first line, ``SamplerPasses``), with the file and line of the loop.
 """
 
 from __future__ import annotations
 
 import math
-import traceback
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows_to_read
+from distdebug.runtime.callsite import user_site
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
@@ -34,7 +35,105 @@ from distdebug.runtime.layout import partition
 
 MIN_STEPS = 3
 LOSS_RTOL = 1e-5
+LIVE_PASSES = 16
+"""Unfinished passes kept for judging, at most (epochs cut short never finish: the oldest are let go)."""
 
+
+class Pass:
+    """One iteration of a DistributedSampler: ``iter(sampler)``, as the DataLoader's iterator starts it."""
+
+    __slots__ = ("done", "epoch", "key", "shuffle", "step", "tick", "where")
+
+    def __init__(self, key: tuple[Any, ...], epoch: int, shuffle: bool, where: str) -> None:
+        self.key, self.epoch, self.shuffle, self.where = key, epoch, shuffle, where
+        self.tick = 0  # SamplerPasses.tick at its latest index
+        self.done = False  # ran to its end
+        self.step: int | None = None  # the first step it was trained on
+
+
+class SamplerPasses:
+    """Which passes over a DistributedSampler were trained on, and which of them repeat an epoch.
+
+    Passes are judged at step boundaries, not when they start: ``next(iter(loader))`` (a peek at a
+    batch's size, before or after ``set_epoch``) starts a pass that no training step ever follows, so
+    it is no epoch. At a boundary, the pass of each order (``key``) that yielded the latest index since
+    the previous boundary is the one the step trained on, if it is still open (a validation loop runs its
+    pass to the end between two steps) or gave the very last index before the step (an epoch that the
+    DataLoader's workers drained in advance). A pass abandoned on purpose (``max_steps``) counts for
+    the steps it fed. Bookkeeping is an integer per index; nothing touches a tensor.
+
+    The order a DistributedSampler yields is a function of the dataset, its seed, its epoch and the
+    rank's share: ``key`` holds those but the epoch, so a sampler built anew every epoch with the same
+    seed and no ``set_epoch`` is seen repeating its order too.
+    """
+
+    def __init__(self) -> None:
+        self.tick = 0  # one per index any watched sampler yielded
+        self.judged = 0  # ``tick`` at the previous boundary
+        self.live: list[Pass] = []
+        self.trained: dict[tuple[Any, ...], dict[int, Pass]] = {}  # key -> epoch -> latest pass trained on
+        self.pending: list[tuple[Pass, Pass]] = []  # (pass, earlier pass of its epoch): told or not at the next move
+
+    def start(self, sampler: Any, where: str) -> Pass:
+        key = (id(getattr(sampler, "dataset", None)), getattr(sampler, "total_size", None),
+               getattr(sampler, "seed", None), getattr(sampler, "num_replicas", None), getattr(sampler, "rank", None))
+        p = Pass(key, int(getattr(sampler, "epoch", 0)), bool(getattr(sampler, "shuffle", False)), where)
+        self.live = [*self.live[-(LIVE_PASSES - 1):], p]
+        return p
+
+    def counted(self, it: Iterator[int], p: Pass) -> Iterator[int]:
+        """The sampler's indices as they are, each stamped with the clock."""
+        for index in it:
+            self.tick += 1
+            p.tick = self.tick
+            yield index
+        p.done = True
+
+    def boundary(self, step: int) -> list[tuple[Pass, Pass]]:
+        """A training step ended: the passes it trained on are marked. Returns (pass, earlier pass) for each
+        pass now known to repeat the epoch of an earlier pass with the same order.
+
+        A repeat is known one boundary later, when the same order moves again: if the earlier pass
+        yielded after the new one by then, the new one was a look taken inside the earlier one's loop
+        (``next(iter(loader))`` mid-epoch), not a new epoch."""
+        since, self.judged = self.judged, self.tick
+        moved = [p for p in self.live if p.tick > since]
+        if not moved:
+            return []
+        keys = {p.key for p in moved}
+        known, waiting = [], []
+        for p, before in self.pending:
+            if p.key not in keys:
+                waiting.append((p, before))
+            elif before.tick < p.tick:
+                known.append((p, before))
+            else:  # a look inside the earlier pass's loop: that pass is still the epoch's
+                p.step = None
+                self.trained[p.key][p.epoch] = before
+        self.pending = waiting
+        last = max(moved, key=lambda p: p.tick)
+        newest: dict[tuple[Any, ...], Pass] = {}
+        for p in moved:
+            if p.key not in newest or p.tick > newest[p.key].tick:
+                newest[p.key] = p
+        for p in newest.values():
+            if p.step is not None or (p.done and p is not last):
+                continue
+            p.step = step
+            epochs = self.trained.setdefault(p.key, {})
+            earlier = epochs.get(p.epoch)
+            epochs[p.epoch] = p
+            if earlier is not None:
+                self.pending.append((p, earlier))
+        # let go of what can no longer be trained on: finished passes, and looks that no step followed
+        self.live = [p for p in self.live if not p.done and (p.step is not None or p.tick > since)]
+        return known
+
+    def end(self) -> list[tuple[Pass, Pass]]:
+        """At the script's end: the repeats still waiting for their order to move again."""
+        known = [(p, before) for p, before in self.pending if before.tick < p.tick]
+        self.pending = []
+        return known
 
 
 def identical_batches(per_rank: dict[int, list[list[Any]]]) -> tuple[list[int], list[int]]:
@@ -64,8 +163,7 @@ class DataOrder(ExchangeUser, Detector):
         self.history: dict[int, list[list[Any]]] = {}
         self.groups: dict[int, Any] = {}  # rank -> its data-parallel group (runtime.layout): who must differ
         self.reported: set[str] = set()
-        self._epochs: dict[int, int] = {}  # id(sampler) -> epoch of its last real pass
-        self._passes: dict[int, tuple[int, list[int]]] = {}  # id(sampler) -> (epoch, [indices taken]) of its last pass
+        self.passes = SamplerPasses()
         self._hooks: list[Any] = []
 
     def setup(self, ctx: RankContext) -> None:
@@ -76,54 +174,42 @@ class DataOrder(ExchangeUser, Detector):
 
         def make(original: Any) -> Any:
             def __iter__(sampler: Any) -> Any:
-                det._guard(det._sampler_iter, sampler)
                 it = original(sampler)
-                counter = det._passes.get(id(sampler))
-                return det._counted(it, counter[1]) if counter is not None else it
+                passes = det.passes
+                try:
+                    site = user_site()  # the loop's line, under the DataLoader, a fault's wrapper, our patch
+                    p = passes.start(sampler, f"{os.path.basename(site[0])}:{site[1]}" if site else "?")
+                except Exception:  # never break the user's data loading: this pass goes unwatched
+                    return it
+                return passes.counted(it, p)
             return __iter__
 
         self.patch(ctx, DistributedSampler, "__iter__", make)
 
-    @staticmethod
-    def _counted(it: Any, taken: list[int]) -> Any:
-        """The sampler's indices as they are, counted: how much of a pass the loop really consumed."""
-        for index in it:
-            taken[0] += 1
-            yield index
+    def handover(self, successor: Detector) -> None:
+        # The data goes on across a training phase: the passes already trained on, and what was told.
+        if isinstance(successor, DataOrder):
+            successor.passes = self.passes
+            successor.reported |= self.reported & {"set_epoch"}
 
-    def _guard(self, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:  # never break the user's data loading
-            pass
-
-    def _sampler_iter(self, sampler: Any) -> None:
-        """A new pass over a DistributedSampler. A pass counts once the loop has consumed at least half
-        of it: ``next(iter(loader))`` before the epoch loop (a peek at one batch) is not a pass, so the
-        loop's own first pass, after set_epoch(0), does not 'repeat' it."""
-        ctx = self.ctx
-        assert ctx is not None  # set in setup()/attach(), which the session calls first
-        key = id(sampler)
-        epoch = int(getattr(sampler, "epoch", 0))
-        last = self._passes.get(key)
-        if last is not None and last[1][0] * 2 >= max(1, len(sampler)):
-            self._epochs[key] = last[0]  # the previous pass was a real one
-        self._passes[key] = (epoch, [0])
-        before = self._epochs.get(key)
-        if before is None or epoch != before or not getattr(sampler, "shuffle", False) or "set_epoch" in self.reported:
-            return
-        self.reported.add("set_epoch")
-        frame = next((f for f in reversed(traceback.extract_stack()[:-3])
-                      if "distdebug" not in f.filename and "/torch/" not in f.filename), None)
-        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
-        ctx.report(Finding(
-            severity=Severity.WARNING, detector=self.name, ranks=[ctx.rank], step=None,
-            subject="DistributedSampler.set_epoch",
-            message=f"DistributedSampler(shuffle=True) starts another pass over the data with epoch {epoch} again "
-                    f"(iterated at {where}): set_epoch was not called, so every epoch repeats the same order",
-            evidence={"epoch": epoch, "where": where},
-            fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the DataLoader",
-        ))
+    def _set_epoch_findings(self, repeats: list[tuple[Pass, Pass]]) -> list[Finding]:
+        ctx, out = self.ctx, []
+        for p, before in repeats:
+            if not p.shuffle or "set_epoch" in self.reported or ctx is None:
+                continue  # shuffle=False: the same order every epoch is what was asked for
+            self.reported.add("set_epoch")
+            out.append(Finding(
+                severity=Severity.WARNING, detector=self.name, ranks=[ctx.rank], step=p.step,
+                subject="DistributedSampler.set_epoch",
+                message=f"DistributedSampler(shuffle=True): the pass iterated at {p.where} and trained on from step "
+                        f"{p.step} has epoch {p.epoch}, as the one trained on from step {before.step} had"
+                        f"{'' if before.where == p.where else f' (iterated at {before.where})'}: set_epoch was not "
+                        "called between them, so this epoch repeats that one's order",
+                evidence={"epoch": p.epoch, "where": p.where, "step": p.step,
+                          "earlier_where": before.where, "earlier_step": before.step},
+                fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the DataLoader",
+            ))
+        return out
 
     def attach(self, ctx: RankContext) -> None:
 
@@ -165,6 +251,9 @@ class DataOrder(ExchangeUser, Detector):
         return rows_to_read([self.pending])
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
+        if self.ctx is not None:
+            for f in self._set_epoch_findings(self.passes.boundary(event.step)):
+                self.ctx.report(f)
         pending, self.pending = self.pending, None
         self.backward_seen, self._pending_id = False, None
         if self.exchange is None:
@@ -250,4 +339,4 @@ class DataOrder(ExchangeUser, Detector):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        return ()
+        return self._set_epoch_findings(self.passes.end())

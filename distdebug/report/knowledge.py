@@ -64,6 +64,10 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
         return Advice(LOSS_X10, f"{_ranks(f)} only received the NaN/Inf: another rank's gradients were "
                       "non-finite and the all-reduce spread them", "the nan_origin finding that says 'started on'",
                       "fix the origin rank; nothing to do on this one")
+    if d == "nan_origin" and ev.get("nonfinite_state"):
+        return Advice(LOSS_X10, f"parameters or buffers on {_ranks(f)} were non-finite {ev.get('checked')}, before "
+                      f"any step: {ev.get('likely_cause')}", "the finding's tensors (evidence: nonfinite_state)",
+                      f.fix or "initialise or load finite values into the named tensors before training")
     if d == "nan_origin" and f.subject == "non-finite steps":
         return Advice(LOSS_X10, "the run never recovered: once the weights hold NaN/Inf every later step is "
                       "non-finite too", "the first nan_origin finding (where it started)",
@@ -115,10 +119,22 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
                       f"distdebug diff {run_dir} --step 1",
                       "torch.manual_seed(seed) on every rank before building the model (DDP and FSDP "
                       "broadcast rank 0's weights only at wrap time)")
+    # Each check names what that finding's evidence holds (data_order's three findings hold different things).
+    if d == "data_order" and f.subject == "DistributedSampler.set_epoch":
+        return Advice(CONFIG, "an epoch trained on the same sample order as an earlier one: set_epoch(epoch) "
+                      "not called before iterating the DataLoader (the order is a function of seed and epoch)",
+                      "the finding's evidence: where the repeating pass and the earlier one were iterated, and the "
+                      "steps each was first trained on; a set_epoch call before the loop at 'where'",
+                      "sampler.set_epoch(epoch) at the start of every epoch, before the loop")
+    if d == "data_order" and f.subject == "loss":
+        return Advice(LOSSES_DIFFER, "the same batch gave different losses on different ranks: the replicas are "
+                      "not the same model (initialisation, seeds, an unsynchronised update) or not deterministic",
+                      f"the finding's evidence: each rank's loss at that step; distdebug diff {run_dir}{at}",
+                      "seed every rank alike and broadcast the initial parameters (DDP does at construction)")
     if d == "data_order":
-        return Advice(LOSSES_DIFFER, "ranks read the same samples, or the same order every epoch: a sampler "
-                      "without rank/world size or without set_epoch",
-                      "the finding's evidence: the overlapping batch digests per rank",
+        return Advice(LOSSES_DIFFER, "ranks read the same samples: a sampler without rank/world size "
+                      "(DistributedSampler missing), so each rank repeats the others' work",
+                      "the finding's evidence: the steps at which every rank's batch fingerprint was the same",
                       "DistributedSampler(dataset, num_replicas=world, rank=rank) and sampler.set_epoch(epoch)")
     if d == "checkpoint_roundtrip":
         return Advice(RESTORE, "shards restored wrongly: the restore read other bytes than the save wrote "
