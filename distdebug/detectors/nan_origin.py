@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -130,6 +131,30 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, INF)
 
 
+def max_abs_each(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``finite_flag`` of each tensor, as one device vector (one fused kernel on a device)."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack([finite_flag(t) for t in tensors])
+    return torch.stack(torch._foreach_norm(tensors, INF))
+
+
+MAX_STATE_CHECKS = 8
+"""State checks (below) held until the next step boundary reads them: a script that loads in a loop keeps
+the first ones and the last."""
+
+
+@dataclass
+class StateCheck:
+    """A model's parameters and buffers checked whole, as they were at one moment: before its first forward
+    (what it was built, initialised or loaded with) or right after a ``load_state_dict``. A tensor that is
+    non-finite there was never made finite by training: not an op's or a batch's NaN."""
+
+    when: str
+    where: str  # the user's line of the load ('' when not a load)
+    names: list[str]
+    flags: torch.Tensor  # max |x| of each, on the device
+
+
 def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None:
     """acc[key] = max(|acc[key]|, |total|) on the device (``total``: a ``finite_flag`` or a norm): a NaN or
     Inf survives, a finite value cannot overflow, and the record stays one small tensor per key however
@@ -193,10 +218,88 @@ class NanOrigin(Detector):
         self._recorder: Any = None  # on-demand watch: the step's capture (runtime.rerun.Recorder, forward only)
         self._capture_handles: list[Any] = []
         self._localised = ""  # why the last on-demand localisation could not run ('' when it ran)
+        # Parameters and buffers checked whole before a model's first forward and after each load, until the
+        # next boundary reads them (bounded: MAX_STATE_CHECKS); those of the step being read.
+        self._state: list[StateCheck] = []
+        self._state_records: list[StateCheck] = []
+        self._first_forward_seen: set[int] = set()  # ids of modules of models already checked (never the objects)
+        self._first_forward_handle: Any = None
+        self._to_empty_at = ""  # the user's line of the last Module.to_empty() (memory left uninitialised)
 
     # ------------------------------------------------------------------ wiring
+    def setup(self, ctx: RankContext) -> None:
+        """From the script's first line: a model's parameters and buffers as its first forward finds them, and
+        as each ``load_state_dict`` leaves them (device values, read with step 1's, or the next step's, one
+        read); where ``to_empty`` left memory uninitialised. Parameters that were never finite (a block that
+        ``to_empty()`` materialised and no ``reset_parameters`` reached; a checkpoint holding NaN) are then
+        told as such, on each rank where they are, instead of as the first step's NaN loss."""
+        from torch.nn.modules import module as nn_module
+
+        self._first_forward_handle = nn_module.register_module_forward_pre_hook(self.guarded(self._first_forward))
+        self.patch(ctx, torch.nn.Module, "load_state_dict", self._after_load)
+        self.patch(ctx, torch.nn.Module, "to_empty", self._note_to_empty)
+
+    def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if id(module) in self._first_forward_seen or torch.compiler.is_compiling():
+            return
+        from distdebug.runtime.discovery import is_model
+
+        if not is_model(module):
+            return
+        # The outermost module of a forward is seen first: its whole tree is checked once, and none of its
+        # modules is taken for a model of its own.
+        self._first_forward_seen.update(id(m) for m in module.modules())
+        self._check_state(module, "before its first forward", "")
+
+    def _after_load(self, original: Any) -> Any:
+        det = self
+
+        def load_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out = original(module, *args, **kwargs)
+            det._check_state(module, "right after load_state_dict", _user_line())
+            return out
+        return load_state_dict
+
+    def _note_to_empty(self, original: Any) -> Any:
+        det = self
+
+        def to_empty(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out = original(module, *args, **kwargs)
+            det._to_empty_at = _user_line() or "?"
+            return out
+        return to_empty
+
+    def _check_state(self, module: torch.nn.Module, when: str, where: str) -> None:
+        """Queue max |x| of each floating parameter and buffer of ``module`` (this rank's shard of a sharded
+        one): device work only, read at the next boundary."""
+        inner = unwrap(module)[0]
+        params = list(inner.named_parameters())
+        named = [(n, t) for n, t in (*params, *inner.named_buffers())
+                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta"]
+        views = [(n, local_view(t), i < len(params)) for i, (n, t) in enumerate(named)]
+        views = [(n, v, p) for n, v, p in views if v.numel()]
+        if not views:
+            return
+        views.sort(key=lambda v: not v[2])  # parameters first, then buffers
+        n_params = sum(p for _, _, p in views)
+        with torch.no_grad():
+            flags = max_abs_each([v for _, v, _ in views])
+            if n_params < len(views):
+                # A buffer may hold an infinity by design (an attention mask of -inf, a sentinel): only a NaN in
+                # a buffer is never meant (max |x| is NaN when any value is NaN, Inf when an infinity is and none
+                # is). No host value: the tail of the same vector.
+                flags[n_params:] = flags[n_params:].nan_to_num(nan=math.nan, posinf=0.0)
+        check = StateCheck(when=when, where=where, names=[n for n, _, _ in views], flags=flags)
+        if len(self._state) >= MAX_STATE_CHECKS:
+            self._state[-1] = check
+        else:
+            self._state.append(check)
+
     def attach(self, ctx: RankContext) -> None:
         self.ctx = ctx
+        if self._first_forward_handle is not None:  # the models are found: their first forwards were seen
+            self._first_forward_handle.remove()
+            self._first_forward_handle = None
         many = len(ctx.models) > 1
         roots: list[Any] = list(ctx.models)  # DDP, FSDP2, DeepSpeed or plain: their own methods are used
         # The per-step watching of the forward (module, hook kind, hook, options): on every step in full
@@ -511,6 +614,7 @@ class NanOrigin(Detector):
                                  dict(self.gathered))
         for acc in (self.comm_in, self.comm_out, self.stage_input, self.shards, self.gathered):
             acc.clear()
+        self._state_records, self._state = self._state, []
         # The parameters after the step, not the gradients: an optimizer's update spreads a non-finite
         # gradient into its parameter (a loss scaler's skipped step aside, which is not a finding), so one
         # pass over the parameters says it for both (the gradients are named on the rare path).
@@ -522,7 +626,8 @@ class NanOrigin(Detector):
                 # float32: an fp16 parameter's own norm overflows past 65504
                 scalars += torch._foreach_norm(tensors, _finite_norm(tensors[0]), dtype=torch.float32)
             # one vector per end-of-backward reading (a value per local gradient)
-            pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()]
+            pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()] + \
+                [c.flags for c in self._state_records]
             if not pieces:
                 return None
             # Every piece is a max |x| or a norm (never negative): their maximum keeps a NaN or Inf and cannot
@@ -545,8 +650,20 @@ class NanOrigin(Detector):
         total = values.get("total")
         finite = total is None or math.isfinite(total)
         loss_finite = event.loss is None or math.isfinite(event.loss)
+        checks, self._state_records = self._state_records, []
         if finite and loss_finite:
             return ()
+        never = self._never_finite(event, checks)
+        if never is not None:
+            self.count += 1
+            if self.first_step is not None:
+                return ()
+            self.first_step = event.step
+            never.evidence["watch"] = self.watch
+            if self.stop:
+                self.ctx.report(never)
+                raise SystemExit(EXIT_NAN)
+            return (never,)
         forward = values.get("forward")
         skipped = event.skipped and loss_finite
         localised = self._recorder is not None and (skipped or self.first_step is None)
@@ -608,6 +725,45 @@ class NanOrigin(Detector):
                       "loss": None if event.loss is None else str(event.loss)},
             fix="look for what writes the parameters between optimizer steps on this rank (a checkpoint loaded, "
                 "an in-place edit of .data, a weight-tying or EMA update); a flipped bit in memory if nothing does")
+
+    def _never_finite(self, event: StepEvent, checks: list[StateCheck]) -> Finding | None:
+        """Parameters or buffers that were non-finite before the first forward or right after a load (the rare
+        path: the checks' flags read here): named as such, with the likely cause, not as a NaN of the step."""
+        for check in checks:
+            bad = [n for n, x in zip(check.names, check.flags.tolist(), strict=True) if not math.isfinite(x)]
+            if bad:
+                break
+        else:
+            return None
+        rank, step = event.rank, event.step
+        at = f" at {check.where}" if check.where else ""
+        if check.where:
+            cause = (f"the checkpoint loaded{at} holds NaN/Inf in these tensors (saved from a run that had already "
+                     "diverged, or written wrongly)")
+            fix = ("load an earlier checkpoint, or find where this one became non-finite (distdebug report on the run "
+                   "that saved it); check which tensors a partial load leaves as they were")
+        elif self._to_empty_at:
+            cause = (f"uninitialised memory: to_empty() at {self._to_empty_at} allocates the model's tensors without "
+                     "initialising them, and these were never initialised after it (their modules' "
+                     "reset_parameters() or the script's init_weights did not reach them)")
+            fix = ("initialise every module after to_empty(): call reset_parameters() on each module that has one "
+                   "and initialise the rest (the named tensors) explicitly, or load a checkpoint into them")
+        else:
+            cause = ("the tensors were never initialised (torch.empty, a model materialised from the meta device "
+                     "without an init) or were written non-finite before the first step (a checkpoint loaded "
+                     "without load_state_dict)")
+            fix = "initialise the named tensors before training (or load a finite checkpoint into them)"
+        head = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        return Finding(
+            severity=Severity.ERROR, detector=self.name, ranks=[rank], step=step, subject=bad[0],
+            message=f"parameters or buffers were non-finite on rank {rank} {check.when}{at}, before any training "
+                    f"step changed them: {head} ({len(bad)} of {len(check.names)} tensors). Not an op's or a "
+                    f"batch's NaN: every step from step {step} computes with them",
+            evidence={"nonfinite_state": bad[:50], "checked": check.when, "loaded_at": check.where or None,
+                      "to_empty_at": self._to_empty_at or None, "likely_cause": cause, "origin": "this rank",
+                      "loss": None if event.loss is None else str(event.loss)},
+            fix=fix,
+        )
 
     def _nonfinite_now(self) -> bool:
         """Whether a gradient (as reduced) or a parameter holds a NaN or Inf (the rare path: read here)."""
@@ -759,6 +915,9 @@ class NanOrigin(Detector):
         )
 
     def on_end(self) -> Iterable[Finding]:
+        if self._first_forward_handle is not None:
+            self._first_forward_handle.remove()
+            self._first_forward_handle = None
         if self.ctx is not None and self._observe in self.ctx.communication_observers:
             self.ctx.communication_observers.remove(self._observe)
         for shared, listener in self._readers:  # not told of later backwards once over
@@ -775,6 +934,18 @@ class NanOrigin(Detector):
                                                      f"{self.first_step} on", evidence={"nonfinite_steps": self.count},
             ),)
         return ()
+
+
+def _user_line() -> str:
+    """'file.py:LINE' of the script's call into torch being patched ('' when none is the user's)."""
+    from distdebug.runtime.callsite import user_site
+
+    site = user_site(2)
+    if site is None:
+        return ""
+    import os
+
+    return f"{os.path.basename(site[0])}:{site[1]}"
 
 
 def _quiet(fn: Any) -> Any:

@@ -4,6 +4,7 @@ even after all-reduce has spread it to every rank."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -337,7 +338,8 @@ def _large(rank, world, tmp, watch, poison_rank=None):
     s.close(0)
 
 
-@pytest.mark.parametrize("watch", ["full", "on-demand"])
+# The quick tier keeps one shape of each family; the others run in the full suite (CI).
+@pytest.mark.parametrize("watch", [pytest.param("full", marks=pytest.mark.slow), "on-demand"])
 def test_large_finite_activations_are_finite_and_a_later_nan_is_named_at_its_module(tmp_path, watch):
     """Amplify's outputs are up to 3e38 (finite; tanh of them is 1, Shrink brings them back): a float32 sum of
     them is Inf, which named Amplify as the NaN's origin (full watch: a false NaN in a clean run too). The
@@ -391,3 +393,129 @@ def test_a_finite_batch_near_the_maximum_is_not_the_origin_the_overflowing_modul
     assert "(input of" not in f["message"]
     assert f["evidence"]["loss_scaler_skipped_step"] is True and "the loss scaler skipped this step" in f["message"]
     assert findings(tmp_path / "big", 1) == []  # its forward was finite: the scaler skipping is not a NaN of its own
+
+
+# ---------------------------------------------------------------- parameters that were never finite
+class Block(nn.Module):
+    """A block whose parameter has no reset_parameters() of its own (the FSDP2 example's shape: to_empty(),
+    then an init that reaches only the torch.nn modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(8))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def _never(rank, world, tmp, case, clean=False):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    s = start_session(tmp, rank, detectors=[NanOrigin()])
+    torch.manual_seed(0)
+    if case == "to_empty":
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 8), Block(), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()  # the Linears and the BatchNorm; not Block
+        with torch.no_grad():
+            # what to_empty() left in Block.w: uninitialised memory, which may hold anything; NaN here so that
+            # the test does not depend on the allocator (the clean twin initialises it)
+            model[1].w.fill_(1.0 if clean else float("nan"))
+    else:
+        model = nn.Sequential(nn.Linear(4, 8), Block(), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        with torch.no_grad():
+            model[1].w.fill_(1.0)
+    # a buffer that holds an infinity by design (an attention mask): never a finding
+    model.register_buffer("mask", torch.full((2,), float("-inf")))
+    ddp = DDP(model)
+    if case in ("checkpoint", "buffer"):  # each rank resumes from its own file; rank 1's holds a NaN
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        if rank == 1 and not clean:
+            state["0.weight" if case == "checkpoint" else "2.running_var"][0] = float("nan")
+        torch.save(state, tmp / f"ckpt-{rank}.pt")
+        model.load_state_dict(torch.load(tmp / f"ckpt-{rank}.pt"))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    losses = []
+    for step in range(1, 5):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = ddp(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    dist.destroy_process_group()
+    s.close(0)
+    return all(math.isfinite(v) for v in losses)
+
+
+@pytest.mark.parametrize("case", ["to_empty", pytest.param("checkpoint", marks=pytest.mark.slow),
+                                  pytest.param("buffer", marks=pytest.mark.slow)])
+def test_parameters_that_were_never_finite_are_named_with_their_cause_on_each_rank(tmp_path, case):
+    """Non-finite before the first forward (to_empty() and an init that missed a block: the upstream FSDP2
+    example) or right after a load (a checkpoint holding NaN in a weight, or in BatchNorm's running_var, which
+    a training forward never uses: the loss stays finite and nothing else would say it): named as such, on
+    each rank where it is true, with the tensors and the likely cause; not as step 1's NaN loss of an op or a
+    batch. Clean twins (every tensor initialised, a finite checkpoint): no finding."""
+    assert spawn_ranks(_never, 2, tmp=tmp_path / "clean", case=case, clean=True) == [True, True]
+    assert findings(tmp_path / "clean", 0) == [] and findings(tmp_path / "clean", 1) == []
+    finite = spawn_ranks(_never, 2, tmp=tmp_path / "bad", case=case)
+    ranks = [0, 1] if case == "to_empty" else [1]  # DDP broadcast rank 0's uninitialised block to rank 1
+    for rank in ranks:
+        f = findings(tmp_path / "bad", rank)[0]
+        subject = {"to_empty": "1.w", "checkpoint": "0.weight", "buffer": "2.running_var"}[case]
+        assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 1, [rank], subject)
+        assert f["evidence"]["nonfinite_state"] == [subject]
+        assert "before any training step changed them" in f["message"]
+        if case == "to_empty":
+            assert f["evidence"]["checked"] == "before its first forward"
+            assert f["evidence"]["to_empty_at"].startswith("test_nan_origin.py:")
+            assert "uninitialised memory: to_empty() at test_nan_origin.py:" in f["evidence"]["likely_cause"]
+        else:
+            assert f["evidence"]["loaded_at"].startswith("test_nan_origin.py:")
+            assert "right after load_state_dict at test_nan_origin.py:" in f["message"]
+            assert "the checkpoint loaded at" in f["evidence"]["likely_cause"]
+    if case == "buffer":  # nothing else could see it: the training itself stayed finite
+        assert finite == [True, True] and findings(tmp_path / "bad", 0) == []
+    if case == "checkpoint":  # rank 0 received it through the all-reduce, and says so
+        assert "through all-reduce" in findings(tmp_path / "bad", 0)[0]["message"]
+
+
+def _fsdp_to_empty(rank, world, tmp):
+    """The upstream FSDP2 example's shape: built on the meta device, fully_shard, to_empty(), then an init
+    that reaches the torch.nn modules only. Block.w is sharded: rank 1's half holds what uninitialised
+    memory may hold (NaN here, so that the test does not depend on the allocator), rank 0's half is finite."""
+    from torch.distributed.fsdp import fully_shard
+
+    s = start_session(tmp, rank, detectors=[NanOrigin()])
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 1))
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    with torch.no_grad():
+        model[1].w.to_local().fill_(float("nan") if rank == 1 else 1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 4):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    s.close(0)
+
+
+@pytest.mark.slow  # a shape of the family: full suite only
+def test_fsdp2_shards_that_were_never_finite_are_named_on_the_rank_holding_them(tmp_path):
+    spawn_ranks(_fsdp_to_empty, 2, tmp=tmp_path, timeout=120)
+    (f,) = [f for f in findings(tmp_path, 1) if f["severity"] != "info"]
+    assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 1, [1], "1.w")
+    assert f["evidence"]["checked"] == "before its first forward" and "to_empty() at" in f["evidence"]["likely_cause"]
+    # rank 0's shard was finite: it received the NaN through the all-gather, and is not called an origin
+    (g,) = [f for f in findings(tmp_path, 0) if f["severity"] != "info"]
+    assert g["step"] == 1 and "nonfinite_state" not in g["evidence"] and g["evidence"]["origin"] != "this rank"
