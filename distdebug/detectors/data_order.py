@@ -37,18 +37,23 @@ MIN_STEPS = 3
 LOSS_RTOL = 1e-5
 LIVE_PASSES = 16
 """Unfinished passes kept for judging, at most (epochs cut short never finish: the oldest are let go)."""
+MAX_EPOCHS = 256
+"""Epochs remembered per sample order (a repeat of an older one is not told)."""
+MAX_ORDERS = 64
+"""Sample orders (dataset, seed, ranks) remembered, and repeats waiting to be told."""
 
 
 class Pass:
     """One iteration of a DistributedSampler: ``iter(sampler)``, as the DataLoader's iterator starts it."""
 
-    __slots__ = ("done", "epoch", "key", "shuffle", "step", "tick", "where")
+    __slots__ = ("done", "epoch", "grad", "key", "shuffle", "step", "tick", "where")
 
     def __init__(self, key: tuple[Any, ...], epoch: int, shuffle: bool, where: str) -> None:
         self.key, self.epoch, self.shuffle, self.where = key, epoch, shuffle, where
         self.tick = 0  # SamplerPasses.tick at its latest index
         self.done = False  # ran to its end
         self.step: int | None = None  # the first step it was trained on
+        self.grad = False  # an index of it was taken with autograd on (an evaluation loop runs under no_grad)
 
 
 class SamplerPasses:
@@ -83,9 +88,11 @@ class SamplerPasses:
 
     def counted(self, it: Iterator[int], p: Pass) -> Iterator[int]:
         """The sampler's indices as they are, each stamped with the clock."""
+        grad_enabled = torch.is_grad_enabled
         for index in it:
             self.tick += 1
             p.tick = self.tick
+            p.grad = p.grad or grad_enabled()
             yield index
         p.done = True
 
@@ -109,7 +116,7 @@ class SamplerPasses:
                 known.append((p, before))
             else:  # a look inside the earlier pass's loop: that pass is still the epoch's
                 p.step = None
-                self.trained[p.key][p.epoch] = before
+                self.trained.setdefault(p.key, {})[p.epoch] = before
         self.pending = waiting
         last = max(moved, key=lambda p: p.tick)
         newest: dict[tuple[Any, ...], Pass] = {}
@@ -117,14 +124,23 @@ class SamplerPasses:
             if p.key not in newest or p.tick > newest[p.key].tick:
                 newest[p.key] = p
         for p in newest.values():
-            if p.step is not None or (p.done and p is not last):
+            # Not trained on: a pass run whole before this step that another pass followed, and a pass whose
+            # every index was taken under no_grad / inference_mode (an evaluation loop: its loader is
+            # iterated inside the no_grad block, also when it is the only sampler that moved).
+            if p.step is not None or (p.done and p is not last) or not p.grad:
                 continue
             p.step = step
             epochs = self.trained.setdefault(p.key, {})
-            earlier = epochs.get(p.epoch)
+            earlier = epochs.pop(p.epoch, None)
             epochs[p.epoch] = p
+            # Bounded whatever the loop does (set_epoch(step) every step; samplers built anew): the latest
+            # epochs of the latest orders.
+            while len(epochs) > MAX_EPOCHS:
+                del epochs[next(iter(epochs))]
+            while len(self.trained) > MAX_ORDERS:
+                del self.trained[next(iter(self.trained))]
             if earlier is not None:
-                self.pending.append((p, earlier))
+                self.pending = [*self.pending[-(MAX_ORDERS - 1):], (p, earlier)]
         # let go of what can no longer be trained on: finished passes, and looks that no step followed
         self.live = [p for p in self.live if not p.done and (p.step is not None or p.tick > since)]
         return known

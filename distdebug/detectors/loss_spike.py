@@ -105,10 +105,12 @@ def spike(history: list[float], value: float, threshold: float, both: bool = Fal
 
 
 def _collapsed(history: list[float], value: float) -> bool:
-    """Whether a fall to ``value`` is deep enough to be a collapse: below COLLAPSE of the lowest of the last LEVEL
-    values. A history that went to zero or below has no scale for a ratio: the noise alone decides there."""
+    """Whether a fall to ``value`` is deep enough to be a collapse, against the lowest of the last LEVEL values:
+    for a positive loss below COLLAPSE of it (or to zero and below); for a negative one (an ELBO, a sum of
+    logits) 1/COLLAPSE times as far from zero, not the 2-3x a fast learner goes. A history that sits at zero
+    has no scale: the noise alone decides there."""
     low = min(history[-LEVEL:])
-    return low <= 0 or value <= COLLAPSE * low
+    return low == 0 or value <= (COLLAPSE * low if low > 0 else low / COLLAPSE)
 
 
 def early_spike(history: list[float], value: float, threshold: float) -> tuple[bool, float, float]:

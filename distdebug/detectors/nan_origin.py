@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,8 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     otherwise, and never overflowed by finite values (a float32 sum of values near 1e38 is Inf: a model
     input of 1e38 was named as the NaN's origin). No host read. On a GPU the inf-norm is one fused
     kernel; on a CPU torch's inf-norm runs at about 1.2 GB/s, ``aminmax`` (one pass) about 15 times faster."""
+    if not t.numel():  # an expert that got no tokens, a head with no boxes: nothing non-finite
+        return torch.zeros((), dtype=torch.float32, device=t.device)
     if t.device.type == "cpu":
         lo, hi = torch.aminmax(t)
         return torch.maximum(hi, lo.neg())  # maximum() keeps a NaN of either
@@ -132,12 +135,16 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
 
 
 def max_abs_each(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``finite_flag`` of each tensor, as one device vector (one fused kernel on a device)."""
+    """``finite_flag`` of each tensor, as one vector on the first one's device (one fused kernel on a device
+    where they all are)."""
+    if len({t.device for t in tensors}) > 1:  # a model over several devices (model parallel by hand, offload)
+        return torch.stack([finite_flag(t).to(tensors[0].device) for t in tensors])
     if tensors[0].device.type == "cpu":
         return torch.stack([finite_flag(t) for t in tensors])
     return torch.stack(torch._foreach_norm(tensors, INF))
 
 
+FIRST_CHECK = "before its first step (as built, initialised or loaded)"
 MAX_STATE_CHECKS = 8
 """State checks (below) held until the next step boundary reads them: a script that loads in a loop keeps
 the first ones and the last."""
@@ -145,7 +152,7 @@ the first ones and the last."""
 
 @dataclass
 class StateCheck:
-    """A model's parameters and buffers checked whole, as they were at one moment: before its first forward
+    """A model's parameters and buffers checked whole, as they were at one moment: before its first step
     (what it was built, initialised or loaded with) or right after a ``load_state_dict``. A tensor that is
     non-finite there was never made finite by training: not an op's or a batch's NaN."""
 
@@ -153,6 +160,8 @@ class StateCheck:
     where: str  # the user's line of the load ('' when not a load)
     names: list[str]
     flags: torch.Tensor  # max |x| of each, on the device
+    refs: list[Any]  # weak references to the tensors: what the script did to them after the check is seen
+    missing: list[str]  # the load's missing keys (strict=False: left as they were, not loaded)
 
 
 def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None:
@@ -218,45 +227,32 @@ class NanOrigin(Detector):
         self._recorder: Any = None  # on-demand watch: the step's capture (runtime.rerun.Recorder, forward only)
         self._capture_handles: list[Any] = []
         self._localised = ""  # why the last on-demand localisation could not run ('' when it ran)
-        # Parameters and buffers checked whole before a model's first forward and after each load, until the
+        # Parameters and buffers checked whole before a model's first step and after each load, until the
         # next boundary reads them (bounded: MAX_STATE_CHECKS); those of the step being read.
         self._state: list[StateCheck] = []
         self._state_records: list[StateCheck] = []
-        self._first_forward_seen: set[int] = set()  # ids of modules of models already checked (never the objects)
-        self._first_forward_handle: Any = None
+        self._first_forward_seen: set[int] = set()  # ids of the models already checked (never the objects)
         self._to_empty_at = ""  # the user's line of the last Module.to_empty() (memory left uninitialised)
 
     # ------------------------------------------------------------------ wiring
     def setup(self, ctx: RankContext) -> None:
-        """From the script's first line: a model's parameters and buffers as its first forward finds them, and
-        as each ``load_state_dict`` leaves them (device values, read with step 1's, or the next step's, one
-        read); where ``to_empty`` left memory uninitialised. Parameters that were never finite (a block that
-        ``to_empty()`` materialised and no ``reset_parameters`` reached; a checkpoint holding NaN) are then
-        told as such, on each rank where they are, instead of as the first step's NaN loss."""
-        from torch.nn.modules import module as nn_module
-
-        self._first_forward_handle = nn_module.register_module_forward_pre_hook(self.guarded(self._first_forward))
+        """From the script's first line: each model's parameters and buffers as its first step's backward
+        finds them (as built, initialised or loaded: a forward changes no parameter), and as each
+        ``load_state_dict`` leaves them (device values, read with the step's one read); where ``to_empty``
+        left memory uninitialised. Parameters that were never finite (a block that ``to_empty()``
+        materialised and no ``reset_parameters`` reached; a checkpoint holding NaN) are then told as such, on
+        each rank where they are, instead of as the first step's NaN loss. (Checked at the backward, not by a
+        global forward hook: removing one later would recompile every compiled graph.)"""
         self.patch(ctx, torch.nn.Module, "load_state_dict", self._after_load)
         self.patch(ctx, torch.nn.Module, "to_empty", self._note_to_empty)
-
-    def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if id(module) in self._first_forward_seen or torch.compiler.is_compiling():
-            return
-        from distdebug.runtime.discovery import is_model
-
-        if not is_model(module):
-            return
-        # The outermost module of a forward is seen first: its whole tree is checked once, and none of its
-        # modules is taken for a model of its own.
-        self._first_forward_seen.update(id(m) for m in module.modules())
-        self._check_state(module, "before its first forward", "")
 
     def _after_load(self, original: Any) -> Any:
         det = self
 
         def load_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             out = original(module, *args, **kwargs)
-            det._check_state(module, "right after load_state_dict", _user_line())
+            det._check_state(module, "right after load_state_dict", _user_line(),
+                             list(getattr(out, "missing_keys", None) or []))
             return out
         return load_state_dict
 
@@ -269,37 +265,58 @@ class NanOrigin(Detector):
             return out
         return to_empty
 
-    def _check_state(self, module: torch.nn.Module, when: str, where: str) -> None:
+    def _check_state(self, module: torch.nn.Module, when: str, where: str, missing: list[str] | None = None,
+                     buffers: bool = True) -> None:
         """Queue max |x| of each floating parameter and buffer of ``module`` (this rank's shard of a sharded
         one): device work only, read at the next boundary."""
+        from torch.nn.parameter import is_lazy
+
         inner = unwrap(module)[0]
-        params = list(inner.named_parameters())
-        named = [(n, t) for n, t in (*params, *inner.named_buffers())
-                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta"]
-        views = [(n, local_view(t), i < len(params)) for i, (n, t) in enumerate(named)]
-        views = [(n, v, p) for n, v, p in views if v.numel()]
+        # FSDP2: the module's parameters may be the gathered ones at this moment (in a step, between the
+        # all-gather and the reshard): this rank's own shards are what it holds, and outlive the step.
+        qualified = {id(m): n for n, m in inner.named_modules()}
+        shards = {}
+        for mod in inner.modules():
+            for fp in _fsdp_params(mod):
+                info = fp._module_info
+                owner = qualified.get(id(info.module))
+                if owner is not None:
+                    shards[f"{owner}.{info.param_name}" if owner else info.param_name] = fp.sharded_param
+        tagged = [(n, shards.get(n, t), True) for n, t in inner.named_parameters()] + \
+            [(n, t, False) for n, t in (inner.named_buffers() if buffers else ())]
+        # not yet materialised (meta, a Lazy module's), or not floating (integer counters, quantised weights)
+        named = [(n, t, p) for n, t, p in tagged if isinstance(t, torch.Tensor) and not is_lazy(t)
+                 and t.is_floating_point() and t.device.type != "meta"]
+        views = [(n, local_view(t), p, t) for n, t, p in named]
+        views = [v for v in views if v[1].numel()]
         if not views:
             return
         views.sort(key=lambda v: not v[2])  # parameters first, then buffers
-        n_params = sum(p for _, _, p in views)
+        n_params = sum(v[2] for v in views)
         with torch.no_grad():
-            flags = max_abs_each([v for _, v, _ in views])
+            flags = max_abs_each([v for _, v, _, _ in views])
             if n_params < len(views):
                 # A buffer may hold an infinity by design (an attention mask of -inf, a sentinel): only a NaN in
                 # a buffer is never meant (max |x| is NaN when any value is NaN, Inf when an infinity is and none
                 # is). No host value: the tail of the same vector.
                 flags[n_params:] = flags[n_params:].nan_to_num(nan=math.nan, posinf=0.0)
-        check = StateCheck(when=when, where=where, names=[n for n, _, _ in views], flags=flags)
+        check = StateCheck(when=when, where=where, names=[n for n, _, _, _ in views], flags=flags,
+                           refs=[weakref.ref(t) for _, _, _, t in views], missing=missing or [])
         if len(self._state) >= MAX_STATE_CHECKS:
             self._state[-1] = check
         else:
             self._state.append(check)
 
+    def handover(self, successor: Detector) -> None:
+        """A new training phase: models already checked are not checked again as if never run (a fresh model,
+        a next fold's, is); what was noted before it (a to_empty, a load's pending check) goes on."""
+        if isinstance(successor, NanOrigin):
+            successor._first_forward_seen |= self._first_forward_seen
+            successor._state = self._state + successor._state
+            successor._to_empty_at = successor._to_empty_at or self._to_empty_at
+
     def attach(self, ctx: RankContext) -> None:
         self.ctx = ctx
-        if self._first_forward_handle is not None:  # the models are found: their first forwards were seen
-            self._first_forward_handle.remove()
-            self._first_forward_handle = None
         many = len(ctx.models) > 1
         roots: list[Any] = list(ctx.models)  # DDP, FSDP2, DeepSpeed or plain: their own methods are used
         # The per-step watching of the forward (module, hook kind, hook, options): on every step in full
@@ -544,6 +561,13 @@ class NanOrigin(Detector):
         reduces it. DDP's reduction itself (its default path, or the script's own communication hook,
         registered at any time) is never touched: the training is bitwise the same by construction."""
         for root in ctx.models:
+            if id(root) not in self._first_forward_seen:
+                self._first_forward_seen.add(id(root))  # ids only, never the objects
+                # Parameters only: a training forward has already updated buffers (BatchNorm's running
+                # statistics take in a NaN made downstream of a bad parameter); buffers are checked as a load
+                # leaves them.
+                self._check_state(root, FIRST_CHECK, "", buffers=False)
+        for root in ctx.models:
             ddp = find_ddp(root)
             if ddp is None or id(ddp) in self._ddp_seen:
                 continue
@@ -626,8 +650,11 @@ class NanOrigin(Detector):
                 # float32: an fp16 parameter's own norm overflows past 65504
                 scalars += torch._foreach_norm(tensors, _finite_norm(tensors[0]), dtype=torch.float32)
             # one vector per end-of-backward reading (a value per local gradient)
-            pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()] + \
-                [c.flags for c in self._state_records]
+            pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()]
+            # a model loaded (or first run) on the CPU and trained on a GPU: its checks join the step's device
+            device = pieces[0].device if pieces else None
+            pieces += [c.flags if device is None or c.flags.device == device else c.flags.to(device)
+                       for c in self._state_records]
             if not pieces:
                 return None
             # Every piece is a max |x| or a norm (never negative): their maximum keeps a NaN or Inf and cannot
@@ -727,17 +754,24 @@ class NanOrigin(Detector):
                 "an in-place edit of .data, a weight-tying or EMA update); a flipped bit in memory if nothing does")
 
     def _never_finite(self, event: StepEvent, checks: list[StateCheck]) -> Finding | None:
-        """Parameters or buffers that were non-finite before the first forward or right after a load (the rare
+        """Parameters or buffers that were non-finite before the first step or right after a load (the rare
         path: the checks' flags read here): named as such, with the likely cause, not as a NaN of the step."""
         for check in checks:
-            bad = [n for n, x in zip(check.names, check.flags.tolist(), strict=True) if not math.isfinite(x)]
+            bad = [n for n, x, ref in zip(check.names, check.flags.tolist(), check.refs, strict=True)
+                   if not math.isfinite(x) and _still_nonfinite(ref())]
             if bad:
                 break
         else:
-            return None
+            return None  # made finite after the check (a strict=False load, then the script's own init)
         rank, step = event.rank, event.step
         at = f" at {check.where}" if check.where else ""
-        if check.where:
+        missing = [n for n in bad if any(k == n or k.endswith("." + n) or n.endswith("." + k) for k in check.missing)]
+        if check.where and missing:
+            cause = (f"not in the checkpoint loaded{at} (strict=False: its missing keys {', '.join(missing[:5])} were "
+                     "left as they were" + (f", uninitialised after to_empty() at {self._to_empty_at}" if
+                                             self._to_empty_at else "") + ")")
+            fix = "initialise the tensors the checkpoint does not hold, after the load (or save them with it)"
+        elif check.where:
             cause = (f"the checkpoint loaded{at} holds NaN/Inf in these tensors (saved from a run that had already "
                      "diverged, or written wrongly)")
             fix = ("load an earlier checkpoint, or find where this one became non-finite (distdebug report on the run "
@@ -915,9 +949,6 @@ class NanOrigin(Detector):
         )
 
     def on_end(self) -> Iterable[Finding]:
-        if self._first_forward_handle is not None:
-            self._first_forward_handle.remove()
-            self._first_forward_handle = None
         if self.ctx is not None and self._observe in self.ctx.communication_observers:
             self.ctx.communication_observers.remove(self._observe)
         for shared, listener in self._readers:  # not told of later backwards once over
@@ -934,6 +965,17 @@ class NanOrigin(Detector):
                                                      f"{self.first_step} on", evidence={"nonfinite_steps": self.count},
             ),)
         return ()
+
+
+def _still_nonfinite(t: Any) -> bool:
+    """Whether a tensor checked earlier still holds a NaN or Inf now (gone: as it was checked). Rare path."""
+    if t is None:
+        return True
+    with torch.no_grad():
+        v = local_view(t)
+        if v.untyped_storage().nbytes() < (v.storage_offset() + v.numel()) * v.element_size():
+            return True  # its memory was let go (a framework's freed buffer): as it was checked
+        return bool(v.numel()) and not bool(v.isfinite().all())
 
 
 def _user_line() -> str:

@@ -430,7 +430,16 @@ def _never(rank, world, tmp, case, clean=False):
             model[1].w.fill_(1.0)
     # a buffer that holds an infinity by design (an attention mask): never a finding
     model.register_buffer("mask", torch.full((2,), float("-inf")))
-    ddp = DDP(model)
+    # broadcast_buffers=False: rank 1's own running_var stays its own (DDP would overwrite it with rank 0's at
+    # every forward, and the re-check on the rare path would then rightly find it finite)
+    ddp = DDP(model, broadcast_buffers=case != "buffer")
+    if case == "partial":  # strict=False: the checkpoint lacks Block.w, left as it was (NaN: uninitialised)
+        with torch.no_grad():
+            model[1].w.fill_(float("nan"))
+        model.load_state_dict({k: v for k, v in model.state_dict().items() if k != "1.w"}, strict=False)
+        if clean:  # the script initialises what the checkpoint did not hold, after the load
+            with torch.no_grad():
+                model[1].w.fill_(1.0)
     if case in ("checkpoint", "buffer"):  # each rank resumes from its own file; rank 1's holds a NaN
         state = {k: v.clone() for k, v in model.state_dict().items()}
         if rank == 1 and not clean:
@@ -452,7 +461,8 @@ def _never(rank, world, tmp, case, clean=False):
 
 
 @pytest.mark.parametrize("case", ["to_empty", pytest.param("checkpoint", marks=pytest.mark.slow),
-                                  pytest.param("buffer", marks=pytest.mark.slow)])
+                                  pytest.param("buffer", marks=pytest.mark.slow),
+                                  pytest.param("partial", marks=pytest.mark.slow)])
 def test_parameters_that_were_never_finite_are_named_with_their_cause_on_each_rank(tmp_path, case):
     """Non-finite before the first forward (to_empty() and an init that missed a block: the upstream FSDP2
     example) or right after a load (a checkpoint holding NaN in a weight, or in BatchNorm's running_var, which
@@ -462,21 +472,23 @@ def test_parameters_that_were_never_finite_are_named_with_their_cause_on_each_ra
     assert spawn_ranks(_never, 2, tmp=tmp_path / "clean", case=case, clean=True) == [True, True]
     assert findings(tmp_path / "clean", 0) == [] and findings(tmp_path / "clean", 1) == []
     finite = spawn_ranks(_never, 2, tmp=tmp_path / "bad", case=case)
-    ranks = [0, 1] if case == "to_empty" else [1]  # DDP broadcast rank 0's uninitialised block to rank 1
+    # DDP broadcast rank 0's uninitialised block to rank 1; the partial load runs on every rank
+    ranks = [0, 1] if case in ("to_empty", "partial") else [1]
     for rank in ranks:
         f = findings(tmp_path / "bad", rank)[0]
-        subject = {"to_empty": "1.w", "checkpoint": "0.weight", "buffer": "2.running_var"}[case]
+        subject = {"to_empty": "1.w", "checkpoint": "0.weight", "buffer": "2.running_var", "partial": "1.w"}[case]
         assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 1, [rank], subject)
         assert f["evidence"]["nonfinite_state"] == [subject]
         assert "before any training step changed them" in f["message"]
         if case == "to_empty":
-            assert f["evidence"]["checked"] == "before its first forward"
+            assert f["evidence"]["checked"] == "before its first step (as built, initialised or loaded)"
             assert f["evidence"]["to_empty_at"].startswith("test_nan_origin.py:")
             assert "uninitialised memory: to_empty() at test_nan_origin.py:" in f["evidence"]["likely_cause"]
         else:
             assert f["evidence"]["loaded_at"].startswith("test_nan_origin.py:")
             assert "right after load_state_dict at test_nan_origin.py:" in f["message"]
-            assert "the checkpoint loaded at" in f["evidence"]["likely_cause"]
+            cause = "not in the checkpoint loaded at" if case == "partial" else "the checkpoint loaded at"
+            assert cause in f["evidence"]["likely_cause"]
     if case == "buffer":  # nothing else could see it: the training itself stayed finite
         assert finite == [True, True] and findings(tmp_path / "bad", 0) == []
     if case == "checkpoint":  # rank 0 received it through the all-reduce, and says so
@@ -515,7 +527,23 @@ def test_fsdp2_shards_that_were_never_finite_are_named_on_the_rank_holding_them(
     spawn_ranks(_fsdp_to_empty, 2, tmp=tmp_path, timeout=120)
     (f,) = [f for f in findings(tmp_path, 1) if f["severity"] != "info"]
     assert (f["severity"], f["step"], f["ranks"], f["subject"]) == ("error", 1, [1], "1.w")
-    assert f["evidence"]["checked"] == "before its first forward" and "to_empty() at" in f["evidence"]["likely_cause"]
+    assert f["evidence"]["checked"] == "before its first step (as built, initialised or loaded)"
+    assert "to_empty() at" in f["evidence"]["likely_cause"]
     # rank 0's shard was finite: it received the NaN through the all-gather, and is not called an origin
     (g,) = [f for f in findings(tmp_path, 0) if f["severity"] != "info"]
     assert g["step"] == 1 and "nonfinite_state" not in g["evidence"] and g["evidence"]["origin"] != "this rank"
+
+
+def test_state_checks_pass_over_lazy_empty_and_integer_tensors_and_an_empty_output_is_finite():
+    """A Lazy module's parameters before its first forward, an empty tensor, an integer buffer: nothing to
+    check and nothing raised (an exception would switch the detector off); an empty module output (an expert
+    that got no tokens) reads finite."""
+    from distdebug.detectors.nan_origin import finite_flag
+
+    model = nn.Sequential(nn.LazyLinear(3), nn.Linear(0, 2))
+    model.register_buffer("count", torch.zeros(2, dtype=torch.long))
+    det = NanOrigin()
+    det._check_state(model, "before its first forward", "")
+    ((check),) = det._state
+    assert check.names == ["1.bias"] and torch.isfinite(check.flags).all()
+    assert float(finite_flag(torch.empty(0, 4))) == 0.0 and float(finite_flag(torch.empty(0, device="cpu"))) == 0.0

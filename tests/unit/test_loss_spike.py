@@ -313,3 +313,13 @@ def test_a_new_phase_after_a_short_history_starts_a_new_level_under_the_early_ru
     old.handover(nxt)
     assert _feed(nxt, [v * 10 for v in curve(10, 8)], 7) == []
     assert len(nxt.history["loss"]) == 10
+
+
+def test_a_negative_loss_that_learns_fast_is_no_collapse_and_one_that_collapses_is():
+    """A negative loss (an ELBO, a sum of logits) falling steadily 2-3x in magnitude reads far below its lagging
+    median level at a large z; as for a positive loss, only a fall five times as far from zero is a collapse."""
+    history = [-1.0 - 0.25 * i for i in range(12)]  # -1 .. -3.75, a steady fall: small noise
+    falls, level, z = spike(history, -9.0, 8.0, both=True)
+    assert z < -8 and not falls  # 2.4x the lowest recent value's magnitude
+    assert spike(history, -40.0, 8.0, both=True)[0]  # 10x: a collapse
+    assert spike([2.0] * 12, 0.1, 8.0, both=True)[0] and not spike([2.0] * 12, 0.9, 8.0, both=True)[0]

@@ -134,3 +134,35 @@ def test_each_data_order_check_names_what_its_finding_holds():
         assert "digest" not in a.check, a
     assert "where" in set_epoch.check and "set_epoch" in set_epoch.cause
     assert "steps" in batches.check and "loss" in loss.check and "--step 7" in loss.check
+
+
+def test_an_evaluation_pass_under_no_grad_is_never_trained_on_even_when_it_alone_moved():
+    """Training from an IterableDataset (no watched sampler) and a DistributedSampler(val, shuffle=True)
+    evaluated between steps without set_epoch: its pass is the only one that moved, run whole; taken under
+    no_grad (an evaluation loop iterates its loader inside the block), it is no epoch. The same passes
+    taken with autograd on are trained on, and repeat."""
+    for grad in (False, True):
+        run, val = Run(), sampler()
+        for _ in range(4):
+            run.boundary()  # training steps from a loader that is not watched
+            with torch.set_grad_enabled(grad):
+                list(run.iterate(val, "val"))
+        run.boundary()
+        assert bool(run.end()) is grad
+
+
+def test_what_is_remembered_stays_bounded_whatever_the_loop():
+    """set_epoch(step) and a batch every step, for many steps; samplers of ever new seeds: the epochs and
+    orders remembered stay within their bounds."""
+    from distdebug.detectors import data_order
+
+    run, smp = Run(), sampler()
+    for step in range(data_order.MAX_EPOCHS * 2):
+        smp.epoch = step
+        run.take(run.iterate(smp), 1)
+        run.boundary()
+    assert all(len(e) <= data_order.MAX_EPOCHS for e in run.passes.trained.values())
+    for seed in range(data_order.MAX_ORDERS * 2):
+        run.take(run.iterate(sampler(seed=seed)), 1)
+        run.boundary()
+    assert len(run.passes.trained) <= data_order.MAX_ORDERS and run.end() == []
