@@ -17,7 +17,6 @@ the same batch but compute different losses.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,7 +26,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows_to_read
-from distdebug.runtime.callsite import user_site
+from distdebug.runtime.callsite import user_line
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser
 from distdebug.runtime.exchange import checked_step as checked
@@ -193,8 +192,8 @@ class DataOrder(ExchangeUser, Detector):
                 it = original(sampler)
                 passes = det.passes
                 try:
-                    site = user_site()  # the loop's line, under the DataLoader, a fault's wrapper, our patch
-                    p = passes.start(sampler, f"{os.path.basename(site[0])}:{site[1]}" if site else "?")
+                    # the loop's line, under the DataLoader, a fault's wrapper, our patch
+                    p = passes.start(sampler, user_line() or "?")
                 except Exception:  # never break the user's data loading: this pass goes unwatched
                     return it
                 return passes.counted(it, p)

@@ -63,6 +63,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.hashing import local_view
+from distdebug.runtime.callsite import user_line
 from distdebug.runtime.discovery import ddp_params, find_ddp, first_tensor, runs_compiled, unwrap
 from distdebug.runtime.localgrads import local_grad_norms
 
@@ -251,7 +252,7 @@ class NanOrigin(Detector):
 
         def load_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             out = original(module, *args, **kwargs)
-            det._check_state(module, "right after load_state_dict", _user_line(),
+            det._check_state(module, "right after load_state_dict", user_line(),
                              list(getattr(out, "missing_keys", None) or []))
             return out
         return load_state_dict
@@ -261,7 +262,7 @@ class NanOrigin(Detector):
 
         def to_empty(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             out = original(module, *args, **kwargs)
-            det._to_empty_at = _user_line() or "?"
+            det._to_empty_at = user_line() or "?"
             return out
         return to_empty
 
@@ -682,15 +683,7 @@ class NanOrigin(Detector):
             return ()
         never = self._never_finite(event, checks)
         if never is not None:
-            self.count += 1
-            if self.first_step is not None:
-                return ()
-            self.first_step = event.step
-            never.evidence["watch"] = self.watch
-            if self.stop:
-                self.ctx.report(never)
-                raise SystemExit(EXIT_NAN)
-            return (never,)
+            return self._emit(never) if self._first_of_run(event) else ()
         forward = values.get("forward")
         skipped = event.skipped and loss_finite
         localised = self._recorder is not None and (skipped or self.first_step is None)
@@ -708,13 +701,10 @@ class NanOrigin(Detector):
             # to: the forward and the loss were finite, the parameters did not change. Not a NaN of the
             # training's; the flags are cleared, so nothing carries into the next step (loss_scale says it).
             return ()
-        self.count += 1
-        if self.first_step is not None:
+        if not self._first_of_run(event):
             return ()
-        self.first_step = event.step
         finding = (self._before(event) or self._received(event, fwd, comm_in, comm_out, stage_input, shards, gathered)
                    or self._explain(event, fwd, local))
-        finding.evidence["watch"] = self.watch
         if event.skipped:  # the non-finite forward or loss made the scaled gradients overflow too
             finding.message += ("; the loss scaler skipped this step's update (its scaled gradients were non-finite), "
                                 "but the forward or the loss was already non-finite: not an overflow of the scale")
@@ -724,7 +714,20 @@ class NanOrigin(Detector):
                 "the step's forward, re-executed on this rank from its inputs and parameters, was finite in every "
                 "watched module: the non-finite value did not come from the forward again (a transient fault: "
                 "--rerun-on-anomaly tells; or it was born in the backward or the update)")
-        if self.stop:
+        return self._emit(finding)
+
+    def _first_of_run(self, event: StepEvent) -> bool:
+        """Count a non-finite step; whether it is the run's first (the one found; later ones are counted)."""
+        self.count += 1
+        if self.first_step is not None:
+            return False
+        self.first_step = event.step
+        return True
+
+    def _emit(self, finding: Finding) -> tuple[Finding, ...]:
+        """The run's first finding, with the watch that ran; --stop-on-nan ends the rank once it is written."""
+        finding.evidence["watch"] = self.watch
+        if self.stop and self.ctx is not None:
             self.ctx.report(finding)
             raise SystemExit(EXIT_NAN)
         return (finding,)
@@ -976,18 +979,6 @@ def _still_nonfinite(t: Any) -> bool:
         if v.untyped_storage().nbytes() < (v.storage_offset() + v.numel()) * v.element_size():
             return True  # its memory was let go (a framework's freed buffer): as it was checked
         return bool(v.numel()) and not bool(v.isfinite().all())
-
-
-def _user_line() -> str:
-    """'file.py:LINE' of the script's call into torch being patched ('' when none is the user's)."""
-    from distdebug.runtime.callsite import user_site
-
-    site = user_site(2)
-    if site is None:
-        return ""
-    import os
-
-    return f"{os.path.basename(site[0])}:{site[1]}"
 
 
 def _quiet(fn: Any) -> Any:

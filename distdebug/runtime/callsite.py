@@ -64,3 +64,9 @@ def user_site(depth: int = 1) -> tuple[str, int, str] | None:
             return name, f.f_lineno, f.f_code.co_name
         f = f.f_back
     return None
+
+
+def user_line() -> str:
+    """'file.py:LINE' of the innermost user frame (``user_site``), or '' when every frame is internal."""
+    site = user_site(2)
+    return f"{os.path.basename(site[0])}:{site[1]}" if site else ""
