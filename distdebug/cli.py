@@ -523,7 +523,7 @@ def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], ove
     from distdebug.artifacts.runs import new_run_dir
     from distdebug.errors import UserError
     from distdebug.fault_injection.base import parse_spec
-    from distdebug.fault_injection.console import matrix, summary
+    from distdebug.fault_injection.console import isolation, matrix, summary
     from distdebug.fault_injection.matrix import ENGINES, junit_xml, plan, replay, replay_script
     from distdebug.fault_injection.registry import FAULTS
 
@@ -574,14 +574,23 @@ def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], ove
         def planned(runs: int) -> None:
             progress.update(task, total=1 + runs)
 
+        isolated: list = []  # what the script's runs were isolated from (fault_injection.sandbox)
         if script:
             results = replay_script(list(script), chosen, work, nproc=nproc, overrides=fitted, jobs=jobs,
-                                    timeout=cell_timeout, keep=keep_runs, on_cell=done, on_plan=planned)
+                                    timeout=cell_timeout, keep=keep_runs, on_cell=done, on_plan=planned,
+                                    on_isolation=isolated.append)
         else:
             results = replay(cells, work, nproc=nproc, on_cell=done, jobs=jobs, timeout=cell_timeout,
                              keep=keep_runs)
     out = Console()
-    matrix(out if out.is_terminal else Console(width=160), results)
+    shown = out if out.is_terminal else Console(width=160)
+    for iso in isolated:
+        lines, warnings = isolation(iso)
+        for line in lines:  # a path is no markup, and is not broken across lines
+            shown.print(line, markup=False, highlight=False, soft_wrap=True)
+        for warning in warnings:
+            click.echo(f"distdebug: {warning}", err=True)
+    matrix(shown, results)
     if junit is not None:
         junit.parent.mkdir(parents=True, exist_ok=True)
         junit.write_text(junit_xml(results))

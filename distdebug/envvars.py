@@ -51,8 +51,13 @@ MEASURE_OVERHEAD = "DISTDEBUG_MEASURE_OVERHEAD"
 STATUS = "DISTDEBUG_STATUS"
 """``0``: no status line from ``attach`` even on a terminal (launch.status)."""
 
+REPLAY_BACKUP = "DISTDEBUG_REPLAY_BACKUP"
+"""Set by ``faults replay SCRIPT`` on its clean run only: the folder where the probe keeps, before the first
+torch.save to each path outside the replay's work dir, whether the path existed and the file that was there
+(fault_injection.sandbox.before_save), so that the replay puts it back between runs."""
+
 ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, DETERMINISTIC, INJECT,
-       REPLICA_GROUPS, MEASURE_OVERHEAD)
+       REPLICA_GROUPS, MEASURE_OVERHEAD, REPLAY_BACKUP)
 
 
 def device_path_forced() -> bool:

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from distdebug.artifacts import schema
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.errors import UserError
@@ -143,6 +144,10 @@ class Fault(Detector):
     needs: ClassVar[int] = 1
     """Steps the script must run after the fault's step for its detector to see it (1: the fault never acts
     in the last step); for a fault without a step, the steps of the whole run."""
+    acts_through: str = "what it hooks into in the script"
+    """What the fault acts through, in words (``the optimizer's step of a float32 parameter``): the end of
+    the run says ``nothing it acts through was there (...)`` with it when the fault neither acted nor said
+    why not. A fault may set it per instance once it knows its target (a parameter's name)."""
 
     # ---------------------------------------------------------------- fitting to a user's script
     @classmethod
@@ -217,6 +222,26 @@ class Fault(Detector):
         if self.ctx is not None and self.ctx.emit is not None:
             self.ctx.emit("injected", **{"fault": self.name, "step": self.current, **what})
 
+    def not_acted(self, reason: str) -> None:
+        """Record why the fault did not act, or why what it did was undone before its detector could see
+        it (a flipped bit the optimizer rewrote, a spike the loss never saw): one ``not_acted`` record per
+        reason and rank. attach's never-acted line and the replay's ``did not act`` verdict quote it: the
+        fault knows why, nobody else does."""
+        said = self.__dict__.setdefault("_not_acted", set())
+        if reason in said or self.ctx is None or self.ctx.emit is None:
+            return
+        said.add(reason)
+        self.ctx.emit(schema.NOT_ACTED, **{"fault": self.name, "step": self.current, "reason": reason})
+
+    def said_why_not(self) -> bool:
+        """This rank has recorded a reason (``not_acted``) already."""
+        return bool(self.__dict__.get("_not_acted"))
+
+    def targets(self) -> list[int]:
+        """The ranks it acts on ([] for every rank)."""
+        rank = getattr(self, "rank", -1)
+        return [] if rank == -1 else [rank]
+
     def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
 
@@ -225,6 +250,28 @@ class Fault(Detector):
 
     def on_step(self, event: StepEvent) -> tuple[()]:
         self.current = event.step + 1
+        return ()
+
+    def on_end(self) -> tuple[()]:
+        """The run is over: a fault that neither acted nor said why on a rank it acts on says so now, so that
+        attach and the replay quote a reason rather than guess one. A subclass that overrides this calls it."""
+        if self.ctx is None or self.acted or self.said_why_not():
+            return ()
+        world = self.ctx.identity.world_size
+        beyond = [r for r in self.targets() if r >= world]
+        if beyond:
+            if self.ctx.rank == 0:  # said once for the job: no rank of it is the one the fault acts on
+                self.not_acted(f"it acts on rank {beyond[0]}, and the job ran {world} rank{_s(world)} "
+                               f"(0-{world - 1})")
+            return ()
+        if not self.mine():
+            return ()
+        ran = self.current - 1  # boundaries passed; the step in progress (if any) never ended
+        step = getattr(self, "step", None) if self.has_step() else None
+        if step is not None and ran < step:
+            self.not_acted(f"its step {step} never came: the script ran {ran} step{_s(ran)}")
+        else:
+            self.not_acted(f"nothing it acts through was there ({self.acts_through})")
         return ()
 
     # ---------------------------------------------------------------- what the replay checks
@@ -258,6 +305,10 @@ class SlowRank(Fault):
     def on_step(self, event: StepEvent) -> tuple[()]:
         self.pace.step_ended(event)
         return super().on_step(event)
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
 
 
 def parse_spec(spec: str, known: dict[str, type[Fault]]) -> tuple[type[Fault], dict[str, Any]]:

@@ -23,6 +23,10 @@ class CheckpointCorruption(Fault):
     catcher = "checkpoint_roundtrip"
     engines = ("zero2_resume",)
 
+    acts_through = "a torch.load of the script's that restores a floating-point tensor"
+    loads = 0
+    """torch.load calls seen on its rank."""
+
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         if not self.mine():
@@ -34,6 +38,7 @@ class CheckpointCorruption(Fault):
 
         def load(*args: Any, **kwargs: Any) -> Any:
             obj = original(*args, **kwargs)
+            fault.loads += 1
             if not fault.acted:
                 hit = _alter_first(obj, "")
                 if hit is not None:
@@ -46,6 +51,13 @@ class CheckpointCorruption(Fault):
             return obj
 
         ctx.patch(torch, "load", load)
+
+    def on_end(self) -> tuple[()]:
+        if self.mine() and not self.acted:
+            self.not_acted("no checkpoint was loaded: the script never called torch.load on this rank" if not self.loads
+                           else f"the script's {self.loads} torch.load call{'s' if self.loads > 1 else ''} on this "
+                                "rank restored no floating-point tensor")
+        return super().on_end()
 
     needs = 1
 

@@ -60,10 +60,13 @@ class DuplicateData(Fault):
 
         self.ctx.patch(shard, "__init__", init)
 
+    acts_through = ("a DistributedSampler (or accelerate's BatchSamplerShard) built by the script: it built none, "
+                    "or none that shards over more than one rank")
+
     def on_end(self) -> tuple[()]:
         if self._hook is not None:
             self._hook.remove()
-        return ()
+        return super().on_end()  # never acted: said, in the words above
 
     needs = 2  # found at step 2
 
@@ -73,6 +76,9 @@ class DuplicateData(Fault):
             return ("no DistributedSampler or accelerate BatchSamplerShard: "
                     + ("the script makes its batches itself" if not facts.dataloader
                        else "its DataLoader shards data some other way"))
+        unshareable = facts.unshareable_samples()
+        if unshareable:  # data_order compares the batches' contents: the same indices must mean the same batch
+            return unshareable
         return super().applicable(facts)
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:

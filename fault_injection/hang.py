@@ -25,10 +25,17 @@ class Hang(Fault):
     attach_args = ("--stall-timeout", "4")
     exit_codes = (124,)
 
+    acts_through = "the model's forward, called in its step"
+
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
-        if ctx.models and self.mine():
-            ctx.models[0].register_forward_pre_hook(self._pre)
+        if not self.mine():
+            return
+        if not ctx.models:
+            self.not_acted("no model was found: no forward to block in")
+            return
+        ctx.models[0].register_forward_pre_hook(self._pre)
+        self.acts_through = f"the model's forward in step {self.step}: it did not run then"
 
     def _pre(self, module: Any, args: Any) -> None:
         if self.here():

@@ -2,7 +2,14 @@
 of `factor`'s size, which is what a corrupted batch does to the loss (scaling the input instead would be
 undone by the first BatchNorm; scaling alone barely moves a cross-entropy whose logits are still small,
 as an early classifier's are, and not at all a mean-squared error around zero). The noise is seeded by
-the step: a replay is repeatable.
+the step: a replay is repeatable. A loss the model computes itself (a 0-dim floating tensor among its outputs:
+nanoGPT's ``(logits, loss)``, a Hugging Face ``ModelOutput``'s ``loss``) is multiplied by `factor`: a spike in
+magnitude whatever the loss's sign (a negative loss, a sum of logits, goes `factor` times as far below zero).
+
+Whether it acted is checked at the end of its step, as the training can defeat it: the script's backward must
+reach a corrupted tensor (a loss computed from something else than the model's output is not spiked), and the
+step's loss must be at least MIN_SPIKE times the recent ones in magnitude (a loss that does not grow with the
+output); otherwise the fault says why (``not_acted``) instead of leaving a miss to the detector.
 
 ``rank=-1`` (the default) corrupts every rank's step: each rank's own loss spikes. One rank only
 also makes that rank's loss depart from the others' (loss_spike's cross-rank check, 3+ ranks).
@@ -10,15 +17,24 @@ also makes that rank's loss depart from the others' (loss_spike's cross-rank che
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from distdebug.context import RankContext
+from distdebug.context import RankContext, StepEvent
 
 from ._targets import inner
 from .base import Expect, Fault, Param
 
 if TYPE_CHECKING:
     from .probe import Facts
+
+
+MIN_SPIKE = 2.0
+"""The loss of the corrupted step must be at least this many times the recent losses in magnitude for the fault
+to have acted (x30 on the output makes it tens to hundreds of times larger for a cross-entropy, a squared error
+or a sum of logits)."""
 
 
 class LossSpike(Fault):
@@ -38,9 +54,10 @@ class LossSpike(Fault):
             model.register_forward_hook(self._post)
 
     def _post(self, module: Any, args: Any, out: Any) -> Any:
-        """The output as the model returns it: a tensor; a mapping with a ``loss`` (a Hugging Face
-        ``ModelOutput`` that computed its loss from ``labels``: that loss, which the script backpropagates);
-        a tuple or list led by a tensor (``return_dict=False``: the loss first when there is one)."""
+        """The output as the model returns it, corrupted where the script's loss comes from: every loss in it
+        (a 0-dim floating tensor: nanoGPT's ``(logits, loss)``, a Hugging Face ``ModelOutput``'s ``loss``) times
+        ``factor``, and the first other floating tensor (the logits, from which a script computes its loss
+        outside the model) times ``factor`` plus noise. A tensor, a mapping, or a tuple or list."""
         import torch
 
         def scalable(t: Any) -> bool:
@@ -49,19 +66,79 @@ class LossSpike(Fault):
         # Every forward of the step: its micro-batches (accumulation, a pipeline's schedule) all corrupted.
         if not (self.mine() and self.current == self.step):
             return None
+        corrupted: list[str] = []
+        logits = [False]
+
+        def corrupt(key: str, t: Any) -> Any:
+            if not scalable(t):
+                return t
+            if t.dim() == 0:
+                new = t * self.factor
+            elif not logits[0]:
+                logits[0] = True
+                new = self._corrupt(t)
+            else:
+                return t
+            corrupted.append(key)
+            if new.requires_grad:  # whether the script's backward reaches it (checked at the step's end)
+                self.watched = True
+                new.register_hook(self._reached)
+            return new
+
         if scalable(out):
-            what, new = {}, self._corrupt(out)
-        elif hasattr(out, "keys") and "loss" in out.keys() and scalable(out["loss"]):
-            out["loss"] = out["loss"] * self.factor  # a ModelOutput keeps its attribute in step with the key
-            what, new = {"output": "loss"}, out
-        elif type(out) in (tuple, list) and out and scalable(out[0]):
-            first = out[0] * self.factor if out[0].numel() == 1 else self._corrupt(out[0])  # a loss, or logits
-            what, new = {"output": "first"}, type(out)([first, *out[1:]])
+            new = corrupt("output", out)
+        elif hasattr(out, "keys") and hasattr(out, "__setitem__"):
+            for k in list(out.keys()):  # a ModelOutput keeps its attribute in step with the key
+                v = corrupt(str(k), out[k])
+                if v is not out[k]:
+                    out[k] = v
+            new = out
+        elif type(out) in (tuple, list) and out:
+            new = type(out)([corrupt(f"output[{i}]", v) for i, v in enumerate(out)])
         else:
             return None
+        if not corrupted:
+            return None
         if not self.acted:  # recorded once, at its first micro-batch
-            self.injected(factor=self.factor, **what)
+            self.injected(factor=self.factor, output=", ".join(corrupted))
         return new
+
+    watched = False
+    """A corrupted output of the step requires a gradient: the script's backward must reach it."""
+    reached = False
+
+    def _reached(self, grad: Any) -> None:
+        self.reached = True
+
+    def on_step(self, event: StepEvent) -> tuple[()]:
+        """The step after the fault's: did its corruption reach the loss the script backpropagated, and spike
+        it? Said (``not_acted``) when not: the loss is computed from something else than the model's output,
+        or does not grow with it."""
+        if self.acted and event.step == self.step and self.mine():
+            self._judge_effect(event)
+        elif event.loss is not None and math.isfinite(event.loss):
+            self.recent.append(abs(event.loss))
+        return super().on_step(event)
+
+    def _judge_effect(self, event: StepEvent) -> None:
+        if self.watched and not self.reached and event.backward_calls:
+            self.not_acted(f"the model's output corrupted in step {self.step} never reached the loss the script "
+                           "called backward() on: the script computes its loss from something else than what "
+                           "the model returns")
+            return
+        if event.loss is None or not self.recent:
+            return  # no loss on this rank (a pipeline's first stage): nothing to judge here
+        before = statistics.median(self.recent)
+        now = abs(event.loss) if math.isfinite(event.loss) else math.inf
+        if now < MIN_SPIKE * before:
+            self.not_acted(f"the loss the script backpropagated in step {self.step} went from about {before:.4g} "
+                           f"to {event.loss:.4g} in magnitude (x{now / before if before else 0:.2g}) under the model's "
+                           f"output times {self.factor:g}: it does not grow with the model's output, so no spike "
+                           "can show")
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.recent: deque[float] = deque(maxlen=5)  # |loss| of the last steps before the fault's
 
     def _corrupt(self, out: Any) -> Any:
         import torch
@@ -79,6 +156,11 @@ class LossSpike(Fault):
     def applicable(cls, facts: Facts) -> str:
         if not facts.loss:
             return "no loss was read from the steps (the model's output is not a loss the harness can see)"
+        constant = facts.constant_loss()
+        if constant is not None:
+            return (f"the clean run's loss was {constant:.6g} at every step on every rank: it does not move with the "
+                    "model" + (" (cross-entropy over a single output column is 0 whatever the weights)"
+                               if constant == 0 else "") + ", so a spike cannot show")
         return super().applicable(facts)
 
     @classmethod

@@ -10,8 +10,11 @@ A cell is
 - localised: every finding the fault declares (``Fault.expect``, built from what the fault actually
   hit: rank, step, parameter, module, file) is there;
 - a miss otherwise, also when the detector is not built yet;
-- an error when the fault was scheduled but never acted (the replay aimed it wrong: not the
-  detector's miss), the run timed out, or its exit code was not the expected one.
+- did-not-act when the fault said why it did not act, or that what it did was undone before its detector
+  could see it (``not_acted`` records: a parameter nobody else holds, a flip the optimizer rewrote): its own
+  reason, counted apart (not the detector's miss, nor a failure of the replay);
+- an error when the fault was scheduled but neither acted nor said why (a defect of the fault), the run
+  timed out, or its exit code was not the expected one.
 A clean run per engine must have no finding at all.
 
 On a user's script (``replay_script``) the clean run is also a probe (fault_injection.probe): what
@@ -31,10 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distdebug import envvars
 from distdebug.config import EXIT_NEVER_ACTED
 
 from .base import Expect, Fault
 from .registry import FAULTS
+from .sandbox import Isolation
 
 REPLAY_TIMEOUT_S = 300.0
 
@@ -97,7 +102,7 @@ class Cell:
     engine: str
     spec: str
     status: str = "miss"
-    """caught-localised | caught | miss | clean | false-alarm | error | not-applicable"""
+    """caught-localised | caught | miss | clean | false-alarm | error | not-applicable | did-not-act"""
     detector: str = ""
     steps_to_detection: int | None = None
     wall_s: float = 0.0
@@ -109,11 +114,16 @@ class Cell:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("caught-localised", "clean", "not-applicable")
+        return self.status in ("caught-localised", "clean", "not-applicable", "did-not-act")
 
     @property
     def applicable(self) -> bool:
         return self.status != "not-applicable"
+
+    @property
+    def skipped(self) -> bool:
+        """Nothing for the detector to catch: the fault cannot act on the script, or it said why it did not."""
+        return self.status in ("not-applicable", "did-not-act")
 
 
 def _matches(f: dict[str, Any], e: Expect) -> bool:
@@ -130,8 +140,9 @@ def _matches(f: dict[str, Any], e: Expect) -> bool:
 
 
 def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findings: list[dict[str, Any]],
-          cell: Cell) -> Cell:
-    """Fill in the verdict of one cell from what the run recorded (pure)."""
+          cell: Cell, not_acted: list[dict[str, Any]] | None = None) -> Cell:
+    """Fill in the verdict of one cell from what the run recorded (pure): ``injected`` and ``not_acted``
+    records (the fault's acts, and its reasons for not acting), and the findings."""
     if fault is None:  # the clean run: a note (info: a framework default's cost, say) is no alarm
         findings = [f for f in findings if f.get("severity") != "info"]
         cell.status = "clean" if not findings else "false-alarm"
@@ -140,10 +151,18 @@ def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findi
                                     for f in findings[:5])
         return cell
     cell.detector = fault.catcher
+    from distdebug.analysis.summary import acted, why_not
+
+    said = [r for r in not_acted or () if r.get("fault") == fault.name]
+    if said and fault.name not in acted(injected, said):
+        # The fault knows why: said in its words, neither the detector's miss nor a generic reason.
+        cell.status, cell.reason = "did-not-act", "; ".join(why_not([fault.name], said).get(fault.name, []))
+        return cell
     if not injected:
-        # Its schedule or target was wrong for this run: the replay's error, not the detector's miss.
+        # Neither acted nor said why: a fault gives its reason (Fault.not_acted, or the end-of-run fallback).
         cell.status = "error"
-        cell.reason = "the fault was scheduled but never acted (nothing it targets was there at its step)"
+        cell.reason = ("the fault was scheduled but never acted, and gave no reason (a defect of the fault: every "
+                       "fault says why it did not act)")
         return cell
     first = min((i["step"] for i in injected if i.get("step") is not None), default=None)
     # A finding before the fault acted is not its catch (a fault that acts at set-up, step 1, can be
@@ -188,11 +207,28 @@ def _steps(fault: Fault | None) -> int:
 
 
 def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, script: list[str] | None = None,
-             timeout: float = REPLAY_TIMEOUT_S, probe: bool = False, standalone: bool = False) -> Cell:
+             timeout: float = REPLAY_TIMEOUT_S, probe: bool = False, standalone: bool = False,
+             isolation: Isolation | None = None, keep: bool = False) -> Cell:
     """Run one cell (a fault on an engine, or the clean run when fault is None) and judge it.
 
     ``probe``: the clean run also records what the script has (fault_injection.probe); ``standalone``:
-    the run's rendezvous on a free port of its own (cells run side by side)."""
+    the run's rendezvous on a free port of its own (cells run side by side); ``isolation``: the script runs
+    in a copy of the working directory of its own (fault_injection.sandbox), beside its run dir, removed
+    after the run unless it failed and ``keep``."""
+    if isolation is None:
+        return _run_cell(fault, engine_name, work, nproc, script, timeout, probe, standalone, None)
+    runs = work / f"{fault.name if fault is not None else 'clean'}-{engine_name}"
+    cell: Cell | None = None
+    try:
+        cell = _run_cell(fault, engine_name, work, nproc, script, timeout, probe, standalone, isolation)
+        return cell
+    finally:
+        if cell is None or cell.ok or not keep:
+            isolation.remove_copy(runs)
+
+
+def _run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, script: list[str] | None,
+              timeout: float, probe: bool, standalone: bool, isolation: Isolation | None) -> Cell:
     from distdebug.artifacts.reader import load_run
     from distdebug.procs import run_tree
 
@@ -202,9 +238,20 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop(envvars.REPLAY_BACKUP, None)
     base = [*_cli(), "attach", "--nproc-per-node", str(nproc), *(["--standalone"] if standalone else [])]
+    cwd: Path | None = None
     if script is not None:
         target = list(script)
+        if isolation is not None:
+            try:
+                cwd = isolation.copy(runs)
+            except OSError as e:
+                cell.status, cell.reason = "error", f"could not copy the working directory for this run: {e}"
+                return cell
+            target = isolation.script(target, cwd)
+            if probe:
+                env[envvars.REPLAY_BACKUP] = str(isolation.backups)
     else:
         engine = ENGINES[engine_name]
         target = [str(_script(engine.script)), *engine.args]
@@ -227,7 +274,7 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     elif probe:
         argv += ["--inject", "probe"]
     t0 = time.monotonic()
-    r = run_tree([*argv, *target], timeout=timeout, env=env)
+    r = run_tree([*argv, *target], timeout=timeout, env=env, cwd=cwd)
     cell.wall_s = time.monotonic() - t0
     cell.exit_code = r.returncode
     if r.timed_out:
@@ -239,8 +286,9 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
     run = load_run(run_dir)
     findings = run.all_findings()
     injected = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == "injected"]
+    not_acted = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == "not_acted"]
     # Setup-time faults act on every rank the same way: judged once per rank that acted.
-    judge(fault, world=nproc, injected=injected, findings=findings, cell=cell)
+    judge(fault, world=nproc, injected=injected, findings=findings, cell=cell, not_acted=not_acted)
     return judge_exit(fault, r.returncode, bool(injected), cell)
 
 
@@ -249,8 +297,8 @@ def judge_exit(fault: Fault | None, code: int, acted: bool, cell: Cell) -> Cell:
     fault-injection's error when the fault broke the training; attach's never-acted code keeps judge()'s
     reason."""
     expected_exits = fault.exit_codes if fault is not None else (0,)
-    if code == EXIT_NEVER_ACTED and fault is not None and not acted:
-        return cell  # attach's own word for it: judge() already gave the never-acted reason
+    if code == EXIT_NEVER_ACTED and fault is not None and (not acted or cell.status == "did-not-act"):
+        return cell  # attach's own word for it: judge() already gave the never-acted reason (or the fault's own)
     if code not in expected_exits:
         if cell.ok or fault is None:
             cell.status, cell.reason = "error", f"exit code {code}, expected {list(expected_exits)}"
@@ -324,16 +372,44 @@ def replay_script(script: list[str], faults: list[str], work: Path, nproc: int =
                   overrides: dict[str, dict[str, Any]] | None = None, jobs: int = 1,
                   timeout: float = REPLAY_TIMEOUT_S, keep: bool = False,
                   on_cell: Callable[[Cell], None] | None = None,
-                  on_plan: Callable[[int], None] | None = None) -> list[Cell]:
+                  on_plan: Callable[[int], None] | None = None,
+                  on_isolation: Callable[[Isolation], None] | None = None) -> list[Cell]:
     """Replay faults on a user's script: a clean probe run first (it is the clean cell too), then each
     fault the probe shows can act on the script, fitted to it (``Fault.fit``: its step from the number
     of steps, its target from the model; ``overrides``: the user's parameters per fault, which win);
-    the others are not-applicable cells with the reason. ``on_plan`` gets the number of runs to come."""
+    the others are not-applicable cells with the reason. ``on_plan`` gets the number of runs to come.
+
+    Each run starts from a copy of the working directory as it was before the replay, and the paths outside
+    it the clean run saved to are put back after every run (fault_injection.sandbox: a script that resumes
+    from its own checkpoint would resume every later run from an earlier one's); such runs go one at a time,
+    as they share those paths. ``on_isolation`` gets what was isolated, after the last run."""
+    work = Path(os.path.abspath(work))  # the runs start in copies elsewhere: their run dirs are given absolute
+    isolation = Isolation(Path.cwd(), work)
+    try:
+        return _replay_script(script, faults, work, nproc, overrides, jobs, timeout, keep, on_cell, on_plan,
+                              isolation)
+    finally:
+        isolation.restore()
+        isolation.close()
+        if on_isolation is not None:
+            on_isolation(isolation)
+
+
+def _replay_script(script: list[str], faults: list[str], work: Path, nproc: int,
+                   overrides: dict[str, dict[str, Any]] | None, jobs: int, timeout: float, keep: bool,
+                   on_cell: Callable[[Cell], None] | None, on_plan: Callable[[int], None] | None,
+                   isolation: Isolation) -> list[Cell]:
     from distdebug.artifacts.reader import load_run
 
     from .probe import Facts
 
-    clean = run_cell(None, "script", work, nproc, script=script, timeout=timeout, probe=True, standalone=jobs > 1)
+    clean = run_cell(None, "script", work, nproc, script=script, timeout=timeout, probe=True, standalone=jobs > 1,
+                     isolation=isolation, keep=keep)
+    isolation.learn()
+    isolation.restore()  # before the watch: a linked file the clean run saved to, put back, is no change
+    isolation.watch("clean")
+    if isolation.saved and jobs > 1:
+        isolation.serial_from, jobs = jobs, 1
     if on_cell is not None:
         on_cell(clean)
     if clean.status == "error" or clean.exit_code != 0:
@@ -355,14 +431,28 @@ def replay_script(script: list[str], faults: list[str], work: Path, nproc: int =
         cells.append(None)
         fault = cls(**{**cls.fit(facts), **(overrides or {}).get(name, {})})
         world = max(nproc, fault.min_world)
-        todo.append(functools.partial(run_cell, fault, "script", work, world, script=script, timeout=timeout,
-                                      standalone=jobs > 1))
+        todo.append(_isolated(functools.partial(run_cell, fault, "script", work, world, script=script,
+                                                timeout=timeout, standalone=jobs > 1, isolation=isolation,
+                                                keep=keep), name, isolation))
     if on_plan is not None:
         on_plan(len(todo))
     ran = iter(_run_all(todo, jobs, on_cell))
     out = [c if c is not None else next(ran) for c in cells]
     _prune(out, keep)
     return out
+
+
+def _isolated(job: Callable[[], Cell], name: str, isolation: Isolation) -> Callable[[], Cell]:
+    """The run, then the paths outside the copy put back (runs that have any go one at a time) and the user's
+    linked files checked."""
+    def run() -> Cell:
+        try:
+            return job()
+        finally:
+            isolation.restore()
+            isolation.watch(name)
+
+    return run
 
 
 def junit_xml(cells: list[Cell]) -> str:
@@ -376,15 +466,16 @@ def junit_xml(cells: list[Cell]) -> str:
     root = ET.Element("testsuites", name="distdebug faults replay")
     suite = ET.SubElement(root, "testsuite", name="distdebug-faults", errors="0",
                           failures=str(sum(not c.ok for c in cells)),
-                          skipped=str(sum(not c.applicable for c in cells)), tests=str(len(cells)),
+                          skipped=str(sum(c.skipped for c in cells)), tests=str(len(cells)),
                           time=f"{sum(c.wall_s for c in cells):.3f}",
                           timestamp=datetime.now(timezone.utc).isoformat(), hostname=socket.gethostname())
     for c in cells:
         case = ET.SubElement(suite, "testcase", classname=f"faults.{c.engine}", name=c.fault,
                              time=f"{c.wall_s:.3f}")
-        if not c.applicable:
-            skip = ET.SubElement(case, "skipped", type="distdebug.not_applicable",
-                                 message=f"not applicable: {c.reason}"[:500])
+        if c.skipped:
+            kind = "not applicable" if not c.applicable else "did not act"
+            skip = ET.SubElement(case, "skipped", type=f"distdebug.{kind.replace(' ', '_')}",
+                                 message=f"{kind}: {c.reason}"[:500])
             skip.text = c.reason
         elif not c.ok:
             fail = ET.SubElement(case, "failure", message=f"{c.status}: {c.reason}"[:500])

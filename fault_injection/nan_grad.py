@@ -27,12 +27,23 @@ class NanGrad(Fault):
     catcher = "nan_origin"
     engines = ("ddp", "manual")
 
+    acts_through = "the gradient, computed in its step, of a parameter of the model found"
+
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
+        if not self.mine():
+            return
         found = parameter(ctx, self.param)
-        if found is None or not self.mine():
+        if found is None:
+            self.not_acted("no model was found: no gradient to plant a NaN in" if not ctx.models
+                           else f"the model has no parameter named {self.param}" if self.param
+                           else "the model has no parameter that requires a gradient")
             return
         name, p = found
+        if not getattr(p, "requires_grad", False):
+            self.not_acted(f"{name} does not require a gradient: there is none to plant a NaN in")
+            return
+        self.acts_through = f"the gradient of {name} in step {self.step}: no backward of that step reached it"
 
         def hook(grad: Any) -> Any:
             if self.here():

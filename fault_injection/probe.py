@@ -15,13 +15,16 @@ and where (the step chosen from the number of steps the script runs, the target 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from distdebug import envvars
 from distdebug.context import RankContext
 
 from .base import Fault
+from .sandbox import before_save
 
 
 class Probe(Fault):
@@ -29,6 +32,10 @@ class Probe(Fault):
     description = "the replay's clean run: records what the script has (acts on nothing)"
     params = ()
     catcher = ""
+
+    dataset: Any = None
+    """The dataset of the first sharded DataLoader (else of the first DataLoader) iterated."""
+    sharded = False
 
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
@@ -46,8 +53,11 @@ class Probe(Fault):
         def loader(it: Any) -> None:
             sampler = getattr(it, "_index_sampler", None)
             inner = getattr(sampler, "sampler", sampler)
-            probe.fact("dataloader", sampler=type(inner).__name__, distributed=isinstance(inner, DistributedSampler)
-                       or type(sampler).__name__ == "BatchSamplerShard")  # accelerate's sharding
+            sharded = isinstance(inner, DistributedSampler) or type(sampler).__name__ == "BatchSamplerShard"
+            probe.fact("dataloader", sampler=type(inner).__name__, distributed=sharded)  # accelerate's sharding
+            if probe.dataset is None or (sharded and not probe.sharded):
+                # The dataset duplicate_data would hand every rank the same indices of: read again at the end.
+                probe.dataset, probe.sharded = getattr(it, "_dataset", None), sharded
 
         def path(f: Any) -> str | None:
             where = target(f)  # a path, or a file object opened on one; None: a buffer
@@ -58,14 +68,26 @@ class Probe(Fault):
                 where, names = path(f), _names(obj)
                 probe.fact("load", key=f"{where}:{names}", path=where, names=names)
 
+        # Whether each path existed before this rank first saved to it; on the replay's clean run, the file
+        # that was there is kept (fault_injection.sandbox), so that the replay puts a path outside its copy of
+        # the working directory back between runs.
+        backups = envvars.get(envvars.REPLAY_BACKUP)
+        existed: dict[str, bool | None] = {}
+
+        def before(f: Any) -> None:
+            where = path(f)
+            if where is not None and where not in existed:
+                existed[where] = None  # once per path, even if what follows fails
+                existed[where] = before_save(where, backups, opened=not isinstance(f, (str, os.PathLike)))
+
         def saved(f: Any, obj: Any) -> None:
             where, names = path(f), _names(obj)
             if where is not None or hasattr(f, "write"):  # a buffer's save is known by its tensors' names
-                probe.fact("save", key=f"{where}:{names}", path=where, names=names)
+                probe.fact("save", key=f"{where}:{names}", path=where, names=names, existed=existed.get(where or ""))
 
         # Every observation is quiet (an exception of ours never reaches the script) and calls straight through.
         def __next__(it: Any) -> Any:
-            if "dataloader:" not in probe.seen:
+            if "dataloader:" not in probe.seen or not probe.sharded:
                 _quietly(loader, it)
             return next_(it)
 
@@ -79,6 +101,7 @@ class Probe(Fault):
             return obj
 
         def save_(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            _quietly(before, f)
             out = save(obj, f, *args, **kwargs)
             _quietly(saved, f, obj)
             return out
@@ -100,7 +123,41 @@ class Probe(Fault):
 
         param = _targets.parameter(ctx, "")
         module = _targets.module(ctx, "")
-        self.fact("targets", param=param[0] if param else None, module=module[0] if module else None)
+        replicas: Any = "every rank"  # the ranks that hold the same values of the parameter (Layout.replicas)
+        layout = getattr(ctx, "layout", None)
+        if param is not None and layout is not None:
+            group = layout.replicas(param[1])
+            replicas = "every rank" if group is None else (group or [])
+        self.fact("targets", param=param[0] if param else None, module=module[0] if module else None,
+                  param_replicas=replicas)
+
+    def on_end(self) -> tuple[()]:
+        """After the training: the probed dataset's first sample read twice (the random state put back), so
+        that the replay knows whether ranks given the same indices would see the same batch."""
+        if self.dataset is not None:
+            _quietly(self._sample_digest)
+        return ()
+
+    def _sample_digest(self) -> None:
+        import random
+
+        import torch
+
+        ds = self.dataset
+        if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")) or len(ds) == 0:
+            return  # an IterableDataset: no index to read again
+        states: list[Any] = [torch.random.get_rng_state(), random.getstate()]
+        np = _numpy()
+        if np is not None:
+            states.append(np.random.get_state())
+        try:
+            first, again = _digest(ds[0]), _digest(ds[0])
+        finally:
+            torch.random.set_rng_state(states[0])
+            random.setstate(states[1])
+            if np is not None:
+                np.random.set_state(states[2])
+        self.fact("dataset_sample", digest=first, repeatable=first == again, sharded=self.sharded)
 
     def fact(self, what: str, key: str = "", **details: Any) -> None:
         """One record per fact (and key: each saved path) and rank."""
@@ -116,6 +173,47 @@ def _quietly(fn: Any, *args: Any) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001 - the probe only watches: its failure must not reach the script
         pass
+
+
+def _numpy() -> Any:
+    import sys
+
+    return sys.modules.get("numpy")
+
+
+def _digest(obj: Any) -> str:
+    """A digest of a sample's values (tensors, arrays, numbers, strings, nested in dicts, lists and tuples):
+    equal for equal samples; other objects count by their type only."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha1()
+
+    def walk(x: Any, depth: int) -> None:
+        if depth > 8:
+            return
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(f"K{k}".encode())
+                walk(x[k], depth + 1)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                walk(v, depth + 1)
+        elif isinstance(x, (int, float, str, bytes, bool)) or x is None:
+            h.update(repr(x).encode())
+        elif hasattr(x, "tobytes"):  # a numpy array or a PIL image
+            h.update(bytes(x.tobytes()))
+        else:
+            h.update(type(x).__qualname__.encode())
+
+    walk(obj, 0)
+    return h.hexdigest()[:16]
 
 
 def _names(obj: Any) -> str:
@@ -157,6 +255,8 @@ class Facts:
     itself) or plain (no wrapper, no gradient all-reduce seen)."""
     replicas: int = 0
     """Ranks holding the same parameters (the data-parallel group's size; 0: unknown)."""
+    zero_stage: int | None = None
+    """DeepSpeed's ZeRO stage (None: no DeepSpeed engine)."""
     batchnorm: int = 0
     syncbatchnorm: int = 0
     broadcast_buffers: bool | None = None
@@ -177,6 +277,14 @@ class Facts:
     """torch.manual_seed was called before the first step ended (before the model was known)."""
     loads: dict[int, list[str]] = field(default_factory=dict)
     """Rank -> paths it restored tensors from that a rank of this run saved (checked by checkpoint_roundtrip)."""
+    losses: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Rank -> (lowest, highest) finite loss of its steps."""
+    param_replicas: dict[int, Any] = field(default_factory=dict)
+    """Rank -> the ranks holding the same values of its default parameter: "every rank", a list of ranks, or []
+    (nobody else: a shard of its own, FSDP2's full shard)."""
+    samples: dict[int, tuple[str, bool, bool]] = field(default_factory=dict)
+    """Rank -> (digest of its dataset's first sample, whether reading it again gave the same, whether that dataset
+    was the one a DistributedSampler shards), read after the clean run."""
     targets: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
     """Rank -> (the parameter a fault aims at by default, the last weight; the module a NaN is planted in by
     default, one that can make a NaN of finite numbers): per rank, as a pipeline's stages hold other modules."""
@@ -206,6 +314,42 @@ class Facts:
         found = self.aim(1)
         return found[1] if found else None
 
+    def constant_loss(self) -> float | None:
+        """The loss's one value when every rank's steps had the same finite loss throughout (a loss that does
+        not move with the model: cross-entropy over a single output column is 0 whatever the weights), else
+        None."""
+        ranges = list(self.losses.values())
+        if not ranges or any(lo != hi for lo, hi in ranges) or len({lo for lo, _ in ranges}) > 1:
+            return None
+        return ranges[0][0]
+
+    def unshareable_samples(self) -> str:
+        """Why ranks handed the same indices would still see different batches ('' when they would, or when
+        unknown): a dataset that reads differently each time (random samples, random augmentation), or
+        datasets that differ between ranks at the same index (unseeded random data, each rank's own files)."""
+        if not self.samples:
+            return ""
+        if not all(again for _, again, _ in self.samples.values()):
+            return ("its dataset returns a different sample each time the same index is read (random data or a "
+                    "random augmentation): ranks given the same indices would still see different batches")
+        if len({digest for digest, _, _ in self.samples.values()}) > 1 and len(self.samples) >= 2:
+            return ("the ranks' datasets hold different samples at the same index (built from random numbers "
+                    "without a seed, or from each rank's own files): ranks given the same indices would still "
+                    "see different batches")
+        return ""
+
+    def replicas_of_param(self) -> str:
+        """Why the default parameter has no replica to compare with on the rank a fault aims at ('' when it has,
+        or when unknown)."""
+        found = self.aim(0)
+        if found is None:
+            return ""
+        rank, name = found
+        group = self.param_replicas.get(rank, "every rank")
+        if group == [] or group is False:
+            return f"no other rank holds the values of {name} (each rank holds a shard of its own)"
+        return ""
+
     @property
     def wrapper_names(self) -> str:
         return ", ".join(sorted(self.wrappers)) or "no model"
@@ -228,9 +372,13 @@ class Facts:
                 elif kind == "end" and rank == 0:
                     f.exit_code = r.get("exit_code")
                 elif kind == "step":
-                    if r.get("loss") is not None:
+                    loss = r.get("loss")
+                    if loss is not None:
                         f.loss = True
                         f.loss_ranks.add(rank)
+                        if isinstance(loss, (int, float)) and math.isfinite(loss):
+                            lo, hi = f.losses.get(rank, (loss, loss))
+                            f.losses[rank] = (min(lo, loss), max(hi, loss))
                     f.collectives = f.collectives or bool(r.get("collectives"))
                 elif kind == "discovery":
                     f._discovery(r)
@@ -249,6 +397,10 @@ class Facts:
                         loads.setdefault(rank, []).append((r.get("path"), r.get("names")))
                     elif what == "targets":
                         f.targets[rank] = (r.get("param"), r.get("module"))
+                        if r.get("param") is not None and "param_replicas" in r:
+                            f.param_replicas[rank] = r.get("param_replicas")
+                    elif what == "dataset_sample":
+                        f.samples[rank] = (str(r.get("digest")), bool(r.get("repeatable")), bool(r.get("sharded")))
         f.steps = min(steps, default=0)
         # A restore of a path a rank saved, or of what a rank saved into a buffer (the same tensors' names).
         f.loads = {rank: [p or "a buffer" for p, names in paths if p in saved or f"names:{names}" in saved]
@@ -262,6 +414,9 @@ class Facts:
             self.wrappers.update(chain or [m.get("wrapper") or "plain"])
             self.batchnorm = max(self.batchnorm, int(m.get("batchnorm_modules") or 0))
             self.syncbatchnorm = max(self.syncbatchnorm, int(m.get("syncbatchnorm_modules") or 0))
+            zero = ((m.get("options") or {}).get("deepspeed") or {}).get("zero_stage")
+            if zero is not None:
+                self.zero_stage = max(self.zero_stage or 0, int(zero))
             ddp = (m.get("options") or {}).get("ddp")
             if ddp is not None:
                 self.broadcast_buffers = bool(ddp.get("broadcast_buffers", True))

@@ -23,6 +23,8 @@ class SeedMismatch(Fault):
     catcher = "init_seed"
     engines = ("manual",)
 
+    acts_through = "a torch.manual_seed call of the script's: it made none"
+
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         import torch

@@ -20,11 +20,17 @@ class SkipStep(Fault):
     catcher = "replica_divergence"
     engines = ("ddp", "manual")
 
+    acts_through = "the first optimizer's step(), called by the script in its step"
+
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
-        if not ctx.optimizers or not self.mine():
+        if not self.mine():
+            return
+        if not ctx.optimizers:
+            self.not_acted("no optimizer was found: no step to skip")
             return
         opt = ctx.optimizers[0]
+        self.acts_through = f"{type(opt).__name__}.step() in step {self.step}: the script did not call it then"
         original = opt.step
         fault = self
 

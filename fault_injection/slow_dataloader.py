@@ -24,6 +24,8 @@ class SlowDataloader(SlowRank):
     catcher = "straggler"
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
+    acts_through = "a torch DataLoader iterated on its rank"
+
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
         if not self.mine():

@@ -30,8 +30,15 @@ class SlowLink(Fault):
     engines = ("doctor",)
     min_world = 3  # a slow pair is told from the median link only among several
 
+    def targets(self) -> list[int]:
+        return [self.a, self.b]
+
+    def mine(self) -> bool:
+        return self.ctx is not None and self.ctx.rank in (self.a, self.b)
+
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
+        self.acts_through = f"a torch.distributed send or recv between ranks {self.a} and {self.b}: none was made"
         if ctx.rank not in (self.a, self.b):
             return
         import torch.distributed as dist

@@ -28,10 +28,16 @@ class Straggler(SlowRank):
     continuing = True
     steps = 20  # the straggler scores need medians over 8 steps every rank reported
 
+    acts_through = "the model's forward, called from its step on"
+
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
-        if ctx.models and self.mine():
-            ctx.models[0].register_forward_pre_hook(self._pre)
+        if not self.mine():
+            return
+        if not ctx.models:
+            self.not_acted("no model was found: no forward to slow down")
+            return
+        ctx.models[0].register_forward_pre_hook(self._pre)
 
     def _pre(self, module: Any, args: Any) -> None:
         if self.current >= self.step and self.mine():

@@ -37,6 +37,8 @@ class UnsyncedBn(Fault):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         fault = self
+        self.acts_through = ("a SyncBatchNorm.convert_sync_batchnorm call of the script's: it made none"
+                             if self.mode == "sync" else "a DistributedDataParallel the script builds: it built none")
         if self.mode == "sync":
             def convert(cls: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
                 fault.injected(mode="sync", modules=_bn_names(module))

@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,11 +61,15 @@ class GPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        """The logits; given ``targets``, nanoGPT's ``(logits, loss)``: the loss computed inside the model."""
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.blocks:
             x = blk(x)
-        return self.head(self.ln(x))
+        logits = self.head(self.ln(x))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def main() -> None:
@@ -75,6 +80,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=64, help="context length (tokens)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (no_sync on all but the last)")
+    p.add_argument("--loss-in-model", action="store_true",
+                   help="the model returns (logits, loss), as nanoGPT's does, instead of the logits")
     p.set_defaults(batch_size=8, lr=3e-3, steps=40)
     args = p.parse_args()
     device = setup(args.seed)
@@ -97,8 +104,11 @@ def main() -> None:
             idx = torch.randint(args.vocab, (args.batch_size, args.block + 1), generator=g).to(device)
             last = micro == args.grad_accum - 1
             with ddp.no_sync() if not last else contextlib.nullcontext():
-                logits = ddp(idx[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, args.vocab), idx[:, 1:].reshape(-1))
+                if args.loss_in_model:
+                    logits, loss = ddp(idx[:, :-1], idx[:, 1:])
+                else:
+                    logits = ddp(idx[:, :-1])
+                    loss = F.cross_entropy(logits.reshape(-1, args.vocab), idx[:, 1:].reshape(-1))
                 (loss / args.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

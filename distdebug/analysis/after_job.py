@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distdebug.artifacts import layout
+from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Run, load_run
 from distdebug.artifacts.writer import append_run_findings
 from distdebug.findings import Finding
@@ -59,8 +59,10 @@ class AfterJob:
     layout: dict[str, Any] = field(default_factory=dict)
     """rank -> {node, local_rank, host, pid, attempt}, from the ranks' start records."""
     never_acted: list[str] = field(default_factory=list)
-    """Faults injected on purpose that no rank recorded acting (judged only when every rank's stream
-    is in the run directory: a node that sees its own ranks only cannot tell)."""
+    """Faults injected on purpose that no rank recorded acting, or whose act was undone (judged only when every
+    rank's stream is in the run directory: a node that sees its own ranks only cannot tell)."""
+    why_not: dict[str, list[str]] = field(default_factory=dict)
+    """Fault -> its own reasons for not acting (summary.why_not)."""
 
 
 def analyse(run_dir: Path, end: JobEnd) -> AfterJob:
@@ -137,12 +139,15 @@ def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
 
 
 def _never_acted(run: Run, out: AfterJob) -> None:
-    from distdebug.analysis.summary import never_acted
+    from distdebug.analysis.summary import never_acted, why_not
 
     if out.world_size is None or len(run.ranks) < out.world_size:
         return  # another node's ranks write elsewhere: whether they acted is not known here
-    injected = [r for s in run.ranks.values() for r in s.last_attempt() if r.get("kind") == "injected"]
-    out.never_acted = never_acted((run.manifest or {}).get("faults"), injected)
+    records = [r for s in run.ranks.values() for r in s.last_attempt()]
+    injected = [r for r in records if r.get("kind") == schema.INJECTED]
+    not_acted = [r for r in records if r.get("kind") == schema.NOT_ACTED]
+    out.never_acted = never_acted((run.manifest or {}).get("faults"), injected, not_acted)
+    out.why_not = why_not(out.never_acted, not_acted)
 
 
 def _layout(run: Run, out: AfterJob) -> None:

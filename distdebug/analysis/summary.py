@@ -57,8 +57,10 @@ class RunSummary:
     injected: list[dict[str, Any]] = field(default_factory=list)
     """Faults injected on purpose (attach --inject), as each rank recorded them acting."""
     never_acted: list[str] = field(default_factory=list)
-    """Faults given to attach --inject that no rank recorded acting (nothing they act through was there, or
-    their step was never reached): said, so that a clean report is not read as the fault being missed."""
+    """Faults given to attach --inject that no rank recorded acting, or whose act was undone (``not_acted``
+    records): said, so that a clean report is not read as the fault being missed."""
+    why_not: dict[str, list[str]] = field(default_factory=dict)
+    """Fault -> its own reasons for not acting, with the ranks that gave each (``not_acted`` records)."""
     windows: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """Damage in the run directory (unreadable manifest, skipped lines)."""
@@ -95,6 +97,7 @@ def summarize(run: Run) -> RunSummary:
     ranks: list[RankSummary] = []
     findings: list[Finding] = []
     injected: list[dict[str, Any]] = []
+    not_acted: list[dict[str, Any]] = []
     straggler_scores: dict[int, float] = {}
     discovery = None
     world_size = None
@@ -107,6 +110,7 @@ def summarize(run: Run) -> RunSummary:
         world_size = world_size or start.get("world_size")
         steps = [r for r in records if r.get("kind") == schema.STEP]
         injected += [r for r in records if r.get("kind") == schema.INJECTED]
+        not_acted += [r for r in records if r.get("kind") == schema.NOT_ACTED]
         losses = [r["loss"] for r in steps if r.get("loss") is not None]
         times = [r["step_time_s"] for r in steps if r.get("step_time_s") is not None]
         disc = next((r for r in records if r.get("kind") == schema.DISCOVERY), None)
@@ -165,6 +169,7 @@ def summarize(run: Run) -> RunSummary:
     manifest = run.manifest or {}
     merged = _merge(findings)
     dirs = run.paths or [run.path]
+    silent = never_acted(manifest.get("faults"), injected, not_acted)
     return RunSummary(
         run_dir=str(run.path),
         command=manifest.get("command"),
@@ -173,7 +178,8 @@ def summarize(run: Run) -> RunSummary:
         failure=failure,
         ranks=ranks,
         injected=injected,
-        never_acted=never_acted(manifest.get("faults"), injected),
+        never_acted=silent,
+        why_not=why_not(silent, not_acted),
         windows=[w for path in dirs for w in analyze_run(path)],
         run_dirs=[str(p) for p in dirs],
         findings=merged,
@@ -220,10 +226,59 @@ def _job_label(layout: dict[str, Any], per_rank: dict[int, dict[str, Any]]) -> s
     return label
 
 
-def never_acted(faults: Any, injected: list[dict[str, Any]]) -> list[str]:
+def never_acted(faults: Any, injected: list[dict[str, Any]], not_acted: Any = ()) -> list[str]:
     """Names of the faults the manifest lists (``{"target": "fault_injection.NAME:Class", ...}``, one module
-    per fault) without an ``injected`` record; the replay's probe (which acts on nothing) is not one."""
-    acted = {str(i.get("fault")) for i in injected}
+    per fault) that did not act (``acted``); the replay's probe (which acts on nothing) is not one."""
+    done = acted(injected, not_acted)
     names = [str(f.get("target", "")).partition(":")[0].rpartition(".")[2] for f in faults or []
              if isinstance(f, dict)]
-    return [n for n in dict.fromkeys(names) if n and n != "probe" and n not in acted]
+    return [n for n in dict.fromkeys(names) if n and n != "probe" and n not in done]
+
+
+def acted(injected: list[dict[str, Any]], not_acted: Any = ()) -> set[str]:
+    """The faults whose act held on some rank: an ``injected`` record of that rank and no ``not_acted`` record
+    of the same rank at the act's step or later. A reason given at or after the act says that what the fault
+    did was undone (a flipped bit rewritten, a NaN that never reached the loss); one given before it is a
+    decline the fault went past (no model yet, then one in a later phase)."""
+    said: dict[tuple[str, Any], list[int]] = {}
+    for n in not_acted:
+        step = n.get("step")
+        said.setdefault((str(n.get("fault")), n.get("rank")), []).append(step if isinstance(step, int) else 0)
+    out = set()
+    for i in injected:
+        key = (str(i.get("fault")), i.get("rank"))
+        at = i.get("step")
+        step = at if isinstance(at, int) else 0
+        if not any(s >= step for s in said.get(key, ())):
+            out.add(key[0])
+    return out
+
+
+def why_not(names: list[str], not_acted: Any) -> dict[str, list[str]]:
+    """Each named fault's own reasons for not acting, in the order first given, each with the ranks that gave
+    it (``"no other rank holds head.weight ... [rank 1]"``); a fault that gave none is left out."""
+    ranks: dict[str, dict[str, list[Any]]] = {}
+    for n in not_acted:
+        name, reason = str(n.get("fault")), str(n.get("reason") or "")
+        if name in names and reason:
+            got = ranks.setdefault(name, {}).setdefault(reason, [])
+            if n.get("rank") not in got:
+                got.append(n.get("rank"))
+    return {name: [f"{reason} [{_ranks_said(rs)}]" for reason, rs in by.items()] for name, by in ranks.items()}
+
+
+def _ranks_said(ranks: list[Any]) -> str:
+    known = sorted(r for r in ranks if isinstance(r, int))
+    if len(known) == 1:
+        return f"rank {known[0]}"
+    return f"ranks {', '.join(map(str, known))}" if known else "rank ?"
+
+
+NO_REASON = "nothing it acts through was there, or its step never came"
+"""Said of a fault that did not act and gave no reason of its own (a run from before faults gave them)."""
+
+
+def never_acted_text(names: list[str], why: dict[str, list[str]]) -> str:
+    """``bitflip_param: no other rank holds head.weight ... [rank 1]``: each fault with its own reasons, or the
+    generic line for one that gave none."""
+    return "; ".join(f"{n}: {'; '.join(why[n])}" if why.get(n) else f"{n} ({NO_REASON})" for n in names)

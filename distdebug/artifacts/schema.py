@@ -20,6 +20,7 @@ PG_INIT = "pg_init"        # init_process_group entered (phase "begin") or retur
 STALL = "stall"            # no progress for stall_timeout: phase, last step, collective in flight, stacks
 STALL_CLEARED = "stall_cleared"  # progress resumed after a stall record
 INJECTED = "injected"      # a fault acted (distdebug attach --inject): fault, step, what it did
+NOT_ACTED = "not_acted"    # a fault did not act, or what it did was undone: fault, step, reason (its own words)
 PROBE = "probe"            # faults replay's clean run: a fact about the script (a DataLoader, a load, ...)
 STRAGGLER_SCORES = "straggler_scores"  # rank 0: per-rank relative speed score, work, data wait, lateness
 MEMORY = "memory"          # bytes: parameters, gradients, optimizer_state, activations, other (GPU), total
@@ -27,7 +28,7 @@ MEMORY_PEAK = "memory_peak"  # the step and breakdown with the largest total
 TRACE = "trace"            # a profiler window written: steps [A, B], path of this rank's gzip Chrome trace
 HARNESS_COST = "harness_cost"  # cumulative: steps, training-thread ms per detector, threads' CPU ms, host reads
 OVERHEAD_BLOCK = "overhead_block"  # attach --measure-overhead: block, on (detectors running), step_times_s
-KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED,
+KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED, NOT_ACTED,
          STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK, PROBE)
 
 

@@ -228,10 +228,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     elif result.completed:
         message = teardown_summary([f for f in result.findings if f.detector == "teardown"])
     elif code == 0 and result.never_acted:
-        code, message = EXIT_NEVER_ACTED, (
-            f"the training exited 0, but the fault{'s' if len(result.never_acted) > 1 else ''} injected on purpose "
-            f"never acted: {', '.join(result.never_acted)} (nothing it acts through was there, or its step never "
-            "came; distdebug faults replay SCRIPT says which faults can act on a script)")
+        code, message = EXIT_NEVER_ACTED, never_acted_message(result.never_acted, result.why_not)
     node_info.update(ended=time.time(), exit_code=code, message=message)
     write_json_atomic(node_file, node_info)
     if cfg.node_rank == 0:
@@ -239,6 +236,18 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         data.update(world_size=result.world_size, layout=result.layout)
         write_json_atomic(layout.manifest_path(run_dir), data)
     return AttachResult(code, run_dir, message, result.completed or code == EXIT_NEVER_ACTED)
+
+
+def never_acted_message(names: list[str], why: dict[str, list[str]]) -> str:
+    """attach's line for exit 122: each fault with its own reasons (``not_acted`` records: the fault knows why);
+    the generic line, and where to look, only for a fault that gave none."""
+    from distdebug.analysis.summary import NO_REASON, never_acted_text
+
+    head = f"the training exited 0, but the fault{'s' if len(names) > 1 else ''} injected on purpose never acted: "
+    hint = "distdebug faults replay SCRIPT says which faults can act on a script"
+    if not any(why.get(n) for n in names):
+        return f"{head}{', '.join(names)} ({NO_REASON}; {hint})"
+    return head + never_acted_text(names, why) + ("" if all(why.get(n) for n in names) else f" ({hint})")
 
 
 def _failures(err: Any) -> tuple[dict[int, int], int | None]:

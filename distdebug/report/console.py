@@ -48,9 +48,10 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         console.print(f"[magenta]fault injected on purpose[/magenta]: {esc(str(inj.get('fault')))} on rank "
                       f"{inj.get('rank')} at step {inj.get('step')}" + (f" ({esc(what)})" if what else ""))
     for name in summary.never_acted:
-        console.print(f"[magenta]fault injected on purpose[/magenta]: {esc(name)} [bold]never acted[/bold]: nothing it "
-                      "acts through was there, or its step never came (distdebug faults replay SCRIPT says which "
-                      "faults can act on a script)")
+        why = summary.why_not.get(name)  # the fault's own reasons; the generic line only when it gave none
+        console.print(f"[magenta]fault injected on purpose[/magenta]: {esc(name)} [bold]never acted[/bold]: "
+                      + (esc("; ".join(why)) if why else "nothing it acts through was there, or its step never came "
+                         "(distdebug faults replay SCRIPT says which faults can act on a script)"))
     if summary.exit_code is not None:
         style = "green" if summary.exit_code == 0 else "bold red"
         tail = f" ({esc(summary.failure)})" if summary.failure else ""

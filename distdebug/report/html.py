@@ -230,8 +230,9 @@ def render_html(run: Run, summary: RunSummary, out: Path) -> Path:
         banner += (f"<div class='banner fault'>Fault injected on purpose: {_e(i.get('fault'))} on rank "
                    f"{_e(i.get('rank'))} at step {_e(i.get('step'))}</div>")
     for name in summary.never_acted:
-        banner += (f"<div class='banner fault'>Fault injected on purpose: {_e(name)} never acted (nothing it acts "
-                   "through was there, or its step never came)</div>")
+        why = summary.why_not.get(name)  # the fault's own reasons; the generic line only when it gave none
+        said = _e("; ".join(why)) if why else "nothing it acts through was there, or its step never came"
+        banner += f"<div class='banner fault'>Fault injected on purpose: {_e(name)} never acted ({said})</div>"
     # A doctor run trains nothing: no empty training plots there; a training run without the doctor: no
     # empty bandwidth boxes.
     training = ("loss", "step_time", "memory", "straggler")

@@ -10,6 +10,8 @@ because each proves a different engine or script shape."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -67,6 +69,34 @@ def test_a_failing_training_keeps_its_exit_code_when_a_fault_never_acted(tmp_pat
                   str(DATA / "scripts" / "teardown.py"), "--os-exit", "3")
     assert r.returncode == 3, r.output[-3000:]
     assert json.loads(distdebug("report", "--json", str(tmp_path)).stdout)["never_acted"] == ["duplicate_data"]
+
+
+@pytest.mark.parametrize(("recipe", "reason"), [
+    (["fsdp2_transformer.py"], "no other rank holds head.weight (sharded over ranks [0, 1] by FSDP2), so a flip has "
+                               "nothing to be compared with [rank 1]"),
+    (["deepspeed_zero.py", "--zero-stage", "2"],
+     "the flipped bit in 4.weight did not survive step 2: the value was rewritten before the step ended (DeepSpeed "
+     "ZeRO steps its own fp32 copy of the parameters and copies its partition back into them after the optimizer "
+     "step) [rank 1]"),
+], ids=["fsdp2-full-shard", "zero2"])
+def test_a_fault_that_did_not_act_says_its_own_reason(tmp_path, recipe, reason):
+    """Issue 46: bitflip_param where nobody else holds the parameter (FSDP2 sharding over every rank) declined
+    silently, and attach printed a generic guess; under ZeRO-2 the flip acted and DeepSpeed copied its partition
+    back over it inside its step: exit 0, no finding, no word. The fault says why in both (``not_acted``, the
+    flipped word read again with the step's one read), attach exits 122 with that reason, the report quotes it.
+    Its twin, the flip that holds under DDP and is caught: the replay's bitflip_param/ddp cell
+    (test_replay_of_the_whole_catalogue_on_the_cpu_recipes[ddp])."""
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--inject", "bitflip_param:step=2",
+                  str(RECIPES / recipe[0]), *recipe[1:], "--steps", "4")
+    assert r.returncode == EXIT_NEVER_ACTED, r.output[-3000:]
+    said = " ".join(r.stderr.split())
+    assert f"injected on purpose never acted: bitflip_param: {reason}" in said, said[-2000:]
+    assert "nothing it acts through was there" not in said
+    (rec,) = records(tmp_path, 1, "not_acted")
+    assert (rec["fault"], rec["step"]) == ("bitflip_param", 2) and records(tmp_path, 0, "not_acted") == []
+    assert not [f for f in records(tmp_path, 1, "finding") if f["detector"] == "replica_divergence"]
+    text = " ".join(distdebug("report", str(tmp_path)).stdout.split())
+    assert f"fault injected on purpose: bitflip_param never acted: {reason}" in text
 
 
 def test_skip_step_runs_the_closure_it_is_given(tmp_path):
@@ -218,10 +248,12 @@ def test_replay_on_a_gpt_script_with_accumulation_and_a_schedule_catches_every_f
     AdamW, warm-up and a cosine schedule, clipping: every applicable fault caught and localised, the clean run
     clean. The straggler was a miss here: its arrival at the gradient reduction was taken at the step's first
     backward, which under no_sync() reduces nothing (the slow rank is late by every micro-batch at the one
-    that does); the loss spike's rule was judged on curves of this script too (tests/unit/test_loss_spike.py)."""
+    that does); the loss spike's rule was judged on curves of this script too (tests/unit/test_loss_spike.py).
+    Issue 46: the model returns nanoGPT's ``(logits, loss)``, the loss computed inside it; loss_spike scaled the
+    logits only, the loss backpropagated never moved, and the cell was the detector's miss."""
     junit = tmp_path / "faults.xml"
     r = distdebug("faults", "replay", "-j", "2", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
-                  str(RECIPES / "gpt_ddp.py"), "--steps", "20", "--grad-accum", "2", timeout=1500)
+                  str(RECIPES / "gpt_ddp.py"), "--steps", "20", "--grad-accum", "2", "--loss-in-model", timeout=1500)
     assert r.returncode == 0, r.output[-4000:]
     assert "10 applicable, 10 caught-localised, 6 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
     cases = _cases(junit)
@@ -306,3 +338,57 @@ def test_a_transient_fault_is_told_in_the_report_with_its_action(tmp_path):
     words = " ".join(text.replace("│", " ").split())  # a cell's lines run on (the row's other cells between them)
     assert all(w in words for w in ("rerun", "re-execution", "step 4", "not", "reproducible", "transient", "fault",
                                     "drain rank 1's machine"))
+
+
+def _files(root, skip=()):
+    """Relative path -> bytes of every file under root (symlinks as their target), folders in skip left out."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if rel.parts[0] in skip:
+            continue
+        if p.is_symlink():
+            out[str(rel)] = ("link", os.readlink(p))
+        elif p.is_file():
+            out[str(rel)] = p.read_bytes()
+    return out
+
+
+def test_replay_of_a_script_that_resumes_from_its_snapshot_isolates_every_run(tmp_path):
+    """Issue 46: the pytorch/examples DDP tutorial saves snapshot.pt in its working directory every epoch and
+    resumes from it when it is there. Replayed in the user's directory, every run after the clean one resumed
+    from the clean run's last snapshot and ran one epoch (nan_grad at step 6, loss_spike at step 19: "scheduled
+    but never acted", errors), a run after nan_grad from NaN weights, and the directory was left with the
+    snapshot. Each run starts from a copy of the directory as it was: the clean run is clean, both faults are
+    caught at their step, and the directory is as it was.
+
+    The same runs prove two more shapes: the loss is negative (minus a softplus, summed: the spike is a fall to
+    thirty times as far below zero, as on the FSDP2 example's sum of logits), and the dataset is the tutorial's
+    torch.rand without a seed, each rank's samples its own: duplicate_data cannot show there (same indices,
+    different batches) and is not applicable, with that reason, instead of the miss it was."""
+    user = tmp_path / "project"
+    (user / "configs").mkdir(parents=True)
+    shutil.copy(DATA / "scripts" / "ddp_tutorial.py", user / "ddp_tutorial.py")
+    (user / "configs" / "notes.txt").write_text("the user's own file: never modified by a replay\n")
+    before = _files(user)
+    junit = tmp_path / "faults.xml"
+    # nan_grad at step 6, in the second epoch: a run resumed from the clean run's last snapshot has 4 steps.
+    # The work dir inside the working directory, where the default (./distdebug-runs/<time>-faults) puts it.
+    r = distdebug("faults", "replay", "--inject", "nan_grad:step=6", "--fault", "nan_grad", "--fault", "loss_spike",
+                  "--fault", "duplicate_data", "--work-dir", "distdebug-runs/replay", "--junit", str(junit),
+                  "ddp_tutorial.py", "--snapshot", "snapshot.pt", "--epochs", "5", "--unseeded", "--negative-loss",
+                  cwd=user, timeout=900)
+    assert r.returncode == 0, r.output[-4000:]
+    assert "2 applicable, 2 caught-localised, 1 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    cases = _cases(junit)
+    outs = {n: c.find("system-out").text for n, c in cases.items() if c.find("system-out") is not None}
+    assert outs["clean"].startswith("clean")
+    # 20 steps from scratch: step 6 and step 19 came
+    assert outs["nan_grad"].startswith("caught-localised; spec nan_grad:rank=1,step=6,"), outs["nan_grad"]
+    assert outs["loss_spike"].startswith("caught-localised; spec loss_spike:rank=-1,step=19,"), outs["loss_spike"]
+    assert _skipped(cases) == {"duplicate_data": (
+        "not applicable: the ranks' datasets hold different samples at the same index (built from random numbers "
+        "without a seed, or from each rank's own files): ranks given the same indices would still see different "
+        "batches")}
+    assert f"each run started from a copy of {os.path.realpath(user)} (2 files, " in " ".join(r.stdout.split())
+    assert _files(user, skip=("distdebug-runs",)) == before  # no snapshot.pt, the user's file untouched

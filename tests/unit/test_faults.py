@@ -217,11 +217,15 @@ def test_loss_spike_scales_the_loss_a_model_returns_in_any_shape():
     assert acted and torch.equal(got, t * 10 + noise) and torch.equal(post(t)[0], got)
     out = ModelOutput()
     out["loss"], out["logits"] = torch.tensor(0.5), t
-    got, acted = post(out)
-    assert acted and float(got["loss"]) == 5.0 and float(got.loss) == 5.0 and torch.equal(got["logits"], t)
+    got, acted = post(out)  # the loss times 10; the logits corrupted too (a script may compute its own loss)
+    assert acted and float(got["loss"]) == 5.0 and float(got.loss) == 5.0 and torch.equal(got["logits"], t * 10 + noise)
     got, acted = post((torch.tensor(0.5), t))  # a loss first: scaled
-    assert acted and isinstance(got, tuple) and float(got[0]) == 5.0 and got[1] is t
-    got, acted = post({"logits": t})  # no loss to scale: untouched, not acted (the replay says so)
+    assert acted and isinstance(got, tuple) and float(got[0]) == 5.0 and torch.equal(got[1], t * 10 + noise)
+    got, acted = post((t, torch.tensor(-0.5)))  # nanoGPT's (logits, loss): the loss scaled, whatever its sign
+    assert acted and float(got[1]) == -5.0 and torch.equal(got[0], t * 10 + noise)
+    got, acted = post({"logits": t})  # the logits a script computes its loss from
+    assert acted and torch.equal(got["logits"], t * 10 + noise)
+    got, acted = post(("text", torch.tensor([1, 2])))  # nothing floating: untouched, not acted (the replay says so)
     assert got is None and not acted
 
 
