@@ -72,9 +72,15 @@ def isolation(iso: Isolation) -> tuple[list[str], list[str]]:
         serial = (f"; the runs went one at a time (not -j {iso.serial_from}): they all write there"
                   if iso.serial_from else "")
         lines.append(f"restored between runs: {said}{serial}")
+    elif iso.serial_from:
+        lines.append(f"the runs went one at a time (not -j {iso.serial_from}): the clean run wrote through a link "
+                     "to your file")
     warnings = [f"warning: the run {run} changed {snap.source / e.rel} through its link to your file (linked, "
                 f"not copied: {_WHY[e.why]}); the replay cannot undo it" for run, e in iso.changed]
     warnings += [f"warning: {p}; what was there is kept in {iso.backups}" for p in iso.problems]
+    if iso.kept is not None and not iso.problems:
+        warnings.append(f"warning: not every path the clean run saved to outside could be put back; what was "
+                        f"there is kept in {iso.kept}")
     return lines, warnings
 
 
@@ -109,6 +115,8 @@ def _how(s: Any) -> str:
         return "overwritten by the clean run, put back"
     if s.existed:
         return "overwritten by the clean run; its original could not be kept: not restorable"
+    if s.backup is not None:
+        return "its copy was cut short: not restorable, what was copied kept"
     return "written through a file the script opened itself: not restorable"
 
 

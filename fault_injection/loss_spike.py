@@ -47,17 +47,26 @@ class LossSpike(Fault):
     catcher = "loss_spike"
     engines = ("ddp", "fsdp2", "zero2", "manual")
 
+    acts_through = "the model's output in its step: a floating-point tensor, or a tuple, list or mapping holding one"
+
     def attach(self, ctx: RankContext) -> None:
         super().attach(ctx)
+        if not self.mine():
+            return
         model = inner(ctx)
-        if model is not None and self.mine():
-            model.register_forward_hook(self._post)
+        if model is None:
+            self.not_acted("no model was found: no output to corrupt")
+            return
+        model.register_forward_hook(self._post)
+        self.acts_through = (f"the output of {type(model).__name__}'s forward in step {self.step}: it did not run "
+                             "forward then")
 
     def _post(self, module: Any, args: Any, out: Any) -> Any:
         """The output as the model returns it, corrupted where the script's loss comes from: every loss in it
         (a 0-dim floating tensor: nanoGPT's ``(logits, loss)``, a Hugging Face ``ModelOutput``'s ``loss``) times
-        ``factor``, and the first other floating tensor (the logits, from which a script computes its loss
-        outside the model) times ``factor`` plus noise. A tensor, a mapping, or a tuple or list."""
+        ``factor``, and every other floating tensor in it (the logits, from which a script computes its loss
+        outside the model, whichever element they are) times ``factor`` plus noise. A tensor, a mapping, or a
+        tuple (a named one too: torchvision's InceptionOutputs) or list; nested containers are left alone."""
         import torch
 
         def scalable(t: Any) -> bool:
@@ -67,18 +76,11 @@ class LossSpike(Fault):
         if not (self.mine() and self.current == self.step):
             return None
         corrupted: list[str] = []
-        logits = [False]
 
         def corrupt(key: str, t: Any) -> Any:
             if not scalable(t):
                 return t
-            if t.dim() == 0:
-                new = t * self.factor
-            elif not logits[0]:
-                logits[0] = True
-                new = self._corrupt(t)
-            else:
-                return t
+            new = t * self.factor if t.dim() == 0 else self._corrupt(t)
             corrupted.append(key)
             if new.requires_grad:  # whether the script's backward reaches it (checked at the step's end)
                 self.watched = True
@@ -93,11 +95,15 @@ class LossSpike(Fault):
                 if v is not out[k]:
                     out[k] = v
             new = out
-        elif type(out) in (tuple, list) and out:
-            new = type(out)([corrupt(f"output[{i}]", v) for i, v in enumerate(out)])
+        elif isinstance(out, (tuple, list)) and out:
+            items = [corrupt(f"output[{i}]", v) for i, v in enumerate(out)]
+            new = type(out)(*items) if hasattr(out, "_fields") else type(out)(items)  # a namedtuple by position
         else:
-            return None
+            new = None
         if not corrupted:
+            if not self.acted:
+                self.not_acted(f"the model's output in step {self.step} holds no floating-point tensor to corrupt (a "
+                               f"{type(out).__name__})")
             return None
         if not self.acted:  # recorded once, at its first micro-batch
             self.injected(factor=self.factor, output=", ".join(corrupted))

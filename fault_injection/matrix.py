@@ -154,7 +154,8 @@ def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findi
     from distdebug.analysis.summary import acted, why_not
 
     said = [r for r in not_acted or () if r.get("fault") == fault.name]
-    if said and fault.name not in acted(injected, said):
+    undone = bool(said) and fault.name not in acted(injected, said)
+    if undone and not injected:
         # The fault knows why: said in its words, neither the detector's miss nor a generic reason.
         cell.status, cell.reason = "did-not-act", "; ".join(why_not([fault.name], said).get(fault.name, []))
         return cell
@@ -175,7 +176,12 @@ def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findi
     steps = [f["step"] for f in caught if isinstance(f.get("step"), int)]
     if steps and first is not None:
         cell.steps_to_detection = max(0, min(steps) - first)
-    if not caught:
+    if not caught and undone:
+        # It acted, and says its effect was undone before the detector could see it (a flip rewritten, a NaN
+        # that never reached the loss): its reason, not the detector's miss. A catch stays a catch: the fault's
+        # own check of its effect is a guess the findings overrule.
+        cell.status, cell.reason = "did-not-act", "; ".join(why_not([fault.name], said).get(fault.name, []))
+    elif not caught:
         cell.status = "miss"
         cell.reason = f"no finding from {fault.catcher}" + ("" if _built(fault.catcher) else " (detector not built)")
     elif cell.missing:
@@ -289,16 +295,17 @@ def _run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scr
     not_acted = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == "not_acted"]
     # Setup-time faults act on every rank the same way: judged once per rank that acted.
     judge(fault, world=nproc, injected=injected, findings=findings, cell=cell, not_acted=not_acted)
-    return judge_exit(fault, r.returncode, bool(injected), cell)
+    said = fault is not None and any(rec.get("fault") == fault.name for rec in not_acted)
+    return judge_exit(fault, r.returncode, bool(injected), cell, said=said)
 
 
-def judge_exit(fault: Fault | None, code: int, acted: bool, cell: Cell) -> Cell:
+def judge_exit(fault: Fault | None, code: int, acted: bool, cell: Cell, said: bool = False) -> Cell:
     """The verdict once attach's exit code is known (pure): an unexpected code is an error, said as the
     fault-injection's error when the fault broke the training; attach's never-acted code keeps judge()'s
     reason."""
     expected_exits = fault.exit_codes if fault is not None else (0,)
-    if code == EXIT_NEVER_ACTED and fault is not None and (not acted or cell.status == "did-not-act"):
-        return cell  # attach's own word for it: judge() already gave the never-acted reason (or the fault's own)
+    if code == EXIT_NEVER_ACTED and fault is not None and (not acted or said):
+        return cell  # attach's own word for it: judge() gave the never-acted reason, the fault's own, or its catch
     if code not in expected_exits:
         if cell.ok or fault is None:
             cell.status, cell.reason = "error", f"exit code {code}, expected {list(expected_exits)}"
@@ -344,11 +351,12 @@ def _run_all(jobs: list[Callable[[], Cell]], parallel: int, on_cell: Callable[[C
 
 
 def _prune(cells: list[Cell], keep: bool) -> None:
-    """Remove the run directories of the cells that passed (kept: the failed ones, to look into)."""
+    """Remove the run directories of the cells that passed (kept: the failed ones and those whose fault did
+    not act, to look into why)."""
     if keep:
         return
     for c in cells:
-        if c.ok and c.run_dir:
+        if c.ok and c.status != "did-not-act" and c.run_dir:
             shutil.rmtree(Path(c.run_dir).parent, ignore_errors=True)
             c.run_dir = ""
 
@@ -405,10 +413,11 @@ def _replay_script(script: list[str], faults: list[str], work: Path, nproc: int,
 
     clean = run_cell(None, "script", work, nproc, script=script, timeout=timeout, probe=True, standalone=jobs > 1,
                      isolation=isolation, keep=keep)
-    isolation.learn()
     isolation.restore()  # before the watch: a linked file the clean run saved to, put back, is no change
     isolation.watch("clean")
-    if isolation.saved and jobs > 1:
+    # Runs side by side would race on the paths outside (each put back between runs) or on a user's file the
+    # clean run wrote through a link: one at a time then, and said.
+    if (isolation.saved or isolation.changed) and jobs > 1:
         isolation.serial_from, jobs = jobs, 1
     if on_cell is not None:
         on_cell(clean)

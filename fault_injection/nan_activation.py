@@ -51,8 +51,12 @@ class NanActivation(Fault):
         self.target = name
         self.acts_through = f"a forward call of {name} in step {self.step}: it did not run forward then"
 
+        import torch
+
         def hook(m: Any, args: Any, out: Any) -> Any:
-            if not self.acts_now():
+            # A forward with gradients on only: an evaluation forward in its step (no_grad) would take the NaN
+            # and leave the training step's loss finite.
+            if not torch.is_grad_enabled() or not self.acts_now():
                 return None
             if first_float(out) is None:
                 if not self.acted:

@@ -34,8 +34,12 @@ class Probe(Fault):
     catcher = ""
 
     dataset: Any = None
-    """The dataset of the first sharded DataLoader (else of the first DataLoader) iterated."""
+    """The dataset of the first sharded DataLoader iterated with gradients on (a training loop's; else the first
+    sharded, else the first) iterated."""
     sharded = False
+    chosen: tuple[bool, bool] = (False, False)
+    rng = ""
+    """Digest of the torch random state when that DataLoader was first iterated."""
 
     def setup(self, ctx: RankContext) -> None:
         super().setup(ctx)
@@ -55,9 +59,12 @@ class Probe(Fault):
             inner = getattr(sampler, "sampler", sampler)
             sharded = isinstance(inner, DistributedSampler) or type(sampler).__name__ == "BatchSamplerShard"
             probe.fact("dataloader", sampler=type(inner).__name__, distributed=sharded)  # accelerate's sharding
-            if probe.dataset is None or (sharded and not probe.sharded):
-                # The dataset duplicate_data would hand every rank the same indices of: read again at the end.
-                probe.dataset, probe.sharded = getattr(it, "_dataset", None), sharded
+            rank = (sharded, torch.is_grad_enabled())  # a sharded loader iterated for training wins
+            if probe.dataset is None or rank > probe.chosen:
+                # The dataset duplicate_data would hand every rank the same indices of: read again at the end;
+                # and the random state its batches started from (each rank's own, or the same on every rank).
+                probe.dataset, probe.sharded, probe.chosen = getattr(it, "_dataset", None), sharded, rank
+                probe.rng = _digest(torch.random.get_rng_state())
 
         def path(f: Any) -> str | None:
             where = target(f)  # a path, or a file object opened on one; None: a buffer
@@ -80,14 +87,25 @@ class Probe(Fault):
                 existed[where] = None  # once per path, even if what follows fails
                 existed[where] = before_save(where, backups, opened=not isinstance(f, (str, os.PathLike)))
 
+        # An atomic save (torch.save(obj, tmp); os.replace(tmp, ckpt)) overwrites ckpt by the rename: kept too.
+        # Only the renames of a file torch.save wrote: a compiler's cache or a download moved into place is not
+        # the script's state, and putting it back (removing it) between runs would only cost.
+        written: set[str] = set()
+
+        def moved(src: Any, dst: Any) -> None:
+            if backups and os.path.realpath(os.fspath(src)) in written:
+                before_save(os.path.abspath(os.fspath(dst)), backups)
+
         def saved(f: Any, obj: Any) -> None:
             where, names = path(f), _names(obj)
+            if backups and where is not None:
+                written.add(os.path.realpath(where))
             if where is not None or hasattr(f, "write"):  # a buffer's save is known by its tensors' names
                 probe.fact("save", key=f"{where}:{names}", path=where, names=names, existed=existed.get(where or ""))
 
         # Every observation is quiet (an exception of ours never reaches the script) and calls straight through.
         def __next__(it: Any) -> Any:
-            if "dataloader:" not in probe.seen or not probe.sharded:
+            if "dataloader:" not in probe.seen or probe.chosen != (True, True):
                 _quietly(loader, it)
             return next_(it)
 
@@ -110,10 +128,21 @@ class Probe(Fault):
             _quietly(probe.fact, "manual_seed")
             return seed(s)
 
+        def renamer(original: Any) -> Any:
+            def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+                if not args and not kwargs:  # paths relative to directory descriptors: not followed
+                    _quietly(moved, src, dst)
+                return original(src, dst, *args, **kwargs)
+
+            return rename
+
         ctx.patch(_BaseDataLoaderIter, "__next__", __next__)
         ctx.patch(DistributedSampler, "__init__", sampler_init)
         ctx.patch(torch, "load", load_)
         ctx.patch(torch, "save", save_)
+        if backups:  # the replay's clean run only
+            ctx.patch(os, "replace", renamer(os.replace))
+            ctx.patch(os, "rename", renamer(os.rename))
         ctx.patch(torch, "manual_seed", manual_seed)
         ctx.patch(torch.random, "manual_seed", manual_seed)
 
@@ -139,6 +168,9 @@ class Probe(Fault):
         return ()
 
     def _sample_digest(self) -> None:
+        """Read the first sample three times from fixed random states (0, 0, 1; the states put back after):
+        whether it reads the same from the same state (``repeatable``), and whether it depends on the random
+        state at all (``random``: an augmentation drawn from the global generators)."""
         import random
 
         import torch
@@ -146,18 +178,26 @@ class Probe(Fault):
         ds = self.dataset
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")) or len(ds) == 0:
             return  # an IterableDataset: no index to read again
-        states: list[Any] = [torch.random.get_rng_state(), random.getstate()]
         np = _numpy()
-        if np is not None:
-            states.append(np.random.get_state())
+        states: list[Any] = [torch.random.get_rng_state(), random.getstate(),
+                             np.random.get_state() if np is not None else None]
+
+        def read(seed: int) -> str:
+            torch.default_generator.manual_seed(seed)  # not the patched torch.manual_seed: no fact of the script's
+            random.seed(seed)
+            if np is not None:
+                np.random.seed(seed)
+            return _digest(ds[0])
+
         try:
-            first, again = _digest(ds[0]), _digest(ds[0])
+            first, again, other = read(0), read(0), read(1)
         finally:
             torch.random.set_rng_state(states[0])
             random.setstate(states[1])
             if np is not None:
                 np.random.set_state(states[2])
-        self.fact("dataset_sample", digest=first, repeatable=first == again, sharded=self.sharded)
+        self.fact("dataset_sample", digest=first, repeatable=first == again, random=first != other, rng=self.rng,
+                  sharded=self.sharded)
 
     def fact(self, what: str, key: str = "", **details: Any) -> None:
         """One record per fact (and key: each saved path) and rank."""
@@ -241,6 +281,19 @@ def _has_float(obj: Any, depth: int = 0) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Sample:
+    """A rank's dataset's first sample, read after the clean run from fixed random states."""
+
+    digest: str
+    repeatable: bool
+    """Read twice from the same random state: the same."""
+    random: bool = False
+    """Read from another random state: different (an augmentation drawn from the global generators)."""
+    rng: str = ""
+    """Digest of the rank's torch random state when the training's DataLoader was first iterated."""
+
+
 @dataclass
 class Facts:
     """What the probe run showed about the script (pure data; built by ``load``, or by hand in tests)."""
@@ -282,9 +335,8 @@ class Facts:
     param_replicas: dict[int, Any] = field(default_factory=dict)
     """Rank -> the ranks holding the same values of its default parameter: "every rank", a list of ranks, or []
     (nobody else: a shard of its own, FSDP2's full shard)."""
-    samples: dict[int, tuple[str, bool, bool]] = field(default_factory=dict)
-    """Rank -> (digest of its dataset's first sample, whether reading it again gave the same, whether that dataset
-    was the one a DistributedSampler shards), read after the clean run."""
+    samples: dict[int, Sample] = field(default_factory=dict)
+    """Rank -> its dataset's first sample, read after the clean run (``Probe._sample_digest``)."""
     targets: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
     """Rank -> (the parameter a fault aims at by default, the last weight; the module a NaN is planted in by
     default, one that can make a NaN of finite numbers): per rank, as a pipeline's stages hold other modules."""
@@ -327,15 +379,21 @@ class Facts:
         """Why ranks handed the same indices would still see different batches ('' when they would, or when
         unknown): a dataset that reads differently each time (random samples, random augmentation), or
         datasets that differ between ranks at the same index (unseeded random data, each rank's own files)."""
-        if not self.samples:
+        samples = list(self.samples.values())
+        if not samples:
             return ""
-        if not all(again for _, again, _ in self.samples.values()):
-            return ("its dataset returns a different sample each time the same index is read (random data or a "
-                    "random augmentation): ranks given the same indices would still see different batches")
-        if len({digest for digest, _, _ in self.samples.values()}) > 1 and len(self.samples) >= 2:
+        if not all(s.repeatable for s in samples):
+            return ("its dataset returns a different sample each time the same index is read, even from the same "
+                    "random state (randomness of its own: the time, os.urandom, another process): ranks given the "
+                    "same indices would still see different batches")
+        if len({s.digest for s in samples}) > 1:
             return ("the ranks' datasets hold different samples at the same index (built from random numbers "
                     "without a seed, or from each rank's own files): ranks given the same indices would still "
                     "see different batches")
+        if any(s.random for s in samples) and all(s.rng for s in samples) and len({s.rng for s in samples}) > 1:
+            return ("its samples are drawn with random numbers (an augmentation) from each rank's own random state "
+                    "(the ranks' states differed when the training's DataLoader started): ranks given the same "
+                    "indices would still see different batches")
         return ""
 
     def replicas_of_param(self) -> str:
@@ -400,7 +458,8 @@ class Facts:
                         if r.get("param") is not None and "param_replicas" in r:
                             f.param_replicas[rank] = r.get("param_replicas")
                     elif what == "dataset_sample":
-                        f.samples[rank] = (str(r.get("digest")), bool(r.get("repeatable")), bool(r.get("sharded")))
+                        f.samples[rank] = Sample(str(r.get("digest")), bool(r.get("repeatable")),
+                                                 bool(r.get("random")), str(r.get("rng") or ""))
         f.steps = min(steps, default=0)
         # A restore of a path a rank saved, or of what a rank saved into a buffer (the same tensors' names).
         f.loads = {rank: [p or "a buffer" for p, names in paths if p in saved or f"names:{names}" in saved]

@@ -14,9 +14,10 @@ a NaN snapshot. So:
   would let Python write the copy's bytecode into the user's folder); the replay's own work dir, which is
   inside the working directory by default, is never in the copy. Symlinks stay symlinks.
 - Files written outside the working directory: the replay's probe (the clean run) calls ``before_save``
-  before the first torch.save to each path; it keeps whether the path existed and a copy of the file that
-  was there, so that the replay puts every such path back between runs and after the last
-  (``Isolation.restore``).
+  before the first torch.save to each path, and before an os.replace / os.rename of a file torch.save wrote
+  (an atomic save: ``torch.save(obj, tmp); os.replace(tmp, ckpt)``); it keeps whether the path existed and a
+  copy of the file that was there, so that the replay puts every such path back between runs and after the
+  last (``Isolation.restore``), also when the replay is cut short during the clean run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,9 @@ COPY_FOLDER = "cwd"
 """The folder of a run's copy in its cell's folder (beside its run dir)."""
 BACKUP_FOLDER = "saved-outside"
 """The folder of the work dir where the probe keeps what was at each path the clean run saved outside."""
+CLAIM_WAIT_S = 30.0
+"""How long a rank that saves to a path another rank claimed waits for that rank's copy of the file that was
+there (its save would truncate the file mid-copy); past it, the save goes ahead (the claimer died)."""
 
 
 @dataclass(frozen=True)
@@ -207,8 +212,10 @@ class Snapshot:
         """A path given relative to the working directory or absolute: the same file in ``copy`` when it is
         inside the working directory, else the absolute path (a relative one that climbs out resolves
         elsewhere from the copy)."""
-        full = os.path.normpath(os.path.join(self.source, path))
-        rel = os.path.relpath(full, self.source)
+        # Resolved on both sides: a working directory reached through a symlink (macOS's /tmp, a linked home)
+        # or a script given by a linked path is still the copy's file, not the user's run in place.
+        full = os.path.realpath(os.path.join(self.source, path))
+        rel = os.path.relpath(full, os.path.realpath(self.source))
         if rel == "." or rel.startswith(".." + os.sep) or rel == "..":
             return full
         return str(copy / rel)
@@ -233,8 +240,10 @@ class Saved:
 
     path: str
     existed: bool | None
-    """None: not known (the script opened the file itself before torch.save wrote into it)."""
+    """None: not known (the script opened the file itself before torch.save wrote into it, or the copy of what
+    was there was cut short)."""
     backup: Path | None = None
+    """The copy of what was there; with ``existed`` None, a copy cut short: never put back, only kept."""
 
 
 def before_save(path: str, backups: str | None, opened: bool = False) -> bool | None:
@@ -251,18 +260,36 @@ def before_save(path: str, backups: str | None, opened: bool = False) -> bool | 
     try:
         slot.mkdir(parents=True)
     except FileExistsError:
-        return existed  # another rank, or an earlier save of this rank, has it
+        # Another rank (or an earlier save of this rank) has it: wait until its copy is done, or this save
+        # would truncate the file while it is being copied.
+        _wait_done(slot, CLAIM_WAIT_S)
+        return existed
     _write_entry(slot, real, None)  # first the path: a copy cut short leaves it known, as not restorable
     if existed:
         shutil.copy2(real, slot / "original")
-    _write_entry(slot, real, existed)
+    _write_entry(slot, real, existed, done=True)
     return existed
 
 
-def _write_entry(slot: Path, path: str, existed: bool | None) -> None:
-    tmp = slot / "entry.json.tmp"
-    tmp.write_text(json.dumps({"path": path, "existed": existed}))
+def _write_entry(slot: Path, path: str, existed: bool | None, done: bool = False) -> None:
+    tmp = slot / f"entry.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"path": path, "existed": existed, "done": done}))
     os.replace(tmp, slot / "entry.json")
+
+
+def _wait_done(slot: Path, timeout: float, poll: float = 0.02) -> bool:
+    """Until the claimer's entry says its copy is done (the second write of entry.json); False past ``timeout``
+    seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            if json.loads((slot / "entry.json").read_text()).get("done"):
+                return True
+        except (OSError, ValueError):
+            pass  # not written yet
+        if time.monotonic() >= end:
+            return False
+        time.sleep(poll)
 
 
 def saved_outside(backups: Path) -> list[Saved]:
@@ -275,7 +302,8 @@ def saved_outside(backups: Path) -> list[Saved]:
             continue
         existed = entry.get("existed")
         original = slot / "original"
-        out.append(Saved(str(entry["path"]), existed, original if existed and original.is_file() else None))
+        kept = original if existed is not False and original.is_file() else None  # None: perhaps cut short
+        out.append(Saved(str(entry["path"]), existed, kept))
     return sorted(out, key=lambda s: s.path)
 
 
@@ -312,7 +340,11 @@ class Isolation:
         """(run, linked entry) for each user's file a run changed through a link."""
         self.problems: list[str] = []
         self.serial_from = 0
-        """The -j asked when the runs went one at a time because they share paths outside (0: not forced)."""
+        """The -j asked when the runs went one at a time because they share paths outside, or the clean run
+        wrote through a link to the user's file (0: not forced)."""
+        self.kept: Path | None = None
+        """After ``close``: the backups folder, when something in it was not put back (the user's way back)."""
+        self._put_back = False
         self._lock = threading.Lock()
 
     @property
@@ -348,11 +380,17 @@ class Isolation:
         self.saved = saved_outside(self.backups)
 
     def restore(self) -> None:
-        """Put back every path outside the copy the clean run saved to (between runs, and after the last)."""
+        """Put back every path outside the copy the clean run saved to (between runs, and after the last).
+        Reads the backups itself (``learn``): a replay cut short during the clean run (Ctrl-C) has not learnt
+        them yet, and its paths must be put back all the same."""
         with self._lock:
-            for p in restore(self.saved):
+            self.learn()
+            problems = restore(self.saved)
+            for p in problems:
                 if p not in self.problems:
                     self.problems.append(p)
+            # A copy cut short (existed unknown) is never copied back: the backups stay, for the user to judge.
+            self._put_back = not problems and not any(s.existed is None and s.backup for s in self.saved)
 
     def watch(self, run: str) -> None:
         """After a run: the linked user's files it changed."""
@@ -360,7 +398,10 @@ class Isolation:
             self.changed += [(run, e) for e in self.snapshot.changed()]
 
     def close(self) -> None:
-        """After the replay: the copies kept of the files outside are removed, unless one could not be put back
-        (then they are the user's way back, and said)."""
-        if not self.problems:
+        """After the replay (after ``restore``): the copies kept of the files outside are removed only when every
+        path was put back; else (one could not be, or ``restore`` never finished) they are the user's way back,
+        kept in ``kept`` and said."""
+        if self._put_back and not self.problems or not self.backups.exists():
             shutil.rmtree(self.backups, ignore_errors=True)
+        else:
+            self.kept = self.backups

@@ -28,6 +28,10 @@ def _saves(rank, world, tmp, outside, work, backed_up):
         torch.save(model.state_dict(), os.path.join(outside, "user.pt"))  # overwrites the user's file
         torch.save(model.state_dict(), os.path.join(outside, "new.pt"))
         torch.save(model.state_dict(), os.path.join(work, "copy", "snapshot.pt"))  # in the run's copy
+        # An atomic save: the rename overwrites the user's file, never torch.saved to by its own name.
+        torch.save(model.state_dict(), os.path.join(outside, "atomic.pt.tmp"))
+        os.replace(os.path.join(outside, "atomic.pt.tmp"), os.path.join(outside, "atomic.pt"))
+        os.replace(os.path.join(outside, "moved.src"), os.path.join(outside, "moved.dst"))  # not torch.save's
     dist.barrier()
     if rank == 1:  # after rank 0 wrote it: what was there before the run is kept, not rank 0's
         torch.save({"w": model.weight.detach()}, os.path.join(outside, "user.pt"))
@@ -40,14 +44,19 @@ def test_the_clean_run_keeps_what_was_at_each_path_it_saves_to_outside_and_the_r
     outside.mkdir()
     (work / "copy").mkdir(parents=True)
     (outside / "user.pt").write_bytes(b"the user's checkpoint")
+    (outside / "atomic.pt").write_bytes(b"the user's atomic checkpoint")
+    (outside / "moved.src").write_bytes(b"a cache")
     spawn_ranks(_saves, 2, tmp=tmp_path / "run", outside=str(outside), work=str(work), backed_up=True)
     saves = {(r["rank"], Path(r["path"]).name): r["existed"] for rank in (0, 1)
              for r in records(tmp_path / "run", rank, "probe") if r["fact"] == "save"}
-    assert saves == {(0, "user.pt"): True, (0, "new.pt"): False, (0, "snapshot.pt"): False, (1, "user.pt"): True}
+    assert saves == {(0, "user.pt"): True, (0, "new.pt"): False, (0, "snapshot.pt"): False,
+                     (0, "atomic.pt.tmp"): False, (1, "user.pt"): True}
     saved = saved_outside(work / BACKUP_FOLDER)
-    assert [(Path(s.path).name, s.existed) for s in saved] == [("new.pt", False), ("user.pt", True)]
+    assert [(Path(s.path).name, s.existed) for s in saved] == [("atomic.pt", True), ("atomic.pt.tmp", False),
+                                                               ("new.pt", False), ("user.pt", True)]
     assert restore(saved) == []
-    assert sorted(p.name for p in outside.iterdir()) == ["user.pt"]
+    assert sorted(p.name for p in outside.iterdir()) == ["atomic.pt", "moved.dst", "user.pt"]
     assert (outside / "user.pt").read_bytes() == b"the user's checkpoint"
+    assert (outside / "atomic.pt").read_bytes() == b"the user's atomic checkpoint"
     assert (work / "copy" / "snapshot.pt").is_file()  # the copy's own: removed with the copy, never restored
 

@@ -211,16 +211,21 @@ def test_replay_on_a_users_dataloader_script_runs_what_applies(tmp_path):
 
 def test_replay_on_a_gpt_style_script_skips_what_it_lacks(tmp_path):
     """Random batches drawn per rank, gradients averaged by hand, no BatchNorm, no DataLoader, no checkpoint
-    (14 steps), two runs side by side (-j 2), a fault skipped and one aimed by the user."""
+    (14 steps), two runs side by side (-j 2), faults skipped and one aimed by the user. The faults skipped here
+    (bit flip, skipped step, hang, transient and persistent compute) are replayed on the same shape of loop
+    (manual_allreduce.py: the catalogue's manual part) and on the GPT recipe (the accumulation test below): the
+    suite's time goes to what only this script shows (what it lacks, the fitted and the user's aims, the
+    module a NaN is fitted to in a transformer, the seed fault where no wrapper equalises the replicas)."""
     junit = tmp_path / "faults.xml"
-    r = distdebug("faults", "replay", "-j", "2", "--skip", "bad_env", "--inject",
+    skip = ("bad_env", "bitflip_param", "skip_step", "hang", "transient_compute", "persistent_compute")
+    r = distdebug("faults", "replay", "-j", "2", *[a for f in skip for a in ("--skip", f)], "--inject",
                   "nan_grad:param=blocks.0.mlp.0.weight", "--keep-runs", "--work-dir", str(tmp_path / "runs"),
                   "--junit", str(junit),
                   str(DATA / "scripts" / "replay_gpt.py"), timeout=1200)
     assert r.returncode == 0, r.output[-4000:]
-    assert "9 applicable, 9 caught-localised, 6 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    assert "4 applicable, 4 caught-localised, 6 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
     cases = _cases(junit)
-    assert set(cases) == set(FAULTS) - {"bad_env"} | {"clean"}
+    assert set(cases) == set(FAULTS) - set(skip) | {"clean"}
     skipped = _skipped(cases)
     assert skipped == {
         "unsynced_bn": "not applicable: no BatchNorm in the model",
@@ -297,14 +302,16 @@ def test_replay_on_a_pipeline_script_aims_at_the_stage_that_has_it(tmp_path):
 
 @pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_replay_of_a_script_whose_clean_run_fails_says_so(tmp_path):
+    """A clean run that cannot end, stopped at --cell-timeout (wherever it is by then: a timeout is a timeout):
+    any failure of the clean run stops the replay, with the reason."""
     script = tmp_path / "stuck.py"
     script.write_text("import time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
                       "time.sleep(120)\n")
-    r = distdebug("faults", "replay", "--cell-timeout", "20", "--work-dir", str(tmp_path / "runs"), str(script),
+    r = distdebug("faults", "replay", "--cell-timeout", "6", "--work-dir", str(tmp_path / "runs"), str(script),
                   timeout=300)
     assert r.returncode == 1
     assert r.stderr.splitlines()[-2:] == [
-        "distdebug: clean/script: error: the clean run of the script failed (timed out after 20 s (--cell-timeout)): "
+        "distdebug: clean/script: error: the clean run of the script failed (timed out after 6 s (--cell-timeout)): "
         "the replay needs a script that runs to its end without faults",
         "distdebug: 0 applicable, 0 caught-localised, 0 not applicable; 0 of 1 clean runs clean; 1 failed: "
         "clean/script (error)"]

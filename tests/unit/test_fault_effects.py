@@ -8,7 +8,7 @@ import torch
 
 from distdebug.context import RankContext, RankIdentity, StepEvent
 from distdebug.fault_injection.loss_spike import LossSpike
-from distdebug.fault_injection.probe import Facts, _digest
+from distdebug.fault_injection.probe import Facts, Sample, _digest
 from distdebug.fault_injection.registry import FAULTS
 
 BASE = dict(steps=20, world=2, backend="gloo", exit_code=0, wrappers={"ddp"}, replicas=2, optimizers=1, loss=True,
@@ -29,11 +29,22 @@ def test_a_loss_that_never_moves_cannot_show_a_spike_and_one_that_moves_can():
 
 def test_samples_the_ranks_could_never_share_make_duplicate_data_not_applicable():
     dup = FAULTS["duplicate_data"]
-    assert dup.applicable(Facts(**BASE, samples={0: ("a", True, True), 1: ("a", True, True)})) == ""
+
+    def facts(*samples: Sample) -> Facts:
+        return Facts(**BASE, samples=dict(enumerate(samples)))
+
+    assert dup.applicable(facts(Sample("a", True), Sample("a", True))) == ""
     assert dup.applicable(Facts(**BASE)) == ""  # not read (an IterableDataset): not ruled out
-    random = dup.applicable(Facts(**BASE, samples={0: ("a", False, True), 1: ("b", False, True)}))
-    assert random.startswith("its dataset returns a different sample each time the same index is read")
-    unseeded = dup.applicable(Facts(**BASE, samples={0: ("a", True, True), 1: ("b", True, True)}))
+    # A random augmentation from the global generators, seeded alike on every rank (the imagenet example's
+    # --seed): the same indices draw the same crops, data_order sees the same batches.
+    assert dup.applicable(facts(Sample("a", True, True, "s"), Sample("a", True, True, "s"))) == ""
+    # ... from each rank's own random state: never the same batch.
+    own = dup.applicable(facts(Sample("a", True, True, "s0"), Sample("a", True, True, "s1")))
+    assert own.startswith("its samples are drawn with random numbers (an augmentation) from each rank's own")
+    assert dup.applicable(facts(Sample("a", True, False, "s0"), Sample("a", True, False, "s1"))) == ""  # no draw
+    fresh = dup.applicable(facts(Sample("a", False), Sample("b", False)))
+    assert fresh.startswith("its dataset returns a different sample each time the same index is read, even from")
+    unseeded = dup.applicable(facts(Sample("a", True), Sample("b", True)))  # the DDP tutorial's torch.rand
     assert unseeded.startswith("the ranks' datasets hold different samples at the same index")
 
 
@@ -138,13 +149,14 @@ def test_what_can_show_is_read_from_the_probe_run_records():
             *[{"kind": "step", "step": s, "loss": v, "collectives": 0} for s, v in enumerate(losses, start=1)],
             {"kind": "probe", "fact": "targets", "param": "fc.weight", "module": "fc", "param_replicas": replicas},
             {"kind": "probe", "fact": "dataloader", "sampler": "DistributedSampler", "distributed": True},
-            {"kind": "probe", "fact": "dataset_sample", "digest": digest, "repeatable": True, "sharded": True},
+            {"kind": "probe", "fact": "dataset_sample", "digest": digest, "repeatable": True, "random": False,
+             "rng": "s", "sharded": True},
             {"kind": "end", "exit_code": 0}])
 
     tutorial = Facts.load(Run(path=None, manifest=None, nodes={}, ranks={
         0: stream(0, [0.0] * 8, "a", "every rank"), 1: stream(1, [0.0] * 8, "b", "every rank")}))
     assert tutorial.losses == {0: (0.0, 0.0), 1: (0.0, 0.0)} and tutorial.constant_loss() == 0.0
-    assert tutorial.samples == {0: ("a", True, True), 1: ("b", True, True)}
+    assert tutorial.samples == {0: Sample("a", True, False, "s"), 1: Sample("b", True, False, "s")}
     assert FAULTS["loss_spike"].applicable(tutorial).startswith("the clean run's loss was 0 at every step")
     assert FAULTS["duplicate_data"].applicable(tutorial).startswith("the ranks' datasets hold different samples")
     assert tutorial.replicas_of_param() == ""

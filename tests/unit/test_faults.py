@@ -225,6 +225,11 @@ def test_loss_spike_scales_the_loss_a_model_returns_in_any_shape():
     assert acted and float(got[1]) == -5.0 and torch.equal(got[0], t * 10 + noise)
     got, acted = post({"logits": t})  # the logits a script computes its loss from
     assert acted and torch.equal(got["logits"], t * 10 + noise)
+    Inception = collections.namedtuple("InceptionOutputs", ["logits", "aux_logits"])  # torchvision's, in training
+    got, acted = post(Inception(t, t))
+    assert acted and type(got).__name__ == "InceptionOutputs" and torch.equal(got.aux_logits, t * 10 + noise)
+    got, acted = post({"hidden": t, "logits": t})  # whichever tensor the script computes its loss from
+    assert acted and torch.equal(got["hidden"], t * 10 + noise) and torch.equal(got["logits"], t * 10 + noise)
     got, acted = post(("text", torch.tensor([1, 2])))  # nothing floating: untouched, not acted (the replay says so)
     assert got is None and not acted
 

@@ -76,8 +76,14 @@ def test_the_replay_scores_a_fault_that_did_not_act_with_its_reason_never_as_a_m
     alone = _judge([], [ALONE])
     assert alone.status == "did-not-act" and alone.reason.startswith("no other rank holds head.weight")
     # attach's exit 122 keeps the verdict; a crash under the fault is still an error.
-    assert judge_exit(FAULTS["bitflip_param"](), EXIT_NEVER_ACTED, True, _judge([FLIP], [UNDONE])).status == \
-        "did-not-act"
+    assert judge_exit(FAULTS["bitflip_param"](), EXIT_NEVER_ACTED, True, _judge([FLIP], [UNDONE]),
+                      said=True).status == "did-not-act"
+    # The fault's check of its effect is a guess the findings overrule: undone by its word, yet caught, is caught
+    # (attach's exit 122 for it is no error either).
+    found = [{"detector": "replica_divergence", "ranks": [0, 1], "step": 2, "subject": "4.weight"}]
+    assert _judge([FLIP], [UNDONE], found).status == "caught-localised"
+    assert judge_exit(FAULTS["bitflip_param"](), EXIT_NEVER_ACTED, True, _judge([FLIP], [UNDONE], found),
+                      said=True).status == "caught-localised"
     assert judge_exit(FAULTS["bitflip_param"](), 1, False, _judge([], [ALONE])).status == "error"
     # Neither acted nor said why: a defect of the fault, the replay's error.
     silent = _judge([], [])

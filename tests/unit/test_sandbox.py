@@ -6,11 +6,14 @@ torch.save is put back between runs; a run that wrote through a link to the user
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
+from distdebug.fault_injection import sandbox
 from distdebug.fault_injection.console import isolation as said
 from distdebug.fault_injection.sandbox import BACKUP_FOLDER, Isolation, Snapshot, before_save, restore, saved_outside
 
@@ -200,6 +203,7 @@ def test_what_was_isolated_is_said_in_one_line_and_the_paths_put_back_in_another
         f"restored between runs: {tmp_path / 'ckpt' / 'model.pt'} (created by the clean run); the runs went one "
         "at a time (not -j 2): they all write there"]
     assert warnings == []
+    iso.restore()
     iso.close()
     assert not iso.backups.exists()
 
@@ -220,3 +224,105 @@ def test_an_unreadable_folder_is_linked_and_the_copy_is_still_made(tmp_path, mon
     snap.make(tmp_path / "copy")
     assert [(e.rel, e.why) for e in snap.linked] == [("locked", "other")]
     assert (tmp_path / "copy" / "locked").is_symlink() and (tmp_path / "copy" / "train.py").is_file()
+
+
+def test_a_replay_cut_short_in_the_clean_run_puts_the_paths_back_and_keeps_what_it_could_not(tmp_path):
+    """Ctrl-C during the clean run: nothing was learnt yet, restore() reads the backups itself; close() removes
+    them only when every path was put back, else keeps them and says where."""
+    src, outside = tmp_path / "src", tmp_path / "ckpt"
+    src.mkdir()
+    outside.mkdir()
+    (outside / "user.pt").write_bytes(b"the user's checkpoint")
+    iso = Isolation(src, tmp_path / "work")
+    before_save(str(outside / "user.pt"), str(iso.backups))
+    (outside / "user.pt").write_bytes(b"by the clean run")  # then Ctrl-C: no learn()
+    iso.restore()
+    iso.close()
+    assert (outside / "user.pt").read_bytes() == b"the user's checkpoint"
+    assert not iso.backups.exists() and iso.kept is None
+    # A copy cut short (the claimer killed mid-copy): never copied back, kept, and said.
+    iso = Isolation(src, tmp_path / "work2")
+    before_save(str(outside / "user.pt"), str(iso.backups))
+    slot = next(iso.backups.iterdir())
+    (slot / "entry.json").write_text(json.dumps({"path": str(outside / "user.pt"), "existed": None}))
+    (slot / "original").write_bytes(b"the user's")
+    iso.restore()
+    iso.close()
+    assert (outside / "user.pt").read_bytes() == b"the user's checkpoint" and iso.kept == iso.backups
+    assert (slot / "original").is_file()
+    assert said(iso)[1] == [f"warning: not every path the clean run saved to outside could be put back; what was "
+                            f"there is kept in {iso.backups}"]
+    # close() without a finished restore() keeps them too.
+    iso = Isolation(src, tmp_path / "work3")
+    before_save(str(outside / "user.pt"), str(iso.backups))
+    iso.close()
+    assert iso.backups.is_dir() and iso.kept == iso.backups
+
+
+def test_a_rank_that_loses_the_claim_waits_for_the_winners_copy(tmp_path, monkeypatch):
+    """Two ranks save to one path outside: the loser's torch.save would truncate the file while the winner still
+    copies it; it waits until the winner's entry says the copy is done (bounded)."""
+    outside = tmp_path / "ckpt"
+    outside.mkdir()
+    user = outside / "user.pt"
+    user.write_bytes(b"u" * 1000)
+    backups = str(tmp_path / "work" / BACKUP_FOLDER)
+    copying, finish = threading.Event(), threading.Event()
+    real_copy = sandbox.shutil.copy2
+
+    def slow_copy(a, b, *args, **kwargs):  # the winner, mid-copy
+        copying.set()
+        assert finish.wait(10)
+        return real_copy(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox.shutil, "copy2", slow_copy)
+    winner = threading.Thread(target=before_save, args=(str(user), backups))
+    winner.start()
+    assert copying.wait(10)
+    loser = threading.Thread(target=lambda: (before_save(str(user), backups), user.write_bytes(b"rank 1")))
+    loser.start()
+    loser.join(0.3)
+    assert loser.is_alive()  # waiting: the user's file not truncated under the winner's copy
+    finish.set()
+    winner.join(10)
+    loser.join(10)
+    assert not loser.is_alive()
+    assert restore(saved_outside(Path(backups))) == [] and user.read_bytes() == b"u" * 1000
+    # A claimer that died before its copy was done: the wait is bounded.
+    slot = Path(backups) / "dead"
+    slot.mkdir()
+    assert sandbox._wait_done(slot, 0.1) is False
+
+
+def test_the_clean_run_writing_through_a_link_makes_the_runs_go_one_at_a_time_and_says_so(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(b"d" * 100)
+    iso = Isolation(src, tmp_path / "work", max_file=50)
+    iso.serial_from = 2  # as _replay_script sets it when the clean run's watch found a change
+    assert said(iso)[0][1:] == ["the runs went one at a time (not -j 2): the clean run wrote through a link to "
+                                "your file"]
+
+
+def test_the_script_given_through_a_linked_path_runs_from_the_copy(project, tmp_path):
+    """The working directory reached through a symlink (macOS's /tmp, a linked home), or SCRIPT given by a linked
+    path: both sides resolved, the script still runs from the copy, never the user's in place."""
+    link = tmp_path / "linked"
+    os.symlink(project, link)
+    iso = Isolation(link, tmp_path / "work", max_file=1000)
+    copy = iso.copy(tmp_path / "cell")
+    assert iso.script([str(link / "train.py")], copy) == [str(copy / "train.py")]
+    assert iso.script([str(project / "train.py")], copy) == [str(copy / "train.py")]
+
+
+def test_the_run_dirs_of_cells_whose_fault_did_not_act_are_kept(tmp_path):
+    from distdebug.fault_injection.matrix import Cell, _prune
+
+    cells = []
+    for status in ("caught-localised", "did-not-act", "miss"):
+        run = tmp_path / status / "run"
+        run.mkdir(parents=True)
+        cells.append(Cell(fault=status, engine="script", spec="", status=status, run_dir=str(run)))
+    _prune(cells, keep=False)
+    assert [(c.status, bool(c.run_dir), (tmp_path / c.status).exists()) for c in cells] == [
+        ("caught-localised", False, False), ("did-not-act", True, True), ("miss", True, True)]
