@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -39,6 +40,7 @@ def _saves(rank, world, tmp, outside, work, backed_up):
     s.close(0)
 
 
+@pytest.mark.slow  # two ranks for one replay property: full suite only (the quick tier's 5 minutes are full)
 def test_the_clean_run_keeps_what_was_at_each_path_it_saves_to_outside_and_the_replay_puts_it_back(tmp_path):
     outside, work = tmp_path / "ckpt", tmp_path / "work"
     outside.mkdir()
