@@ -10,9 +10,11 @@ a NaN snapshot. So:
   budget; a bigger file, or one past the budget, is linked (a dataset is read, not written) and its (size,
   mtime) watched, so that a run that wrote through the link to the user's file is said. Folders a script
   reads but never writes (version control, node_modules, virtualenvs, tools' caches, earlier distdebug runs,
-  a folder of more than ``MAX_FOLDER_ENTRIES`` entries: a dataset) are linked whole; ``__pycache__`` is left out (a link
-  would let Python write the copy's bytecode into the user's folder); the replay's own work dir, which is
-  inside the working directory by default, is never in the copy. Symlinks stay symlinks.
+  a folder of more than ``MAX_FOLDER_ENTRIES`` entries: a dataset) are linked whole; ``__pycache__`` is copied with
+  its sources (a copy keeps the source's time, so the bytecode stays valid and no run compiles the copy again:
+  a second or so of CPU a rank where the working directory holds a package), never linked (Python would write
+  the copy's bytecode into the user's folder): left out when it cannot be copied whole; the replay's own work
+  dir, which is inside the working directory by default, is never in the copy. Symlinks stay symlinks.
 - Files written outside the working directory: the replay's probe (the clean run) calls ``before_save``
   before the first torch.save to each path, and before an os.replace / os.rename of a file torch.save wrote
   (an atomic save: ``torch.save(obj, tmp); os.replace(tmp, ckpt)``); it keeps whether the path existed and a
@@ -44,8 +46,9 @@ LINKED_FOLDERS = frozenset({".git", ".hg", ".svn", "node_modules", "distdebug-ru
                             ".pytest_cache", ".tox", ".nox"})
 """Folders a training script reads at most (version control, the harness's runs, packages, tools' caches):
 linked whole, as a folder holding pyvenv.cfg (a virtualenv) is."""
-LEFT_OUT = frozenset({"__pycache__"})
-"""Folders not in the copy at all: Python compiles the copy's own."""
+CACHES = frozenset({"__pycache__"})
+"""Folders copied whole or not at all, never linked: Python writes in them (bytecode); left out, the copy's
+sources are compiled again by every run."""
 COPY_FOLDER = "cwd"
 """The folder of a run's copy in its cell's folder (beside its run dir)."""
 BACKUP_FOLDER = "saved-outside"
@@ -126,8 +129,13 @@ class Snapshot:
                         files += f
                     elif inner:
                         dirs.append(Entry(r, "link", why="folder", folder=True))
-                    elif item.name in LEFT_OUT:
-                        continue
+                    elif item.name in CACHES:
+                        try:
+                            d, f = visit(path, r + "/", False, max_entries)
+                        except (_Many, OSError):
+                            continue
+                        dirs += [Entry(r, "dir"), *d]
+                        files += f
                     else:
                         try:
                             d, f = visit(path, r + "/", False, max_entries)
@@ -154,6 +162,8 @@ class Snapshot:
         used = 0
         chosen: list[Entry] = []
         for f in sorted(files, key=lambda f: (f.size, f.rel)):  # smallest first: the code and configs are copied
+            if (f.size > max_file or used + f.size > budget) and _in_cache(f.rel):
+                continue  # bytecode is never linked: Python compiles the source again instead
             if f.size > max_file:
                 chosen.append(Entry(f.rel, "link", f.size, f.mtime_ns, why="big"))
             elif used + f.size > budget:
@@ -219,6 +229,10 @@ class Snapshot:
         if rel == "." or rel.startswith(".." + os.sep) or rel == "..":
             return full
         return str(copy / rel)
+
+
+def _in_cache(rel: str) -> bool:
+    return any(part in CACHES for part in rel.split("/")[:-1])
 
 
 def _link_target(link: Path, root: Path) -> str:

@@ -152,11 +152,11 @@ LIGHTNING_AIMED = {
 
 @pytest.mark.parametrize("framework,script,args,summary", [
     ("lightning", "fw_lightning.py", ["--steps", "16"],
-     "12 applicable, 12 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
+     "10 applicable, 10 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
     ("accelerate", "fw_accelerate.py", ["--steps", "16"],
-     "11 applicable, 11 caught-localised, 5 not applicable; 1 of 1 clean runs clean; 0 failed"),
+     "8 applicable, 8 caught-localised, 5 not applicable; 1 of 1 clean runs clean; 0 failed"),
     ("transformers", "fw_hf_trainer.py", ["--steps", "16", "--resume"],
-     "11 applicable, 11 caught-localised, 5 not applicable; 1 of 1 clean runs clean; 0 failed"),
+     "8 applicable, 8 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
 ])
 def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_path):
     """The user's CI command on each framework's script: every applicable fault caught and localised, the
@@ -164,11 +164,19 @@ def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_p
 
     On Lightning the replay also keeps its runs, with three faults aimed as a user would aim them, and
     each kept run's first error is the fault's own (rank, step, subject): nothing else broke first. These
-    are the runs of a former test of their own, made once instead of twice."""
+    are the runs of a former test of their own, made once instead of twice.
+
+    Skipped here (suite time): the faults that act beside the framework, not through it, and are replayed on
+    the same engine elsewhere: bad_env (the launch's environment), transient_compute (persistent_compute's
+    re-execution, which is through the framework's step, kept); the hang on two of the three (Lightning's
+    kept); the straggler behind the Trainer has its own test (test_a_slow_rank_is_named_behind_...)."""
     needs(framework)
     junit = tmp_path / "replay.xml"
     aims = ([a for aim, _ in LIGHTNING_AIMED.values() if aim for a in ("--inject", aim)] + ["--keep-runs"]
             if framework == "lightning" else [])
+    skip = ["bad_env", "transient_compute", *(["hang"] if framework != "lightning" else []),
+            *(["straggler"] if framework == "transformers" else [])]
+    aims += [a for f in skip for a in ("--skip", f)]
     r = distdebug("faults", "replay", *aims, "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
                   str(SCRIPTS / script),
                   *args, timeout=1200, env=hf_env())

@@ -70,7 +70,9 @@ def test_the_copy_holds_the_files_links_what_is_big_or_only_read_and_keeps_symli
     # Bigger than the size per file: linked to the user's. Version control and a virtualenv: linked whole.
     assert got["data/shard.bin"] == ("link", str(project / "data" / "shard.bin"))
     assert got[".git"] == ("link", str(project / ".git")) and got["venv"] == ("link", str(project / "venv"))
-    assert "__pycache__" not in got  # Python compiles the copy's own: a link would write into the user's folder
+    # Bytecode copied with its source's time kept (valid: no run compiles the copy again), never linked (Python
+    # would write the copy's bytecode into the user's folder).
+    assert got["__pycache__"] == "dir" and got["__pycache__/train.cpython-311.pyc"] == b"pyc"
     # Symlinks stay symlinks; one that climbs out of the tree points where it pointed from the original.
     assert got["model.yaml"] == ("link", "conf/deep/model.yaml")
     assert (dest / "model.yaml").read_text() == "width: 8\n" and (dest / "model.yaml").resolve().is_relative_to(dest)
@@ -123,6 +125,21 @@ def test_a_folder_of_many_entries_is_linked_whole(tmp_path):
     snap = Snapshot.take(src, max_entries=20)
     assert {e.rel: (e.kind, e.why) for e in snap.linked} == {"images/cat": ("link", "many")}
     assert [e.rel for e in snap.copied] == ["train.py", "images/index.txt"]  # the folder's other entries copied
+
+
+def test_bytecode_is_copied_whole_or_left_out_never_linked(tmp_path):
+    """A __pycache__ too big for the copy, or of too many entries, is left out (the run compiles its sources
+    again), never linked: Python would write the copy's bytecode into the user's folder."""
+    src = tmp_path / "src"
+    for pkg, n in (("small", 2), ("wide", 30)):
+        (src / pkg / "__pycache__").mkdir(parents=True)
+        for i in range(n):
+            (src / pkg / "__pycache__" / f"m{i}.cpython-311.pyc").write_bytes(b"c")
+    (src / "small" / "__pycache__" / "huge.cpython-311.pyc").write_bytes(b"c" * 2000)
+    snap = Snapshot.take(src, max_entries=20, max_file=1000)
+    assert snap.linked == []
+    assert [e.rel for e in snap.copied] == [f"small/__pycache__/m{i}.cpython-311.pyc" for i in (0, 1)]
+    assert [e.rel for e in snap.entries if e.kind == "dir"] == ["small", "small/__pycache__", "wide"]
 
 
 def test_the_script_is_run_from_the_copy_when_it_is_in_the_working_directory(project, tmp_path):
@@ -196,9 +213,9 @@ def test_what_was_isolated_is_said_in_one_line_and_the_paths_put_back_in_another
     iso.serial_from = 2
     lines, warnings = said(iso)
     size = sum(len(p.read_bytes()) for p in (project / "train.py", project / "conf/deep/model.yaml",
-                                            project / "data/labels.csv"))
+                                            project / "data/labels.csv", project / "__pycache__/train.cpython-311.pyc"))
     assert lines == [
-        f"each run started from a copy of {project} (3 files, {size} B; linked, not copied: .git/, "
+        f"each run started from a copy of {project} (4 files, {size} B; linked, not copied: .git/, "
         "data/ (1 file, 4.0 kB), venv/)",
         f"restored between runs: {tmp_path / 'ckpt' / 'model.pt'} (created by the clean run); the runs went one "
         "at a time (not -j 2): they all write there"]
