@@ -420,7 +420,7 @@ def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes
         result: dict = {"ranks": {"local": {"checks": checks}}, "differences": []}
         failed = any(c["status"] == FAIL for c in checks)
     else:
-        from distdebug.doctor.run import run_doctor
+        from distdebug.launch.doctor import run_doctor
 
         result, failed = run_doctor(nproc_per_node=nproc_per_node, bandwidth=bandwidth, max_bytes=max_bytes,
                                     run_dir=run_dir, launcher=launcher)

@@ -34,7 +34,7 @@ from distdebug.detectors.base import Detector
 from distdebug.errors import UserError
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ._targets import local, parameter
 from .base import RANK, STEP, Expect, Fault, Param
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class BitflipParam(Fault):

@@ -28,7 +28,7 @@ from ._targets import inner
 from .base import Expect, Fault, Param
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 MIN_SPIKE = 2.0

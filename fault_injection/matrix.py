@@ -409,7 +409,7 @@ def _replay_script(script: list[str], faults: list[str], work: Path, nproc: int,
                    isolation: Isolation) -> list[Cell]:
     from distdebug.artifacts.reader import load_run
 
-    from .probe import Facts
+    from .facts import Facts
 
     clean = run_cell(None, "script", work, nproc, script=script, timeout=timeout, probe=True, standalone=jobs > 1,
                      isolation=isolation, keep=keep)

@@ -20,7 +20,7 @@ from ._targets import first_float, module, with_nan
 from .base import MODULE, RANK, STEP, Expect, Fault
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class NanActivation(Fault):

@@ -15,7 +15,7 @@ from ._targets import parameter
 from .base import RANK, STEP, Expect, Fault, Param
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class NanGrad(Fault):

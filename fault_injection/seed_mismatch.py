@@ -13,7 +13,7 @@ from distdebug.context import RankContext
 from .base import Expect, Fault
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class SeedMismatch(Fault):

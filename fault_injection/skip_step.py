@@ -11,7 +11,7 @@ from distdebug.context import RankContext
 from .base import Expect, Fault
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class SkipStep(Fault):

@@ -16,7 +16,7 @@ from distdebug.context import RankContext
 from .base import FACTOR, RANK, STEP, Expect, Param, SlowRank
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class Straggler(SlowRank):

@@ -16,7 +16,7 @@ from .base import Expect
 from .nan_activation import NanActivation
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class TransientCompute(NanActivation):

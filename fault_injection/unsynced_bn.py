@@ -20,7 +20,7 @@ from distdebug.context import RankContext
 from .base import Expect, Fault, Param
 
 if TYPE_CHECKING:
-    from .probe import Facts
+    from .facts import Facts
 
 
 class UnsyncedBn(Fault):

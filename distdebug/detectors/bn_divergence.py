@@ -130,7 +130,6 @@ class BatchNormDivergence(ExchangeUser, Detector):
         self._was_armed = False  # the step being read was a checked one
         self._keys: dict[str, list[str]] = {}  # module -> the statistics its hook took this step
         self._n: dict[str, int] = {}  # module -> its batch's size this step (samples per channel per rank)
-        self._hooks: list[Any] = []
 
     def attach(self, ctx: RankContext) -> None:
 
@@ -269,7 +268,4 @@ class BatchNormDivergence(ExchangeUser, Detector):
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         return ()

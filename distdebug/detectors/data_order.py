@@ -179,7 +179,6 @@ class DataOrder(ExchangeUser, Detector):
         self.groups: dict[int, Any] = {}  # rank -> its data-parallel group (runtime.layout): who must differ
         self.reported: set[str] = set()
         self.passes = SamplerPasses()
-        self._hooks: list[Any] = []
 
     def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
@@ -194,7 +193,8 @@ class DataOrder(ExchangeUser, Detector):
                 try:
                     # the loop's line, under the DataLoader, a fault's wrapper, our patch
                     p = passes.start(sampler, user_line() or "?")
-                except Exception:  # never break the user's data loading: this pass goes unwatched
+                except Exception as e:  # never break the user's data loading: switched off, said, pass unwatched
+                    det.fail(e, "DistributedSampler.__iter__")
                     return it
                 return passes.counted(it, p)
             return __iter__
@@ -351,7 +351,4 @@ class DataOrder(ExchangeUser, Detector):
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         return self._set_epoch_findings(self.passes.end())

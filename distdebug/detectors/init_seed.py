@@ -56,7 +56,7 @@ class InitSeed(ExchangeUser, Detector):
 
         def make_init(init: Any) -> Any:
             def ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-                det._guard(det._record, module, True)
+                det._record(module, True)  # an exception of ours: patch() switches us off, DDP is built
                 init(ddp, module, *args, **kwargs)
             return ddp_init
 
@@ -69,12 +69,6 @@ class InitSeed(ExchangeUser, Detector):
         self.patch(ctx, DistributedDataParallel, "__init__", make_init)
         self.patch(ctx, torch, "manual_seed", make_seed)
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self.guarded(self._first_forward))
-
-    def _guard(self, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            pass  # never break the user's model construction
 
     def _record(self, module: torch.nn.Module, broadcast: bool) -> None:
         if id(module) in self._seen or not any(True for _ in module.parameters()):
@@ -98,7 +92,7 @@ class InitSeed(ExchangeUser, Detector):
     def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
         # The outermost module's first forward (nested modules run inside it and are skipped).
         if not self.initial and not self._inert:
-            self._guard(self._record, module, False)
+            self._record(module, False)  # guarded (self.guarded): an exception switches us off, said
 
     def attach(self, ctx: RankContext) -> None:
 

@@ -220,7 +220,6 @@ class NanOrigin(Detector):
         self._step_records: tuple[list[Any], list[Any]] = ([], [])  # (fwd, local) of the step being read
         # comm_in, comm_out, stage_input, shards, gathered: of the step being read
         self._forward_records: tuple[dict[str, Any], ...] = ({}, {}, {}, {}, {})
-        self._hooks: list[Any] = []
         self._readers: list[tuple[Any, Any]] = []  # (runtime.localgrads.LocalGradNorms, this detector's listener)
         self.watch = self.config.watch  # "on-demand" or "full", as attached (config.NanOriginConfig.watch)
         self.watch_blockers: list[str] = []  # why on-demand watch could not be had here
@@ -958,9 +957,6 @@ class NanOrigin(Detector):
             if listener in shared.listeners:
                 shared.listeners.remove(listener)
         self._readers = []
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         if self.count > 1 and self.ctx is not None:
             return (Finding(
                 severity=Severity.INFO, detector=self.name, ranks=[self.ctx.rank], step=self.first_step,

@@ -117,8 +117,8 @@ def resolve(specs: list[str], options: dict[str, dict[str, Any]] | None = None,
     the same from attach's own options (``--spike-threshold``...), which apply only when their detector
     runs. Each detector's options are typed and checked by building its config dataclass; the params
     sent to the ranks are that dataclass's fields, so a rank never sees an option it cannot take.
-    Built-in detectors are checked without importing torch; a plugin is imported only when it is
-    given options.
+    Built-in detectors are checked against their classes (importing every detector module, and torch with
+    it: the launcher imports torch for torchrun anyway); a plugin is imported only when it is given options.
     """
     known = _builtin()
     for spec in specs:
@@ -147,7 +147,7 @@ def resolve(specs: list[str], options: dict[str, dict[str, Any]] | None = None,
 
 
 def validate(specs: list[str]) -> list[str]:
-    """Check specs without importing plugins (the launcher must stay torch-free here)."""
+    """Check specs without importing plugins (a plugin's file is the user's: imported on the ranks only)."""
     known = _builtin()
     for spec in specs:
         _check_spec(spec, known)

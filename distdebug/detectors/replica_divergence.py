@@ -2,7 +2,7 @@
 
 Every K steps (``--fingerprint-every``, default 1), at the step boundary (after ``optimizer.step``,
 before gradients are cleared), each rank fingerprints its replicated tensors (see
-``fingerprint.collect``) on the training thread, because the next step changes them in place:
+``detectors.replica_set``) on the training thread, because the next step changes them in place:
 parameters and buffers at every check, gradients and optimizer state at the first 8 checks and every
 8th after (``replica_divergence.state_every``): any divergence shows in the parameters at its step,
 and the gradients, which say how it came, cost three times as much on an Adam model (issue 18). On
@@ -17,7 +17,7 @@ fingerprints exchanged, to name the tensors; with 3 or more ranks the odd ones o
 majority, with 2 ranks both are named.
 
 Fully sharded parameters (FSDP2 full shard, ZeRO-3) are fingerprinted as the forward sees them,
-gathered, by forward pre-hooks armed only in checked steps (see ``fingerprint.collect``).
+gathered, by forward pre-hooks armed only in checked steps (see ``detectors.replica_set``).
 
 Buffers under DDP with ``broadcast_buffers=True`` are fingerprinted at the start of the forward
 (after DDP has synchronised them), because BatchNorm updates them rank-locally during forward:
@@ -39,8 +39,8 @@ import xxhash
 from distdebug.config import ReplicaDivergenceConfig
 from distdebug.context import ExchangeChannel, RankContext, StepEvent
 from distdebug.detectors.base import Detector
+from distdebug.detectors.replica_set import ReplicaSet, model_layout
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.collect import ReplicaSet, model_layout
 from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
 from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, root_digest, rows_to_read
 from distdebug.fingerprint.snapshots import SnapshotWriter
@@ -79,7 +79,6 @@ class ReplicaDivergence(ExchangeUser, Detector):
         self._parts: list[PendingFingerprints] = []  # the checked step's fingerprints, read at the boundary
         self.armed = False  # the coming step is checked: forward hooks fingerprint
         self.reported = False
-        self._hooks: list[Any] = []
         self._batch: list[tuple[int, int, dict[str, int]]] = []
         self._stopped = False  # the ranks' step counts parted, or the exchange fell behind: no more checks
 
@@ -260,8 +259,6 @@ class ReplicaDivergence(ExchangeUser, Detector):
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange()
-        for h in self._hooks:
-            h.remove()
         if self.snapshots is not None:
             self.snapshots.close()
             self.snapshots = None

@@ -216,7 +216,6 @@ class Straggler(ExchangeUser, Detector):
         self.forward_t = float("nan")
         self.data_s = 0.0
         self.reported: set[int] = set()
-        self._hooks: list[Any] = []
 
     def setup(self, ctx: RankContext) -> None:
         self.ctx = ctx
@@ -360,7 +359,4 @@ class Straggler(ExchangeUser, Detector):
 
     def on_end(self) -> Iterable[Finding]:
         self.close_exchange(clean=False)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         return ()

@@ -36,7 +36,7 @@ def odd_ones_out(values: dict[int, int]) -> tuple[list[int], bool]:
 def compare(per_rank: dict[int, dict[str, int]], order: list[str]) -> list[dict[str, Any]]:
     """Tensors whose fingerprints differ across ranks, in ``order``, with culprits by majority.
 
-    A name with a replica group (``w@replicas[0,2]``, see ``fingerprint.collect``) is compared among
+    A name with a replica group (``w@replicas[0,2]``, see ``detectors.replica_set``) is compared among
     that group's ranks only; ``tensor`` in the result is the name as the user wrote it,
     ``replica_group`` the ranks that were compared (None: all)."""
     diffs = []

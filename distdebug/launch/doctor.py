@@ -1,5 +1,6 @@
-"""``distdebug doctor`` across ranks: the worker runs under attach (same launcher, same run directory,
-same clean-up), and rank 0's ``doctor.json`` is read back."""
+"""``distdebug doctor`` across ranks: the doctor's worker (``distdebug/doctor/worker.py``) runs under attach
+(same launcher, same run directory, same clean-up), and rank 0's ``doctor.json`` is read back. A launch, so
+it lives with the launcher: the doctor's folder holds the checks and the worker, below the launcher."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from distdebug.errors import UserError
 def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, run_dir: Path | None,
                launcher: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """(rank 0's result, whether anything failed)."""
+    import distdebug.doctor
     from distdebug.config import AttachConfig
     from distdebug.doctor.checks import FAIL
     from distdebug.launch.attach import attach
@@ -23,9 +25,9 @@ def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, r
     run_dir = run_dir or Path("distdebug-runs") / time.strftime("doctor-%Y%m%d-%H%M%S")
     out = layout.doctor_path(Path(run_dir).resolve())
     args = ["--out", str(out), "--max-bytes", str(max_bytes)] + (["--bandwidth"] if bandwidth else [])
-    cfg = AttachConfig(target=str(Path(__file__).with_name("worker.py")), target_args=args, run_dir=run_dir,
-                       nproc_per_node=nproc_per_node, detectors=["env_check"],
-                       **launcher)  # type: ignore[arg-type]
+    worker = Path(distdebug.doctor.__file__).with_name("worker.py")
+    cfg = AttachConfig(target=str(worker), target_args=args, run_dir=run_dir, nproc_per_node=nproc_per_node,
+                       detectors=["env_check"], **launcher)  # type: ignore[arg-type]
     result = attach(cfg, argv=["distdebug", "doctor", *sys.argv[2:]])
     if not out.is_file():
         raise UserError(f"the doctor's ranks did not finish (exit code {result.exit_code}"

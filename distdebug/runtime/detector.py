@@ -1,4 +1,4 @@
-"""The detector interface: step events in, findings out.
+"""The detector interface: step events in, findings out (a plugin imports it from distdebug.detectors.base).
 
 A detector runs inside every rank. It is built once per rank, gets ``attach(ctx)`` after the
 first step boundary (when models, optimizers and the process group are known), then
@@ -22,7 +22,7 @@ from time import perf_counter_ns
 from typing import Any, ClassVar
 
 # Finding, Severity, StepEvent and RankContext live on the ground floor (distdebug.findings,
-# distdebug.context); they are re-exported here because a plugin detector imports them from here.
+# distdebug.context); re-exported, with Detector, by distdebug.detectors.base: a plugin's import.
 from distdebug.context import RankContext, StepEvent
 from distdebug.findings import Finding, Severity
 

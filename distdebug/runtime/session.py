@@ -36,13 +36,13 @@ import torch
 from distdebug.artifacts import schema
 from distdebug.artifacts.writer import EventWriter
 from distdebug.context import RankContext, RankIdentity, StepEvent
-from distdebug.detectors.base import Detector
 from distdebug.envvars import MEASURE_OVERHEAD
 from distdebug.envvars import get as env_get
 from distdebug.findings import Finding, Severity
 from distdebug.runtime import cost, discovery, frameworks, overhead
 from distdebug.runtime import layout as layout_mod
 from distdebug.runtime import patches as patches_mod
+from distdebug.runtime.detector import Detector
 from distdebug.runtime.exchange import Exchange, checked_step
 from distdebug.runtime.patches import TorchPatches
 from distdebug.runtime.progress import Progress

@@ -10,31 +10,82 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "distdebug"
 
 
+FAULTS = ROOT / "fault_injection"
+
+
 def module_name(path: Path) -> str:
+    """The name a module is imported under: fault_injection/ is distdebug.fault_injection (pyproject's
+    package-dir, distdebug/__init__'s finder in a checkout)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "fault_injection":
+        parts.insert(0, "distdebug")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def sources() -> list[Path]:
+    return sorted([*PKG.rglob("*.py"), *FAULTS.glob("*.py")])
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Every distdebug module to the distdebug modules it imports: module level, inside functions
-    and under TYPE_CHECKING alike (a circle of types is still a circle a reader has to untangle)."""
-    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+    """Every module of distdebug/ and fault_injection/ to the modules of both it imports: module level, inside
+    functions and under TYPE_CHECKING alike (a circle of types is still a circle a reader has to untangle),
+    relative imports resolved. ``from package import name`` depends on ``package.name`` when that is a module,
+    else on the package (its __init__)."""
+    mods = {module_name(p): p for p in sources()}
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         out: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    targets.append(full if full in mods else base)
             for t in targets:
+                if t.startswith("fault_injection"):
+                    t = "distdebug." + t
                 while t and t not in mods:
                     t = t.rpartition(".")[0]
                 if t.startswith("distdebug") and t != name:
                     out.add(t)
         graph[name] = out
     return graph
+
+
+LAYERS = ("ground", "artifacts", "fingerprint", "runtime", "doctor", "detectors", "analysis", "report", "api",
+          "launch", "lint", "fault_injection", "cli")
+"""The floors, lowest first: a module imports from its own floor or below, never above. ground: the modules
+at distdebug/'s top (findings, context, errors, config, envvars, procs) that every floor shares; api: the
+package itself (watch(), step()); cli: distdebug/cli.py and __main__. The folders' roles: README's layout."""
+
+
+def floor(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    if (PKG / parts[1]).is_dir() or parts[1] == "fault_injection":
+        return parts[1]
+    return "cli" if parts[1] in ("cli", "__main__") else "ground"
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a floor to a floor above it, as 'importer -> imported'."""
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                  if LAYERS.index(floor(b)) > LAYERS.index(floor(a)))
+
+
+def floor_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {floor(a): set() for a in graph}
+    for a, deps in graph.items():
+        out[floor(a)] |= {floor(b) for b in deps if floor(b) != floor(a)}
+    return out
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -79,8 +130,25 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_no_import_circle_in_distdebug():
     graph = import_graph()
-    assert len(graph) > 60 and graph["distdebug.runtime.session"]  # the graph is really read
+    assert len(graph) > 100 and graph["distdebug.runtime.session"]  # the graph is really read, both packages
+    assert "distdebug.fault_injection.base" in graph["distdebug.fault_injection.nan_grad"]  # relative, resolved
     assert cycles(graph) == []
+    assert cycles(floor_graph(graph)) == []
+
+
+def test_imports_run_one_way_down_the_floors():
+    graph = import_graph()
+    assert {floor(m) for m in graph} == set(LAYERS)  # every floor is there, and nothing outside them
+    assert upward(graph) == []
+
+
+def test_the_floor_checks_see_an_import_that_runs_back_up():
+    graph = {"distdebug.runtime.session": {"distdebug.detectors.base"}, "distdebug.detectors.base": set(),
+             "distdebug.findings": set(), "distdebug.fault_injection.x": {"distdebug.runtime.session"}}
+    assert upward(graph) == ["distdebug.runtime.session -> distdebug.detectors.base"]
+    assert floor_graph(graph)["fault_injection"] == {"runtime"} and floor("distdebug") == "api"
+    graph["distdebug.detectors.base"] = {"distdebug.runtime.session"}
+    assert cycles(floor_graph(graph)) == [["detectors", "runtime"]]
 
 
 def test_shared_types_sit_on_the_ground_floor():
@@ -88,10 +156,12 @@ def test_shared_types_sit_on_the_ground_floor():
     # findings.py and context.py import nothing of distdebug's but each other's ground floor.
     assert graph["distdebug.findings"] == set()
     assert graph["distdebug.context"] <= {"distdebug.findings"}
-    # Every layer takes Finding/Severity from the ground floor, not from the detectors package.
+    # Every floor takes Finding/Severity from the ground floor, not from the detectors package; the detector
+    # interface's face (detectors/base.py) is for detectors and faults (a fault is a detector), the session
+    # takes the class from its own floor (runtime/detector.py).
     for name, deps in graph.items():
-        if not name.startswith("distdebug.detectors"):
-            assert "distdebug.detectors.base" not in deps or name.startswith("distdebug.runtime"), name
+        if not name.startswith(("distdebug.detectors", "distdebug.fault_injection")):
+            assert "distdebug.detectors.base" not in deps, name
 
 
 def test_severity_order_is_not_called_rank():

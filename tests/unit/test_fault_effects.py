@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from distdebug.context import RankContext, RankIdentity, StepEvent
+from distdebug.fault_injection.facts import Facts, Sample
 from distdebug.fault_injection.loss_spike import LossSpike
-from distdebug.fault_injection.probe import Facts, Sample, _digest
+from distdebug.fault_injection.probe import _digest
 from distdebug.fault_injection.registry import FAULTS
 
 BASE = dict(steps=20, world=2, backend="gloo", exit_code=0, wrappers={"ddp"}, replicas=2, optimizers=1, loss=True,

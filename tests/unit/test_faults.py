@@ -9,8 +9,8 @@ import pytest
 from distdebug.errors import UserError
 from distdebug.fault_injection.base import parse_spec
 from distdebug.fault_injection.console import summary
+from distdebug.fault_injection.facts import Facts
 from distdebug.fault_injection.matrix import ENGINES, Cell, judge, junit_xml, plan
-from distdebug.fault_injection.probe import Facts
 from distdebug.fault_injection.registry import FAULTS, resolve
 
 CATALOGUE = {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "unsynced_bn", "bad_env", "hang",
