@@ -220,7 +220,7 @@ class Fault(Detector):
         """Record that the fault acted (once per step at most); ``step`` defaults to the step in progress."""
         self.acted = True
         if self.ctx is not None and self.ctx.emit is not None:
-            self.ctx.emit("injected", **{"fault": self.name, "step": self.current, **what})
+            self.ctx.emit(schema.INJECTED, **{"fault": self.name, "step": self.current, **what})
 
     def not_acted(self, reason: str) -> None:
         """Record why the fault did not act, or why what it did was undone before its detector could see

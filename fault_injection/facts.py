@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from distdebug.artifacts import schema
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -150,15 +152,15 @@ class Facts:
         steps: list[int] = []
         for rank, stream in run.ranks.items():
             records = stream.last_attempt()
-            done = [r["step"] for r in records if r.get("kind") == "step" and isinstance(r.get("step"), int)]
+            done = [r["step"] for r in records if r.get("kind") == schema.STEP and isinstance(r.get("step"), int)]
             steps.append(max(done, default=0))
             for r in records:
                 kind = r.get("kind")
-                if kind == "start":
+                if kind == schema.START:
                     f.world = max(f.world, int(r.get("world_size") or 0))
-                elif kind == "end" and rank == 0:
+                elif kind == schema.END and rank == 0:
                     f.exit_code = r.get("exit_code")
-                elif kind == "step":
+                elif kind == schema.STEP:
                     loss = r.get("loss")
                     if loss is not None:
                         f.loss = True
@@ -167,9 +169,9 @@ class Facts:
                             lo, hi = f.losses.get(rank, (loss, loss))
                             f.losses[rank] = (min(lo, loss), max(hi, loss))
                     f.collectives = f.collectives or bool(r.get("collectives"))
-                elif kind == "discovery":
+                elif kind == schema.DISCOVERY:
                     f._discovery(r)
-                elif kind == "probe":
+                elif kind == schema.PROBE:
                     what = r.get("fact")
                     if what == "dataloader":
                         f.dataloader = True

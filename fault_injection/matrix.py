@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug import envvars
+from distdebug.artifacts import schema
 from distdebug.config import EXIT_NEVER_ACTED
 
 from .base import Expect, Fault
@@ -291,8 +292,8 @@ def _run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scr
         return cell
     run = load_run(run_dir)
     findings = run.all_findings()
-    injected = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == "injected"]
-    not_acted = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == "not_acted"]
+    injected = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == schema.INJECTED]
+    not_acted = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == schema.NOT_ACTED]
     # Setup-time faults act on every rank the same way: judged once per rank that acted.
     judge(fault, world=nproc, injected=injected, findings=findings, cell=cell, not_acted=not_acted)
     said = fault is not None and any(rec.get("fault") == fault.name for rec in not_acted)

@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from distdebug import envvars
+from distdebug.artifacts import schema
 from distdebug.context import RankContext
 
 from .base import Fault
@@ -203,7 +204,7 @@ class Probe(Fault):
         if tag in self.seen or self.ctx is None or self.ctx.emit is None:
             return
         self.seen.add(tag)
-        self.ctx.emit("probe", fact=what, step=self.current, **details)
+        self.ctx.emit(schema.PROBE, fact=what, step=self.current, **details)
 
 
 def _quietly(fn: Any, *args: Any) -> None:

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distdebug.artifacts import layout
+
 MAX_FILE_BYTES = 64 << 20
 """A file bigger than this is linked into each run's copy, not copied."""
 BUDGET_BYTES = 1 << 30
@@ -42,8 +44,8 @@ BUDGET_BYTES = 1 << 30
 MAX_FOLDER_ENTRIES = 10_000
 """A folder (not the working directory itself) holding more entries than this, at any depth, is linked whole:
 a dataset of many small files, which a copy per run would only slow down."""
-LINKED_FOLDERS = frozenset({".git", ".hg", ".svn", "node_modules", "distdebug-runs", ".mypy_cache", ".ruff_cache",
-                            ".pytest_cache", ".tox", ".nox"})
+LINKED_FOLDERS = frozenset({".git", ".hg", ".svn", "node_modules", layout.DEFAULT_RUNS_ROOT, ".mypy_cache",
+                            ".ruff_cache", ".pytest_cache", ".tox", ".nox"})
 """Folders a training script reads at most (version control, the harness's runs, packages, tools' caches):
 linked whole, as a folder holding pyvenv.cfg (a virtualenv) is."""
 CACHES = frozenset({"__pycache__"})

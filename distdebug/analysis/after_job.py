@@ -118,7 +118,7 @@ def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
 
     if any(f.get("detector") == "replica_divergence" for f in run.all_findings()):
         return  # the online check already named the first divergent step
-    size = sum(p.stat().st_size for p in run_dir.glob(f"rank-*/{layout.FINGERPRINTS}"))
+    size = sum(p.stat().st_size for _, d in layout.rank_dirs(run_dir) if (p := d / layout.FINGERPRINTS).is_file())
     if not size:
         return
     if size > OFFLINE_CHECK_MAX_BYTES:
@@ -132,7 +132,7 @@ def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
     step, diffs = found
     compared = sum(1 for s in snaps.values() if step in s)
     ddp = any("ddp" in (m.get("wrappers") or [])
-              for s in run.ranks.values() for d in s.of_kind("discovery") for m in d.get("models") or [])
+              for s in run.ranks.values() for d in s.of_kind(schema.DISCOVERY) for m in d.get("models") or [])
     names = next(list(s[step][0]) for s in snaps.values() if step in s)
     out.findings.append(divergence_finding(step, [d.to_dict() for d in diffs], compared, after_job=True,
                                            run_dir=str(run_dir), ddp=ddp, compared=names))
@@ -152,7 +152,7 @@ def _never_acted(run: Run, out: AfterJob) -> None:
 
 def _layout(run: Run, out: AfterJob) -> None:
     for rank, stream in sorted(run.ranks.items()):
-        start = next((r for r in reversed(stream.records) if r.get("kind") == "start"), None)
+        start = next((r for r in reversed(stream.records) if r.get("kind") == schema.START), None)
         if start is None:
             continue
         out.world_size = start.get("world_size", out.world_size)

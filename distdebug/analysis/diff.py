@@ -27,10 +27,7 @@ def load_snapshots(run_dir: Path) -> Snapshots:
     """All ranks' snapshots; identical name files (the usual case) are parsed once."""
     parsed: dict[bytes, list[list[str]]] = {}
     out: Snapshots = {}
-    for child in sorted(run_dir.iterdir()):
-        rank = layout.rank_of_dir(child.name)
-        if rank is None:
-            continue
+    for rank, child in layout.rank_dirs(run_dir):
         try:
             raw_names = (child / layout.FINGERPRINT_NAMES).read_bytes()
             data = (child / layout.FINGERPRINTS).read_bytes()

@@ -95,14 +95,8 @@ class Follower:
     def _files(self) -> list[tuple[int, Path]]:
         out = []
         for run_dir in self.run_dirs:
-            try:
-                children = list(run_dir.iterdir())
-            except OSError:
-                continue
-            for child in children:
-                rank = layout.rank_of_dir(child.name)
-                if rank is not None and (self.only is None or rank in self.only):
-                    out.append((rank, child / layout.EVENTS))
+            out += [(rank, folder / layout.EVENTS) for rank, folder in layout.rank_dirs(run_dir)
+                    if self.only is None or rank in self.only]
         return sorted(out)
 
     def poll(self) -> dict[int, RankLive]:
@@ -141,7 +135,7 @@ def running(ranks: dict[int, RankLive], run_dirs: list[Path] | None = None) -> b
 
 def launchers_ended(run_dirs: list[Path]) -> bool:
     """Every launcher agent's node file says it ended (and there is one at least)."""
-    files = [f for d in run_dirs for f in sorted((d / "nodes").glob("node-*.json"))]
+    files = [f for d in run_dirs for _, f in layout.node_files(d)]
     if not files:
         return False
     for f in files:

@@ -62,10 +62,7 @@ def running_ranks(run_dir: Path) -> dict[int, dict[str, Any]]:
     """Rank -> its last start record, for ranks whose last start has no end record after it (running, or
     killed before they could write one)."""
     out: dict[int, dict[str, Any]] = {}
-    for child in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
-        rank = layout.rank_of_dir(child.name)
-        if rank is None:
-            continue
+    for rank, _ in layout.rank_dirs(run_dir):
         records, _ = read_events(layout.events_path(run_dir, rank))
         start = None
         for r in records:

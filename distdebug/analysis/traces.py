@@ -34,7 +34,6 @@ HEALTHY_OVERLAP = 0.7
 BLOCKING_OVERLAP = 0.5
 DATA_SHARE = 0.2
 STEP_RE = re.compile(r"ProfilerStep#(\d+)$")
-RANK_RE = re.compile(r"rank-(\d+)")
 
 Interval = tuple[float, float]
 
@@ -177,18 +176,14 @@ def _verdicts(summary: dict[str, Any]) -> list[str]:
 def analyze_window(directory: Path) -> dict[str, Any]:
     """One window (all ranks' traces in ``directory``): per rank, a summary across ranks and verdicts."""
     ranks: dict[int, dict[str, Any]] = {}
-    steps = re.match(r"steps-(\d+)-(\d+)", directory.name)
-    named = (int(steps.group(1)), int(steps.group(2))) if steps else None
-    for path in sorted(directory.glob("rank-*.json*")):
-        m = RANK_RE.search(path.name)
-        if m is None:
-            continue
+    named = layout.trace_window_of_dir(directory.name)
+    for rank, path in layout.trace_files(directory):
         try:
             result = analyze_trace(load_trace(path), top=5, named=named)
         except (OSError, ValueError, EOFError) as e:  # a trace cut by a kill: say so, keep the others
             result = {"error": f"{type(e).__name__}: {e}"}
         result["path"] = str(path)
-        ranks[int(m.group(1))] = result
+        ranks[rank] = result
     ok = [r for r in ranks.values() if "error" not in r]
     summary: dict[str, Any] = {}
     for key in ("overlap_ratio", "comm_share", "data_share", "compute_share"):
@@ -205,9 +200,4 @@ def analyze_window(directory: Path) -> dict[str, Any]:
 
 
 def analyze_run(run_dir: Path) -> list[dict[str, Any]]:
-    root = layout.traces_root(run_dir)
-    if not root.is_dir():
-        return []
-    dirs = sorted((d for d in root.iterdir() if d.is_dir()),
-                  key=lambda d: [int(x) for x in re.findall(r"\d+", d.name)] or [0])
-    return [analyze_window(d) for d in dirs]
+    return [analyze_window(d) for _, d in layout.trace_windows(run_dir)]

@@ -126,3 +126,66 @@ def rank_of_dir(name: str) -> int | None:
         return None
     digits = name[len(prefix):]
     return int(digits) if digits.isdigit() else None
+
+
+def rank_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """(rank, its folder) for every rank folder of the run directory, by rank; none when it does not exist.
+    The one enumeration of ranks: every reader, the launcher and the detectors go through it."""
+    try:
+        children = list(run_dir.iterdir())
+    except OSError:  # not there (yet), or unreadable: no ranks to read
+        return []
+    found = [(rank, c) for c in children if (rank := rank_of_dir(c.name)) is not None and c.is_dir()]
+    return sorted(found)
+
+
+def node_of_file(name: str) -> int | None:
+    """Inverse of NODE_TEMPLATE's file name: ``node-003.json`` -> 3; anything else -> None."""
+    prefix, _, suffix = NODE_TEMPLATE.rpartition("/")[2].partition("{")
+    end = suffix.partition("}")[2]
+    if not (name.startswith(prefix) and name.endswith(end)):
+        return None
+    digits = name[len(prefix):len(name) - len(end)]
+    return int(digits) if digits.isdigit() else None
+
+
+def node_files(run_dir: Path) -> list[tuple[int, Path]]:
+    """(node, its file) for every node file the launchers wrote, by node; none when there are none."""
+    folder = node_path(run_dir, 0).parent
+    try:
+        children = list(folder.iterdir())
+    except OSError:
+        return []
+    return sorted((node, c) for c in children if (node := node_of_file(c.name)) is not None and c.is_file())
+
+
+def trace_window_of_dir(name: str) -> tuple[int, int] | None:
+    """Inverse of TRACE_WINDOW_TEMPLATE: ``steps-3-4`` -> (3, 4); anything else -> None."""
+    head, _, tail = name.partition("-")
+    start, _, end = tail.partition("-")
+    if head != TRACE_WINDOW_TEMPLATE.partition("-")[0] or not (start.isdigit() and end.isdigit()):
+        return None
+    return int(start), int(end)
+
+
+def trace_windows(run_dir: Path) -> list[tuple[tuple[int, int] | None, Path]]:
+    """(steps of the window or None, its folder) for every folder of the run's profiler traces, by steps."""
+    root = traces_root(run_dir)
+    try:
+        folders = [d for d in root.iterdir() if d.is_dir()]
+    except OSError:
+        return []
+    return sorted(((trace_window_of_dir(d.name), d) for d in folders), key=lambda w: (w[0] or (0, 0), w[1].name))
+
+
+def trace_files(window: Path) -> list[tuple[int, Path]]:
+    """(rank, its trace) in a window's folder: TRACE_FILE_TEMPLATE's files, compressed or not (a GPU
+    profiler's own export), by rank."""
+    prefix = TRACE_FILE_TEMPLATE.split("{")[0]
+    out = []
+    for f in sorted(window.glob(f"{prefix}*.json*")):
+        digits = f.name[len(prefix):].partition(".")[0]
+        if digits.isdigit():
+            out.append((int(digits), f))
+    return sorted(out)
+

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distdebug.artifacts import layout
+from distdebug.artifacts import layout, schema
 from distdebug.artifacts.schema import SCHEMA_VERSION
 
 
@@ -85,26 +85,21 @@ class Run:
 
     def all_findings(self) -> list[dict]:
         """Every finding record: the ranks' own (their last attempt) and the run-level ones."""
-        return [r for s in self.ranks.values() for r in s.last_attempt() if r.get("kind") == "finding"] \
+        return [r for s in self.ranks.values() for r in s.last_attempt() if r.get("kind") == schema.FINDING] \
             + list(self.findings)
 
 
 def load_run(run_dir: Path) -> Run:
     """Load everything a run directory holds; missing pieces are simply absent."""
     ranks: dict[int, RankStream] = {}
-    for child in sorted(run_dir.iterdir()):
-        rank = layout.rank_of_dir(child.name)
-        if rank is None or not child.is_dir():
-            continue
+    for rank, child in layout.rank_dirs(run_dir):
         records, damaged = read_events(child / layout.EVENTS)
         ranks[rank] = RankStream(rank, records, damaged)
     nodes: dict[int, dict] = {}
-    node_dir = run_dir / "nodes"
-    if node_dir.is_dir():
-        for f in sorted(node_dir.glob("node-*.json")):
-            data = read_json(f)
-            if data is not None:
-                nodes[int(data.get("node_rank", len(nodes)))] = data
+    for _, f in layout.node_files(run_dir):
+        data = read_json(f)
+        if data is not None:
+            nodes[int(data.get("node_rank", len(nodes)))] = data
     findings, damaged = read_events(layout.run_findings_path(run_dir))
     warnings = []
     manifest_path = layout.manifest_path(run_dir)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from distdebug.artifacts import schema
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -209,7 +210,7 @@ class Memory(Detector):
             row["allocator_peak"] = torch.cuda.max_memory_allocated()
         self._track_peak(step, row)
         if step:
-            ctx.emit("memory", step=step, **row, total=sum(v for k, v in row.items() if k != "allocator_peak"))
+            ctx.emit(schema.MEMORY, step=step, **row, total=sum(v for k, v in row.items() if k != "allocator_peak"))
 
     def _track_peak(self, step: int, row: dict[str, Any]) -> None:
         total = sum(v for k, v in row.items() if k != "allocator_peak")
@@ -242,5 +243,5 @@ class Memory(Detector):
     def on_end(self) -> Iterable[Finding]:
         self.armed = False
         if self.ctx is not None and self.peak.get("total", -1) >= 0:
-            self.ctx.emit("memory_peak", **self.peak)
+            self.ctx.emit(schema.MEMORY_PEAK, **self.peak)
         return ()

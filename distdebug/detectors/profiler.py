@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from distdebug.artifacts import layout
+from distdebug.artifacts import layout, schema
 from distdebug.config import ProfilerConfig, parse_windows
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
@@ -190,7 +190,7 @@ class Profiler(Detector):
             out.mkdir(parents=True, exist_ok=True)
             path = layout.trace_path(Path(self.ctx.run_dir), *window, self.ctx.rank)
             prof.export_chrome_trace(str(path))
-            self.ctx.emit("trace", steps=list(window), complete=steps, path=str(path))
+            self.ctx.emit(schema.TRACE, steps=list(window), complete=steps, path=str(path))
 
     def on_end(self) -> Iterable[Finding]:
         if self.prof is not None:  # the script ended inside a window: keep what it has

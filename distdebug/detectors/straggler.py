@@ -46,6 +46,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from distdebug.artifacts import schema
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -306,7 +307,7 @@ class Straggler(ExchangeUser, Detector):
         if not table:
             return
         step = max(int(r[0]) for h in self.history.values() for r in h)
-        ctx.emit("straggler_scores", step=step, ranks={str(r): {k: round(v, 6) if isinstance(v, float) else v
+        ctx.emit(schema.STRAGGLER_SCORES, step=step, ranks={str(r): {k: round(v, 6) if isinstance(v, float) else v
                                                                 for k, v in row.items()}
                                                             for r, row in table.items()})
         for rank, cause, row in found:

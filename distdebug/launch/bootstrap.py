@@ -37,7 +37,7 @@ def _start_session():  # -> Session | None
     if run_dir is not None:
         import faulthandler
 
-        from distdebug.runtime.inflight import InflightSlot
+        from distdebug.artifacts.inflight import InflightSlot
 
         session.inflight = InflightSlot(layout.inflight_path(run_dir, identity.rank))
         # A rank that dies by a fatal signal (gloo aborts on a collective size mismatch) runs no

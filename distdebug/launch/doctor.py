@@ -22,7 +22,7 @@ def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, r
     from distdebug.doctor.checks import FAIL
     from distdebug.launch.attach import attach
 
-    run_dir = run_dir or Path("distdebug-runs") / time.strftime("doctor-%Y%m%d-%H%M%S")
+    run_dir = run_dir or Path(layout.DEFAULT_RUNS_ROOT) / time.strftime("doctor-%Y%m%d-%H%M%S")
     out = layout.doctor_path(Path(run_dir).resolve())
     args = ["--out", str(out), "--max-bytes", str(max_bytes)] + (["--bandwidth"] if bandwidth else [])
     worker = Path(distdebug.doctor.__file__).with_name("worker.py")

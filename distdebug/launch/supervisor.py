@@ -28,7 +28,7 @@ from pathlib import Path
 
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.writer import append_run_findings
-from distdebug.findings import Finding, Severity
+from distdebug.findings import Finding
 from distdebug.report.fmt import format_finding
 
 GRACE_S = 5.0
@@ -158,10 +158,9 @@ class Supervisor:
                 return
 
     def _scan(self) -> None:
-        for child in self.run_dir.iterdir():
-            rank = layout.rank_of_dir(child.name)
-            if rank is not None and rank not in self._tails:
-                self._tails[rank] = _Tail(child / layout.EVENTS)
+        for rank, _ in layout.rank_dirs(self.run_dir):
+            if rank not in self._tails:
+                self._tails[rank] = _Tail(layout.events_path(self.run_dir, rank))
         for rank, tail in self._tails.items():
             for rec in tail.read():
                 self._heard[rank] = time.monotonic()
@@ -198,17 +197,12 @@ class Supervisor:
         every: every live rank has a stall record. A stall without a culprit is only said once they
         all do (a rank still silent may yet show a culprit); until then it is diagnosed again shortly.
         """
-        from distdebug.analysis.hang import BUSY_STALL, DETECTOR, diagnose, is_busy_stall
+        from distdebug.analysis.hang import diagnose, is_busy_stall, stall_without_culprit
         from distdebug.artifacts.reader import load_run
 
         findings = diagnose(load_run(self.run_dir))
         if not findings:  # stalled, but nothing to name (e.g. one rank alone idle): a warning, no culprit
-            findings = [Finding(
-                severity=Severity.WARNING, detector=DETECTOR, ranks=sorted(self._stalled), step=None,
-                subject=BUSY_STALL, message=f"no progress for {self.stall_timeout:g}s on ranks "
-                                            f"{sorted(self._stalled)}; no culprit found: the job goes on",
-                evidence={}, fix="see the ranks' stacks.txt in the run directory",
-            )]
+            findings = [stall_without_culprit(sorted(self._stalled), self.stall_timeout)]
         action = verdict_decision(busy=is_busy_stall(findings), every=every, on_stall=self.on_stall,
                                   on_hang=self.on_hang)
         if action == RETRY:
@@ -229,20 +223,11 @@ class Supervisor:
         self._stalled.clear()
 
     def _rendezvous_hang(self) -> None:
-        present = sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "nodes").glob("node-*.json"))
-        missing = [n for n in range(self.expected_nodes) if n not in present]
-        msg = (f"rendezvous not complete after {self.stall_timeout:g}s: {self.expected_nodes} nodes expected, "
-               f"launchers seen in this run directory: nodes {present}")
-        if missing:
-            msg += f"; missing: nodes {missing}"
-        finding = Finding(
-            severity=Severity.CRITICAL, detector="hang", ranks=[], step=None, subject="rendezvous", message=msg,
-            evidence={"expected_nodes": self.expected_nodes, "nodes_present": present, "nodes_missing": missing,
-                      "host": socket.gethostname()},
-            fix="start 'distdebug attach' (same --rdzv-endpoint and --rdzv-id) on the missing nodes, or check that "
-                "they can reach the endpoint",
-        )
-        self._conclude([finding])
+        from distdebug.analysis.hang import rendezvous_incomplete
+
+        present = [node for node, _ in layout.node_files(self.run_dir)]
+        self._conclude([rendezvous_incomplete(expected_nodes=self.expected_nodes, present=present,
+                                              stall_timeout=self.stall_timeout, host=socket.gethostname())])
         if self.on_hang == "abort":
             # No worker exists on this node yet: nothing else to clean up.
             from distdebug.config import EXIT_HANG

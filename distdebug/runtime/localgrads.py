@@ -76,3 +76,36 @@ def local_grad_norms(ctx: RankContext, ddp: Any) -> LocalGradNorms:
         entry = shared[id(ddp)] = LocalGradNorms(ddp)
         ctx.end_of_backward.append(entry)
     return entry
+
+
+def queue_end_of_backward(t: Any, end_of_backward: list[Callable[[], None]]) -> None:
+    """``ctx.end_of_backward`` (given) for the backward that starts on ``t`` (called by the session): a
+    pre-hook on the graph's root (the first node the engine runs) queues them, so they run at the graph's
+    end before anything queued later (DDP's reducer queues its finalisation when its last bucket is ready).
+    One hook a backward, removed when it has run; a root without a graph (no grad_fn) has no backward to
+    watch."""
+    roots = t if isinstance(t, (tuple, list)) else (t,)
+    fn = next((r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None), None)
+    if fn is None:
+        return
+    calls = list(end_of_backward)
+    handle: list[Any] = []
+
+    def run() -> None:
+        for h in handle:  # removed once the graph has run (not from inside its own hook)
+            h.remove()
+        for call in calls:
+            call()  # each is its detector's guarded hook: it never raises
+
+    queued: list[bool] = []
+
+    def queue(grad_outputs: Any) -> None:
+        if queued:  # once (a backward that raised left it on a graph retained for another)
+            return
+        queued.append(True)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(run)
+        except Exception:  # never into the backward; the detectors see no local gradients this time
+            pass
+
+    handle.append(fn.register_prehook(queue))

@@ -173,7 +173,7 @@ def test_severity_order_is_not_called_rank():
 
 def test_every_detector_types_its_context():
     untyped = []
-    for path in list((PKG / "detectors").glob("*.py")) + list((ROOT / "fault_injection").glob("*.py")):
+    for path in list((PKG / "detectors").rglob("*.py")) + list((ROOT / "fault_injection").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.arg) and node.arg == "ctx":
                 if node.annotation is None or "RankContext" not in ast.unparse(node.annotation):
@@ -297,3 +297,97 @@ def test_fault_injection_and_recipes_are_imported_under_one_name():
         names = {"fault_injection", "recipes"} if path in product else {"fault_injection"}
         offenders += [f"{path.relative_to(ROOT)}:{n}" for n in _top_level_imports(ast.parse(path.read_text()), names)]
     assert offenders == []
+
+
+# ---------------------------------------------------------------- the run directory's contract (issue 47, item 3)
+def _record_kinds() -> set[str]:
+    from distdebug.artifacts import schema
+
+    return {v for k, v in vars(schema).items() if k.isupper() and isinstance(v, str) and k != "MANIFEST_SCHEMA"}
+
+
+def _run_dir_names() -> set[str]:
+    from distdebug.artifacts import layout
+
+    names = {v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str)}
+    return names | {part for v in names for part in v.split("/") if "{" not in part}
+
+
+def _is_kind(expr: ast.AST) -> bool:
+    """``kind``, ``x.kind``, ``r.get("kind")``, ``r["kind"]``: an expression holding a record's kind."""
+    if isinstance(expr, ast.Name):
+        return expr.id == "kind"
+    if isinstance(expr, ast.Attribute):
+        return expr.attr == "kind"
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "get":
+        return bool(expr.args) and isinstance(expr.args[0], ast.Constant) and expr.args[0].value == "kind"
+    if isinstance(expr, ast.Subscript):
+        return isinstance(expr.slice, ast.Constant) and expr.slice.value == "kind"
+    return False
+
+
+def _strings(expr: ast.AST) -> list[str]:
+    """The string constants of an expression (a tuple or set of them, an f-string's literal parts)."""
+    return [n.value for n in ast.walk(expr) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def contract_breaches(tree: ast.AST, kinds: set[str], names: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each record kind written as a literal (compared with a record's kind, given as one,
+    emitted) and each run-directory path built by hand (a layout name or a rank/node folder's name joined,
+    globbed or opened)."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_kind(s) for s in sides):
+                out += [(node.lineno, f"kind {v!r}") for s in sides if not _is_kind(s) for v in _strings(s)
+                        if v in kinds]
+        elif isinstance(node, ast.Dict):
+            out += [(node.lineno, f"kind {v.value!r}") for k, v in zip(node.keys, node.values, strict=True)
+                    if isinstance(k, ast.Constant) and k.value == "kind" and isinstance(v, ast.Constant)
+                    and v.value in kinds]
+        elif isinstance(node, ast.Call):
+            f = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if f in ("emit", "of_kind") and node.args and isinstance(node.args[0], ast.Constant) \
+                    and node.args[0].value in kinds:
+                out.append((node.lineno, f"kind {node.args[0].value!r}"))
+            out += [(node.lineno, f"kind {k.value.value!r}") for k in node.keywords
+                    if k.arg == "kind" and isinstance(k.value, ast.Constant) and k.value.value in kinds]
+            if f in ("rank_of_dir", "node_of_file"):  # a folder listing read by hand: layout.rank_dirs()
+                out.append((node.lineno, f"enumeration {f}"))
+            joins = f == "join" and isinstance(node.func, ast.Attribute) \
+                and ast.unparse(node.func.value).endswith("path")
+            if f in ("glob", "rglob", "joinpath", "Path", "open") or joins:  # os.path.join, not str.join
+                out += [(node.lineno, f"path {v!r}") for a in node.args for v in _strings(a)
+                        if v in names or "rank-" in v or "node-" in v]
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            out += [(node.lineno, f"path {v!r}") for side in (node.left, node.right) for v in _strings(side)
+                    if v in names or "rank-" in v or "node-" in v]
+    return sorted(set(out))
+
+
+def test_the_contract_check_sees_a_kind_literal_and_a_hand_built_path():
+    kinds, names = _record_kinds(), _run_dir_names()
+    assert {"step", "finding", "injected"} <= kinds and {"events.jsonl", "nodes", "manifest.json"} <= names
+    src = ('if r.get("kind") == "step": pass\nif kind in ("end", "start"): pass\nctx.emit("memory", x=1)\n'
+           'w({"kind": "finding"})\np = run_dir / "nodes" / f"node-{n:03d}.json"\nrun.glob("rank-*")\n'
+           'if r.get("kind") == schema.STEP: pass\nx = {"step": 1}\nif k not in ("step", "kind"): pass\n'
+           '" ".join(["nodes"])\nos.path.join(d, "events.jsonl")\nr = layout.rank_of_dir(c.name)\n')
+    assert contract_breaches(ast.parse(src), kinds, names) == [
+        (1, "kind 'step'"), (2, "kind 'end'"), (2, "kind 'start'"), (3, "kind 'memory'"), (4, "kind 'finding'"),
+        (5, "path 'node-'"), (5, "path 'nodes'"), (6, "path 'rank-*'"), (11, "path 'events.jsonl'"),
+        (12, "enumeration rank_of_dir")]
+
+
+def test_the_run_directory_is_reached_only_through_artifacts():
+    """Every path of the run directory, every enumeration of its ranks and nodes and every record kind goes
+    through distdebug/artifacts/ (layout's paths, rank_dirs(), node_files(), trace_windows(); schema's
+    kinds): the directory's contract is one module's, and a change of it one edit."""
+    kinds, names = _record_kinds(), _run_dir_names()
+    found = []
+    for path in sources():
+        if "artifacts" in path.relative_to(ROOT).parts:
+            continue
+        found += [f"{path.relative_to(ROOT)}:{line} {what}"
+                  for line, what in contract_breaches(ast.parse(path.read_text()), kinds, names)]
+    assert found == []

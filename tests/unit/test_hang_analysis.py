@@ -1,21 +1,33 @@
-"""Tier 1 (pure): hang analysis on synthetic per-rank records, the in-flight slot and crash-stack parsing."""
+"""Tier 1 (pure): hang analysis on synthetic per-rank records, the in-flight slot and crash-stack parsing;
+the judgement (``judge``) on facts built by hand (no file) and on the golden hung run loaded once."""
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
 from distdebug.analysis.hang import (
-    _crash_frames,
+    HangFacts,
+    RankState,
+    Status,
     diagnose,
-    first_collective_count_difference,
     functional_wait,
     is_busy_stall,
+    judge,
+    load_facts,
     rank_states,
     where,
 )
+from distdebug.analysis.hang.judge import first_collective_count_difference
+from distdebug.analysis.hang.load import _crash_frames
 from distdebug.artifacts import layout, schema
+from distdebug.artifacts.inflight import SLOT_FINISHED, SLOT_INSIDE, InflightSlot, read_inflight
 from distdebug.artifacts.reader import load_run
 from distdebug.artifacts.writer import EventWriter
 from distdebug.findings import Severity
-from distdebug.runtime.inflight import InflightSlot, read_inflight
 
 USER = {"file": "/home/me/train.py", "line": 40, "func": "<module>", "code": "time.sleep(600)"}
 TORCH = {"file": "/x/site-packages/torch/distributed/distributed_c10d.py", "line": 3252, "func": "all_reduce",
@@ -266,3 +278,88 @@ def test_a_send_meeting_a_receive_is_not_a_mismatch_and_each_side_names_its_peer
     assert not any(f.subject == "collective #5" for f in findings)
     text = " ".join(f.message for f in findings)
     assert "rank 0 is inside send to rank 1 #5" in text and "rank 1 is inside recv from rank 0 (tag 3) #5" in text
+
+
+# ---------------------------------------------------------------- the judgement alone: facts in, findings out
+GOLDEN_HANG = Path(__file__).resolve().parents[1] / "data" / "golden" / "hang"
+
+
+@pytest.fixture(scope="module")
+def golden_facts() -> HangFacts:
+    """The golden hung run (rank 1 sleeps in step 3 while rank 0 waits in all_reduce #13), loaded once."""
+    return load_facts(load_run(GOLDEN_HANG / "run"))
+
+
+def test_the_golden_hang_is_judged_from_its_loaded_facts_alone(golden_facts):
+    want = json.loads((GOLDEN_HANG / "expected.json").read_text())
+    # What loading found: rank 0 inside the all_reduce, rank 1 stalled outside it, the Flight Recorder's
+    # match naming rank 1 missing from the same collective.
+    assert golden_facts.world_size == 2 and golden_facts.first_failure is None
+    assert (golden_facts.ranks[0].status, golden_facts.ranks[0].inflight_state) == (Status.STALLED, SLOT_INSIDE)
+    assert (golden_facts.ranks[1].status, golden_facts.ranks[1].inflight_state) == (Status.STALLED, SLOT_FINISHED)
+    assert golden_facts.flight_recorder is not None
+    assert (golden_facts.flight_recorder["seq"], golden_facts.flight_recorder["missing_ranks"]) == (13, [1])
+    before = copy.deepcopy(golden_facts)
+    (f,) = judge(golden_facts)
+    assert (f.detector, f.ranks, f.step, f.subject) == (want["detector"], want["ranks"], want["step"], want["subject"])
+    for text in want["message_contains"]:
+        assert text in f.message, f.message
+    assert golden_facts == before and judge(golden_facts) == [f]  # pure: the facts untouched, the same answer
+    # Without the Flight Recorder's match, the in-flight slots and the stacks still name rank 1, in the
+    # collective of ours rank 0 waits in.
+    (g,) = judge(HangFacts(ranks=golden_facts.ranks, world_size=2))
+    assert (g.ranks, g.step, g.subject) == ([1], 3, "all_reduce #13")
+    assert "ranks [0] wait in all_reduce #13" in g.message and "rank 1 is stuck at step 3 in hang.py" in g.message
+
+
+def test_the_golden_run_killed_by_the_launcher_is_judged_from_the_facts_as_given(golden_facts):
+    # The same facts with the launcher's first failure: rank 1 stalled (not RUNNING), so it is not marked
+    # killed, and the verdict stands; the facts given are not marked either.
+    (f,) = judge(HangFacts(ranks=golden_facts.ranks, world_size=2,
+                           flight_recorder=golden_facts.flight_recorder, first_failure=(1, -9)))
+    assert (f.ranks, f.step) == ([1], 3)
+    assert all(s.killed_by is None for s in golden_facts.ranks.values())
+
+
+def _waiting(rank: int, seq: int, op: str = "all_reduce") -> RankState:
+    return RankState(rank=rank, status=Status.STALLED, step=4, phase="training", stack=[USER, TORCH],
+                     inflight_state=SLOT_INSIDE, inflight={"op": op, "seq": seq, "step": 5, "shapes": [[8]]},
+                     step_collectives={1: 2, 2: 2, 3: 2, 4: 2})
+
+
+def test_facts_built_by_hand_name_the_rank_the_step_and_the_collective():
+    # Ranks 0 and 2 wait inside broadcast #9 of step 5; rank 1 stalled in its own code after step 4.
+    behind = RankState(rank=1, status=Status.STALLED, step=4, phase="training", stack=[USER],
+                       step_collectives={1: 2, 2: 2, 3: 2, 4: 2})
+    facts = HangFacts(ranks={0: _waiting(0, 9, "broadcast"), 1: behind, 2: _waiting(2, 9, "broadcast")},
+                      world_size=3)
+    (f,) = judge(facts)
+    assert (f.severity, f.ranks, f.step, f.subject) == (Severity.CRITICAL, [1], 5, "broadcast #9")
+    assert f.message.startswith("ranks [0, 2] wait in broadcast #9 (sizes [[8]], called at train.py:40")
+    assert "rank 1 is stuck at step 5 in train.py:40 in <module>" in f.message
+
+
+def test_a_flight_recorder_match_built_by_hand_names_the_missing_rank():
+    # NCCL's way: a collective returns once enqueued, so no rank is inside one of ours; only the Flight
+    # Recorder's match (rank 1 missing from all_reduce #7) names the culprit.
+    idle = [RankState(rank=r, status=Status.STALLED, step=6, stack=[USER], step_collectives={6: 1})
+            for r in (0, 1)]
+    fr = {"seq": 7, "op": "nccl:all_reduce", "process_group": "0:default_pg", "input_sizes": [[4]],
+          "missing_ranks": [1], "mismatch": None, "expected_ranks": [0, 1],
+          "frames": [{"file": "/home/me/train.py", "line": 12, "func": "<module>"}]}
+    facts = HangFacts(ranks={s.rank: s for s in idle}, world_size=2, flight_recorder=fr)
+    (f,) = judge(facts)
+    assert (f.ranks, f.step, f.subject) == ([1], 7, "nccl:all_reduce #7")
+    assert "ranks [0] wait in nccl:all_reduce #7 (sizes [[4]], group 0:default_pg, called at train.py:12" in f.message
+    # The twin without the match: every rank busy in its own work, a warning with no culprit.
+    assert is_busy_stall(judge(HangFacts(ranks=facts.ranks, world_size=2)))
+
+
+def test_a_rank_killed_from_outside_is_judged_from_the_launchers_failure_without_marking_the_facts():
+    ran = {r: RankState(rank=r, status=Status.RUNNING, step=2 + (r != 1), step_collectives={1: 1, 2: 1})
+           for r in range(3)}
+    facts = HangFacts(ranks=ran, world_size=3, first_failure=(1, -9))
+    (f,) = judge(facts)
+    assert (f.ranks, f.step, f.subject) == ([1], 3, "rank 1") and "killed by SIGKILL" in f.message
+    assert facts.ranks[1].killed_by is None  # the facts given are left as they were
+    assert judge(HangFacts(ranks=ran, world_size=3)) == []

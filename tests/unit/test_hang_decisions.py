@@ -5,6 +5,13 @@ reach (a grace period that has not passed yet, a rank heard a moment ago, a retr
 
 from __future__ import annotations
 
+import ast
+import json
+from pathlib import Path
+
+from distdebug.analysis.hang import BUSY_STALL, is_busy_stall, rendezvous_incomplete, stall_without_culprit
+from distdebug.artifacts import layout, schema
+from distdebug.findings import Severity
 from distdebug.launch.supervisor import (
     DIAGNOSE_ALL,
     DIAGNOSE_SOME,
@@ -15,6 +22,7 @@ from distdebug.launch.supervisor import (
     RETRY,
     WAIT,
     WARN,
+    Supervisor,
     poll_decision,
     verdict_decision,
 )
@@ -123,3 +131,42 @@ def test_the_job_is_never_ended_without_a_culprit():
     # --on-stall abort: the user asked for a stall without a culprit to end the job like a hang.
     assert verdict_decision(busy=True, every=True, on_stall="abort", on_hang="abort") == END_JOB
     assert verdict_decision(busy=True, every=True, on_stall="abort", on_hang="report") == REPORT
+
+
+# ---------------------------------------------------------------- the supervisor's findings, built in analysis/
+LAUNCH = Path(__file__).resolve().parents[2] / "distdebug" / "launch"
+
+
+def test_the_launcher_builds_no_finding_of_its_own():
+    """Verdicts are made in analysis/ only: the launcher hands analysis its facts and gets findings back."""
+    built = [f"{p.name}:{n.lineno}" for p in sorted(LAUNCH.rglob("*.py")) for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Call) and (getattr(n.func, "id", None) == "Finding"
+                                             or getattr(n.func, "attr", None) == "Finding")]
+    assert built == []
+
+
+def test_a_stall_with_nothing_to_name_is_a_warning_the_supervisor_reads_as_busy():
+    f = stall_without_culprit([1, 0], 4.0)
+    assert (f.severity, f.ranks, f.step, f.subject) == (Severity.WARNING, [0, 1], None, BUSY_STALL)
+    assert f.message == "no progress for 4s on ranks [0, 1]; no culprit found: the job goes on"
+    assert is_busy_stall([f])  # so verdict_decision never ends a job on it
+
+
+def test_an_incomplete_rendezvous_names_the_nodes_whose_launcher_never_came(tmp_path):
+    f = rendezvous_incomplete(expected_nodes=3, present=[0, 2], stall_timeout=30.0, host="h")
+    assert (f.severity, f.ranks, f.subject) == (Severity.CRITICAL, [], "rendezvous")
+    assert f.message.endswith("launchers seen in this run directory: nodes [0, 2]; missing: nodes [1]")
+    assert f.evidence["nodes_missing"] == [1]
+    # The supervisor reads the node files and the rank folders through the run directory's layout.
+    for node in (0, 2):
+        layout.node_path(tmp_path, node).parent.mkdir(parents=True, exist_ok=True)
+        layout.node_path(tmp_path, node).write_text("{}")
+    layout.events_path(tmp_path, 3).parent.mkdir(parents=True)
+    layout.events_path(tmp_path, 3).write_text(json.dumps(schema.record(schema.START, rank=3, pid=42, host="h")) + "\n")
+    sup = Supervisor(tmp_path, stall_timeout=30.0, on_hang="report", node_rank=0, expected_nodes=3)
+    sup._scan()
+    assert sup._pids == {3: 42}
+    sup._rendezvous_hang()
+    assert sup.verdict is not None and sup.verdict[0].evidence["nodes_missing"] == [1]
+    assert [json.loads(line)["subject"] for line in layout.run_findings_path(tmp_path).read_text().splitlines()] \
+        == ["rendezvous"]

@@ -61,3 +61,38 @@ def test_layout_matcher_tells_layout_files_from_others():
     assert matches_layout("rank-00003/events.jsonl") and matches_layout("nodes/node-001.json")
     assert matches_layout("traces/steps-12-15/rank-00001.pt.trace.json.gz")
     assert not matches_layout("rank-00003/notes.txt") and not matches_layout("report.html")
+
+
+def house_layout() -> str:
+    """The README's picture of the folders and their roles (its "Layout and tests" listing)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Layout and tests\n")
+    return text[start:text.index("\nLint and types", start)]
+
+
+def test_the_house_layout_names_every_folder_and_module_and_nothing_that_is_not_there():
+    """Issue 47: the README's layout omitted five modules. Every folder of distdebug/ and every module in
+    it and in fault_injection/ is named where a contributor reads the house's layout (each detector and
+    each fault is one module of its registry: `distdebug detectors` and `distdebug faults list` list them),
+    and every folder the listing names exists."""
+    from distdebug.detectors.registry import builtin
+    from distdebug.fault_injection.registry import FAULTS
+
+    listing = house_layout()
+    plugins = {cls.__module__.rpartition(".")[2] for cls in builtin().values()} | set(FAULTS)
+    missing = []
+    for folder in sorted(p for p in (ROOT / "distdebug").iterdir() if p.is_dir() and p.name[0] not in "_."):
+        if not re.search(rf"^\s+{folder.name}/", listing, re.M):
+            missing.append(f"{folder.name}/")
+        for module in folder.rglob("*.py"):  # a detector grown into a package: its modules are its own
+            if module.parent != folder and module.parent.name in plugins:
+                continue
+            if module.stem != "__init__" and module.stem not in plugins and \
+                    not re.search(rf"\b{module.stem}\b", listing):
+                missing.append(f"{folder.name}/{module.name}")
+    for module in [*(ROOT / "distdebug").glob("*.py"), *(ROOT / "fault_injection").glob("*.py")]:
+        if module.stem not in ("__init__", "__main__", *plugins) and not re.search(rf"\b{module.stem}\b", listing):
+            missing.append(str(module.relative_to(ROOT)))
+    assert missing == []
+    named = set(re.findall(r"^ {6}(\w+)/", listing, re.M))
+    assert named and {n for n in named if not (ROOT / "distdebug" / n).is_dir()} == set()

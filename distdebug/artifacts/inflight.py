@@ -1,4 +1,7 @@
-"""The collective a rank is inside right now, kept in a small memory-mapped file.
+"""The collective a rank is inside right now, kept in a small memory-mapped file (``layout.INFLIGHT``).
+
+Part of the run directory's contract: the rank writes it (``InflightSlot``, installed by the rank's
+bootstrap), the analysis reads it after the job or a crash (``read_inflight``), so it lives here.
 
 Why mmap: a rank can die inside a collective without running any Python again (gloo aborts the
 process on a size mismatch; SIGKILL). A store into a shared file mapping is a memory write, not
@@ -21,6 +24,9 @@ from typing import Any
 
 SIZE = 4096
 EMPTY, INSIDE, FINISHED, FAILED = 0, 1, 2, 3
+"""The state byte as written."""
+SLOT_EMPTY, SLOT_INSIDE, SLOT_FINISHED, SLOT_FAILED = "empty", "inside", "finished", "failed"
+"""The state as ``read_inflight`` names it."""
 
 
 class InflightSlot:
@@ -48,16 +54,16 @@ class InflightSlot:
 
 
 def read_inflight(path: Path) -> tuple[str, dict[str, Any] | None]:
-    """("inside" | "finished" | "failed" | "empty", the last collective's info)."""
+    """(SLOT_INSIDE | SLOT_FINISHED | SLOT_FAILED | SLOT_EMPTY, the last collective's info)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return "empty", None
+        return SLOT_EMPTY, None
     if len(raw) < 5 or raw[0] == EMPTY:
-        return "empty", None
+        return SLOT_EMPTY, None
     n = int.from_bytes(raw[1:5], "little")
     try:
         info = json.loads(raw[5:5 + n])
     except ValueError:
-        return "empty", None
-    return {INSIDE: "inside", FAILED: "failed"}.get(raw[0], "finished"), info
+        return SLOT_EMPTY, None
+    return {INSIDE: SLOT_INSIDE, FAILED: SLOT_FAILED}.get(raw[0], SLOT_FINISHED), info

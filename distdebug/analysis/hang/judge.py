@@ -1,44 +1,33 @@
-"""Hang and collective-failure diagnosis: which rank is behind, in which collective, and where it is.
-
-Inputs, all from the run directory: each rank's event stream (steps with per-step collective
-counts, ``stall`` and ``script_error`` records with stacks), its in-flight collective slot
-(``inflight``, survives a crash), its faulthandler crash stack, and its PyTorch Flight Recorder
-dump. Matching of Flight Recorder entries across ranks is PyTorch's own analyzer
-(``torch.distributed.flight_recorder``); gloo dumps are normalised for it first (torch 2.13 keys
-gloo's default group as ``''`` in ``pg_config`` but ``'0'`` in the entries).
+"""The hang verdict: a pure function of ``HangFacts`` (no file, no process, no clock).
 
 Verdict order: a startup hang (init_process_group), then a mismatched collective (same sequence
 number, different op or shapes), then missing ranks (ranks waiting in a collective that one rank
 never reached), each naming culprit ranks, the collective, and the culprit's own stack.
 
-No kill without a culprit: when the records name none (no rank waits in a collective that another
+No kill without a culprit: when the facts name none (no rank waits in a collective that another
 has not entered, the Flight Recorder shows no missing rank, the collective counts agree and no rank
 ended), every rank is busy in its own work (a long evaluation, a checkpoint save, compilation,
 data preparation). That is a ``stall`` warning with every rank's stack (``is_busy_stall``), which
 the launcher reports and lets the job go on. With NCCL a collective returns once enqueued and a
 rank then waits at its next host synchronisation, not inside the collective call: there the
 Flight Recorder's entries (enqueued on some ranks, missing on others) carry the evidence.
+
+The findings the launcher's supervisor needs of its own (a stall with nothing to name, a rendezvous
+that never completed) are built here too: findings are made in ``analysis/`` only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import io
-import logging
 import os
-import pickle
 import re
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from distdebug.analysis.hang.load import HangFacts, RankState, Status
 from distdebug.analysis.teardown import how
-from distdebug.artifacts import layout, schema
-from distdebug.artifacts.reader import Run
+from distdebug.artifacts.inflight import SLOT_FAILED, SLOT_INSIDE
 from distdebug.findings import Finding, Severity
-from distdebug.runtime.inflight import read_inflight
 
 DETECTOR = "hang"
 BUSY_STALL = "stall"
@@ -48,58 +37,6 @@ _LIBRARY_MARKERS = (
 )
 
 
-class Status(str, enum.Enum):
-    """What a rank's records say it was doing when the job ended or stalled (a str: reads as its value)."""
-
-    RUNNING = "running"
-    """No end record and no stall: still running, or killed without a chance to write."""
-    STALLED = "stalled"
-    """Its watchdog recorded no progress for the stall timeout (stacks and Flight Recorder dumped)."""
-    RAISED = "raised"
-    """The script raised (the script_error record)."""
-    CRASHED = "crashed"
-    """A fatal signal (faulthandler wrote crash.txt)."""
-    EXITED = "exited"
-    """The end record: the script returned or exited."""
-    ABSENT = "absent"
-    """No records at all: it never started."""
-
-
-@dataclass
-class RankState:
-    rank: int
-    status: Status
-    step: int = 0
-    phase: str | None = None
-    pg_init: str | None = None
-    inflight_state: str = "empty"
-    inflight: dict[str, Any] | None = None
-    stack: list[dict[str, Any]] = field(default_factory=list)
-    exit_code: int | None = None
-    exception: str | None = None
-    message: str | None = None
-    collective_error: str | None = None
-    crash_stack: str | None = None
-    step_collectives: dict[int, int] = field(default_factory=dict)
-    entered_total: int | None = None
-    """Python-level collectives entered since the start (from the stall record)."""
-    killed_by: str | None = None
-    """The signal that ended it, when the launcher saw it die by one without an end record."""
-    idle_s: float | None = None
-    """Seconds without progress, from its last stall record."""
-    stage: int | None = None
-    """Its pipeline stage, from discovery's layout (None: not a pipeline)."""
-
-    @property
-    def in_progress_collectives(self) -> int | None:
-        """Collectives already entered in the unfinished current step (a lower bound of its count)."""
-        if self.entered_total is None:
-            return None
-        return max(0, self.entered_total - sum(self.step_collectives.values()))
-
-    @property
-    def current_step(self) -> int:
-        return self.step + 1
 
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -117,24 +54,6 @@ def where(frames: list[dict[str, Any]]) -> str:
     code = f": {f['code']}" if f.get("code") else ""
     return f"{Path(str(f['file'])).name}:{f['line']} in {f['func']}{code}"
 
-
-_FH_FRAME = re.compile(r'File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
-
-
-def _crash_frames(text: str) -> list[dict[str, Any]]:
-    """The main thread's frames from a faulthandler dump, innermost last.
-
-    A fatal signal raised by a library thread (gloo aborts from its own thread) is printed under
-    "Thread 0x..." blocks with no "Current thread"; the main thread is the one that runs the module.
-    """
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
-    main = next((b for b in blocks if "_run_module_as_main" in b or "bootstrap.py" in b), blocks[-1])
-    frames = []
-    for line in main.splitlines():
-        m = _FH_FRAME.search(line.strip())
-        if m:
-            frames.append({"file": m["file"], "line": int(m["line"]), "func": m["func"], "code": ""})
-    return list(reversed(frames))  # faulthandler prints innermost first
 
 
 _CONNECTION_WORDS = re.compile(
@@ -154,120 +73,8 @@ def is_connection_error(exception: str | None, message: str | None) -> bool:
     return bool(_CONNECTION_WORDS.search(message or ""))
 
 
-def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]:
-    states: dict[int, RankState] = {}
-    for rank, stream in run.ranks.items():
-        recs = stream.last_attempt()
-        st = RankState(rank=rank, status=Status.RUNNING)
-        for r in recs:
-            kind = r.get("kind")
-            if kind == schema.STEP:
-                st.step = int(r.get("step", st.step))
-                st.step_collectives[st.step] = int(r.get("collectives", 0))
-            elif kind == schema.PG_INIT:
-                st.pg_init = r.get("phase")
-            elif kind == schema.STALL:
-                st.status, st.phase, st.stack = Status.STALLED, r.get("phase"), r.get("main_stack") or []
-                st.idle_s = r.get("idle_s")
-                if r.get("collectives_entered") is not None:
-                    st.entered_total = int(r["collectives_entered"])
-            elif kind == schema.STALL_CLEARED:
-                st.status = Status.RUNNING
-            elif kind == schema.DISCOVERY and isinstance((r.get("layout") or {}).get("pipeline"), dict):
-                st.stage = r["layout"]["pipeline"].get("index")
-            elif kind == schema.SCRIPT_ERROR:
-                st.status, st.exception, st.message = Status.RAISED, r.get("exception"), r.get("message")
-                st.collective_error, st.stack = r.get("collective"), r.get("stack") or []
-            elif kind == schema.END and st.status != Status.RAISED:
-                st.status, st.exit_code = Status.EXITED, r.get("exit_code")
-        st.inflight_state, st.inflight = read_inflight(layout.inflight_path(run.dir_of(rank), rank))
-        try:
-            crash = layout.crash_path(run.dir_of(rank), rank).read_text()
-        except FileNotFoundError:
-            crash = ""
-        if crash.strip():
-            st.crash_stack = crash
-            if st.status in (Status.RUNNING, Status.STALLED):
-                st.status = Status.CRASHED
-                st.stack = _crash_frames(crash)
-        site = (st.inflight or {}).get("site")
-        if not st.stack and site and st.inflight_state in ("inside", "failed"):
-            # No stack of its own (a fatal-signal dump cut short when the launcher stopped the rank): the
-            # script's line that called the collective it died in, from the in-flight record.
-            st.stack = [{**site, "code": ""}]
-        states[rank] = st
-    for rank in range(world_size or 0):
-        states.setdefault(rank, RankState(rank=rank, status=Status.ABSENT))
-    return dict(sorted(states.items()))
 
 
-# ---------------------------------------------------------------- Flight Recorder (PyTorch's analyzer)
-def _normalise_dump(dump: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """Make a gloo dump readable by torch's analyzer; drop the harness's own group's collectives."""
-    from distdebug.runtime.exchange import HARNESS_GROUP_DESC
-
-    dump["entries"] = [e for e in dump.get("entries", [])
-                       if HARNESS_GROUP_DESC not in str(e.get("process_group", ("", ""))[1])]
-    config = dict(dump.get("pg_config") or {})
-    everyone = str(list(range(world_size)))
-    default = config.get("") or {}
-    ranks = default.get("ranks") if default.get("ranks") not in (None, "", "[]") else everyone
-    for entry in dump.get("entries", []):
-        name, desc = entry.get("process_group", ("", ""))
-        if name not in config:
-            config[name] = {"name": name, "desc": desc, "ranks": ranks}
-    dump["pg_config"] = config
-    return dump
-
-
-def flight_recorder_verdict(run: Run, world_size: int) -> dict[str, Any] | None:
-    """First collective that PyTorch's analyzer finds with missing ranks or a mismatch, or None."""
-    dumps = {r: layout.fr_trace_path(run.dir_of(r), r) for r in run.ranks
-             if layout.fr_trace_path(run.dir_of(r), r).exists()}
-    if not dumps:
-        return None
-    try:
-        # torch's analyzer prints "tabulate is not installed" on import; that is not the user's business.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            from torch.distributed.flight_recorder.components.builder import build_db
-            from torch.distributed.flight_recorder.components.config_manager import JobConfig
-            from torch.distributed.flight_recorder.components.loader import read_dir
-    except ImportError:
-        return None
-    fr_logger = logging.getLogger("Flight Recorder")
-    old_level, old_prop = fr_logger.level, fr_logger.propagate
-    fr_logger.setLevel(logging.CRITICAL)
-    fr_logger.propagate = False
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for rank, path in dumps.items():
-                dump = _normalise_dump(pickle.loads(path.read_bytes()), world_size)
-                (Path(tmp) / f"rank_{rank}").write_bytes(pickle.dumps(dump))
-            argv = [tmp, "-p", "rank_"]
-            if len(dumps) < world_size:
-                argv.append("--allow-incomplete-ranks")
-            args = JobConfig().parse_args(argv)
-            details, version = read_dir(args)
-            db = build_db(details, args, version)
-    except Exception as e:  # a torch-internal format change must not hide the rest of the diagnosis
-        return {"error": f"{type(e).__name__}: {e}"}
-    finally:
-        fr_logger.setLevel(old_level)
-        fr_logger.propagate = old_prop
-    for c in db.collectives:
-        if c.missing_ranks or c.type_of_mismatch:
-            return {
-                "seq": c.collective_seq_id, "op": c.collective_name, "process_group": c.pg_desc,
-                "input_sizes": c.input_sizes, "missing_ranks": sorted(c.missing_ranks or []),
-                "mismatch": str(c.type_of_mismatch) if c.type_of_mismatch else None,
-                "expected_ranks": sorted(c.expected_ranks or []),
-                "frames": [{"file": f["filename"], "line": f["line"], "func": f["name"]}
-                           for f in (c.collective_frames or [])],
-            }
-    return None
-
-
-# ---------------------------------------------------------------- verdicts
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
@@ -294,7 +101,7 @@ def _describe_rank(st: RankState) -> str:
         return f"rank {st.rank} raised {st.exception} at step {st.current_step} ({where(st.stack)})"
     if st.status == Status.CRASHED:
         return f"rank {st.rank} died by a fatal signal at step {st.current_step} in {where(st.stack)}"
-    inside = st.inflight if st.inflight_state == "inside" else None
+    inside = st.inflight if st.inflight_state == SLOT_INSIDE else None
     if inside:
         peer = ""
         if inside.get("peer") is not None:  # a point-to-point operation: which peer this side waits for
@@ -359,7 +166,7 @@ def odd_ranks_out(count_diff: dict[str, Any] | None, states: dict[int, RankState
 
 def _inflight_of(st: RankState) -> dict[str, Any] | None:
     """The collective a rank is (or was, when it failed) inside; None if it stopped elsewhere."""
-    if st.inflight_state in ("inside", "failed"):
+    if st.inflight_state in (SLOT_INSIDE, SLOT_FAILED):
         return st.inflight
     if st.status == Status.RAISED and st.collective_error and st.inflight is not None:
         return st.inflight  # the collective it failed in (the slot keeps the last one)
@@ -456,29 +263,33 @@ def is_busy_stall(findings: list[Finding]) -> bool:
     return len(findings) == 1 and findings[0].detector == DETECTOR and findings[0].subject == BUSY_STALL
 
 
-def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Finding]:
-    """Findings that explain a hang or a failed collective; empty when nothing is wrong.
 
-    first_failure: (rank, exit code) of the launcher's first failed rank, negative for a signal.
-    """
-    world = max([int(s.get("world_size", 0)) for st in run.ranks.values() for s in st.of_kind(schema.START)] + [0])
-    states = rank_states(run, world)
-    killed = _mark_killed(states, first_failure)
+def judge(facts: HangFacts) -> list[Finding]:
+    """Findings that explain a hang or a failed collective; empty when nothing is wrong (pure: the facts only)."""
+    states = {r: replace(s) for r, s in facts.ranks.items()}  # marking the killed rank leaves the facts as given
+    killed = _mark_killed(states, facts.first_failure)
     bad = [s for s in states.values() if s.status in (Status.STALLED, Status.RAISED, Status.CRASHED)]
     if not bad or not any(s.status == Status.STALLED or s.collective_error or s.status == Status.CRASHED for s in bad):
         return _killed_rank_finding(states, killed)
     count_diff = first_collective_count_difference(states)
-    evidence_common: dict[str, Any] = {
+    evidence: dict[str, Any] = {
         "ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase, "in_collective": _inflight_of(s),
                       # the backend's own words, where the rank raised (gloo's size check, NCCL's timeout)
                       **({"error": f"{s.exception}: {s.message}"[:500]} if s.status == Status.RAISED else {})}
                   for r, s in states.items()},
     }
     if count_diff:
-        evidence_common["first_step_with_different_collective_counts"] = count_diff
+        evidence["first_step_with_different_collective_counts"] = count_diff
+    inflight = {r: info for r, s in states.items() if (info := _inflight_of(s)) is not None}
+    fr = facts.flight_recorder
+    return (_startup(states, evidence) or _mismatch(states, inflight, fr, evidence)
+            or _missing(states, inflight, fr, count_diff, killed, evidence))
 
-    # A) startup: a rank's init_process_group raised. Its own error (a bad argument) is said as such;
-    # only an error about reaching the others is a connection verdict with network advice.
+
+def _startup(states: dict[int, RankState], evidence: dict[str, Any]) -> list[Finding] | None:
+    """A) a rank's init_process_group raised, or nobody finished it while some rank never called it."""
+    # Its own error (a bad argument) is said as such; only an error about reaching the others is a
+    # connection verdict with network advice.
     failed_init = [s for s in states.values() if s.status == Status.RAISED and s.pg_init == "begin" and s.step == 0]
     if failed_init and not any(s.pg_init == "done" and s.step > 0 for s in states.values()):
         own = [s for s in failed_init if not is_connection_error(s.exception, s.message)]
@@ -505,13 +316,12 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
             subject="init_process_group",
             message=f"init_process_group failed on rank(s) {sorted(s.rank for s in failed_init)}: the ranks could "
                     f"not form the process group ({first.exception}: {text}){tail}; no collective ran",
-            evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in failed_init}},
+            evidence={**evidence, "stacks": {s.rank: s.stack[-8:] for s in failed_init}},
             fix="the ranks must reach each other: MASTER_ADDR/MASTER_PORT reachable from every node, "
                 "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME naming a real interface (distdebug doctor checks both), "
                 "the same world size everywhere; the error above names the address that failed",
         )]
-
-    # A2) startup: nobody finished init_process_group.
+    # A2) nobody finished init_process_group.
     if all(s.pg_init != "done" and s.step == 0 for s in states.values()):
         in_init = sorted(r for r, s in states.items() if s.pg_init == "begin")
         late = [s for s in states.values() if s.pg_init != "begin"]
@@ -522,16 +332,14 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
                 message=f"ranks {in_init} wait in init_process_group; "
                         + "; ".join(_describe(s) if s.status != Status.STALLED else
                                     f"rank {s.rank} never called it: stuck in {where(s.stack)}" for s in late),
-                evidence={**evidence_common, "stacks": {s.rank: s.stack[-8:] for s in late}}, fix=_fix("init"),
+                evidence={**evidence, "stacks": {s.rank: s.stack[-8:] for s in late}}, fix=_fix("init"),
             )]
+    return None
 
-    # B) mismatch: same sequence number, different op or shapes (in-flight slots, then Flight Recorder).
-    fr = flight_recorder_verdict(run, world) if world else None
-    inflight: dict[int, dict[str, Any]] = {}
-    for r, s in states.items():
-        info = _inflight_of(s)
-        if info is not None:
-            inflight[r] = info
+
+def _mismatch(states: dict[int, RankState], inflight: dict[int, dict[str, Any]], fr: dict[str, Any] | None,
+              evidence: dict[str, Any]) -> list[Finding] | None:
+    """B) same sequence number, different op or shapes: from the in-flight slots, then the Flight Recorder."""
     by_seq: dict[int, dict[int, dict[str, Any]]] = {}
     for r, info in inflight.items():
         by_seq.setdefault(int(info["seq"]), {})[r] = info
@@ -547,7 +355,7 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
                 subject=f"collective #{n}",
                 message=f"ranks disagree on collective #{n} (step {first_step}): {desc}; "
                         + "; ".join(_describe(states[r]) for r in sorted(infos)),
-                evidence={**evidence_common, "flight_recorder": fr,
+                evidence={**evidence, "flight_recorder": fr,
                           "stacks": {r: states[r].stack[-8:] for r in sorted(infos)}},
                 fix=_fix("mismatch"),
             )]
@@ -557,11 +365,16 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
             subject=f"{fr['op']} #{fr['seq']} on {fr['process_group']}",
             message=f"Flight Recorder: collective #{fr['seq']} ({fr['op']}, sizes {fr['input_sizes']}) "
                     f"does not match across ranks: {fr['mismatch']}",
-            evidence={**evidence_common, "flight_recorder": fr}, fix=_fix("mismatch"),
+            evidence={**evidence, "flight_recorder": fr}, fix=_fix("mismatch"),
         )]
+    return None
 
-    # C) missing ranks: some ranks wait in a collective that others never reached (or for a functional
-    # collective's result: after the ranks in a collective of ours, so that one of those is quoted).
+
+def _missing(states: dict[int, RankState], inflight: dict[int, dict[str, Any]], fr: dict[str, Any] | None,
+             count_diff: dict[str, Any] | None, killed: RankState | None, evidence: dict[str, Any]) -> list[Finding]:
+    """C) some ranks wait in a collective that others never reached; without a culprit, a busy stall."""
+    # Waiting also for a functional collective's result: after the ranks in a collective of ours, so that
+    # one of those is quoted.
     waiting = {r: i for r, i in inflight.items() if states[r].status in (Status.STALLED, Status.RAISED)}
     for r, st in sorted(states.items()):
         if r not in waiting and st.status == Status.STALLED:
@@ -571,7 +384,7 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
     odd = odd_ranks_out(count_diff, states)
     ended = [s for s in states.values()
              if s.status in (Status.RAISED, Status.CRASHED, Status.EXITED, Status.ABSENT) or s.killed_by]
-    inside = any(st.inflight_state == "inside" for st in states.values())  # even one not yet stalled
+    inside = any(st.inflight_state == SLOT_INSIDE for st in states.values())  # even one not yet stalled
     if not waiting and not inside and not (fr and fr.get("missing_ranks")) and not odd and not ended:
         return [_busy_stall(states)]
     op: str
@@ -633,7 +446,37 @@ def diagnose(run: Run, first_failure: tuple[int, int] | None = None) -> list[Fin
         severity=Severity.CRITICAL, detector=DETECTOR, ranks=list(culprits), step=step,
         subject=subject,
         message=(head + "; ".join(_describe(states[r]) for r in described)).rstrip("; ") + located,
-        evidence={**evidence_common, "flight_recorder": fr,
+        evidence={**evidence, "flight_recorder": fr,
                   "stacks": {r: states[r].stack[-8:] for r in culprits if r in states}},
         fix=_fix("killed" if killed is not None and killed.rank in culprits else "missing"),
     )]
+
+
+# ---------------------------------------------------------------- the supervisor's own findings
+def stall_without_culprit(stalled: list[int], stall_timeout: float) -> Finding:
+    """The launcher saw ranks stall, and ``judge`` named nothing (e.g. one rank alone idle): a warning."""
+    return Finding(
+        severity=Severity.WARNING, detector=DETECTOR, ranks=sorted(stalled), step=None,
+        subject=BUSY_STALL, message=f"no progress for {stall_timeout:g}s on ranks "
+                                    f"{sorted(stalled)}; no culprit found: the job goes on",
+        evidence={}, fix="see the ranks' stacks.txt in the run directory",
+    )
+
+
+def rendezvous_incomplete(*, expected_nodes: int, present: list[int], stall_timeout: float, host: str) -> Finding:
+    """No rank started within a stall timeout of the launch: some nodes' launchers never joined.
+
+    present: the nodes whose launcher wrote its node file in this run directory.
+    """
+    missing = [n for n in range(expected_nodes) if n not in present]
+    msg = (f"rendezvous not complete after {stall_timeout:g}s: {expected_nodes} nodes expected, "
+           f"launchers seen in this run directory: nodes {present}")
+    if missing:
+        msg += f"; missing: nodes {missing}"
+    return Finding(
+        severity=Severity.CRITICAL, detector=DETECTOR, ranks=[], step=None, subject="rendezvous", message=msg,
+        evidence={"expected_nodes": expected_nodes, "nodes_present": present, "nodes_missing": missing,
+                  "host": host},
+        fix="start 'distdebug attach' (same --rdzv-endpoint and --rdzv-id) on the missing nodes, or check that "
+            "they can reach the endpoint",
+    )

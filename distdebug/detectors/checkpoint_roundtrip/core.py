@@ -1,0 +1,58 @@
+"""What the mechanisms of checkpoint_roundtrip share: this rank's saves and loads so far (behind one lock:
+a framework may save from a thread of its own), and the wrapping that never lets a check of ours break
+the user's save or load (``check_safely``).
+
+Why a module of its own: saves.py, loads.py, pretrained.py and shards.py are each a class over these
+fields, composed by ``CheckpointRoundTrip`` (the package); declared once so each reads on its own."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from distdebug.artifacts import layout
+from distdebug.context import RankContext
+from distdebug.detectors.base import Detector
+from distdebug.detectors.checkpoint_roundtrip.records import RECORDS
+from distdebug.findings import Finding, Severity
+from distdebug.runtime.imports import ImportHook
+
+
+class RoundTripState(Detector):
+    """The fields, the patching helper and the guard every mechanism uses (``check_safely``)."""
+
+    def __init__(self) -> None:
+        self.ctx: RankContext | None = None
+        self.step = 0
+        self.saved: dict[str, dict[str, Any]] = {}  # abs path -> {"fps", "step"} saved by this rank
+        self._loaded: set[str] = set()
+        self._reported: set[tuple[str, tuple[str, ...]]] = set()
+        self._foreign: list[dict[str, Any]] = []  # restores of another rank's sibling file, judged later
+        self._hooks: list[ImportHook] = []
+        self._buffers: list[dict[str, Any]] = []  # this rank's latest saves into buffers: {"fps", "step", "rank"}
+        self._restore: list[tuple[Any, str, Any]] = []  # patched outside Detector.patch (a classmethod)
+        self._others: tuple[int, list[dict[str, Any]]] = (-1, [])  # (step read at, the other ranks' buffer saves)
+        self._lock = threading.Lock()
+
+    def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        self.patch(ctx, obj, name, wrapper)
+
+    def check_safely(self, fn: Any, obj: Any, f: Any) -> None:
+        """Run a check of a save or load: an exception of ours is a harness finding, never the user's."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        try:
+            fn(obj, f)
+        except Exception as e:  # never break the user's save or load
+            ctx.report(Finding(
+                severity=Severity.INFO, detector="harness", ranks=[ctx.rank], step=self.step or None,
+                subject=f"detector:{self.name}", message=f"could not check {f}: {type(e).__name__}: {e}",
+            ))
+
+    def _records_path(self, rank: int) -> Path | None:
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        return layout.rank_dir(ctx.run_dir, rank) / RECORDS if ctx.run_dir is not None else None
