@@ -337,7 +337,9 @@ def stacks(run: str | None, timeout: float, native: bool, as_json: bool) -> int:
             "native": {str(r): text for r, text in dumps.items()}, "native_note": note,
         }, default=str))
     else:
-        click.echo(stacks_mod.render(groups, missing, dumps, note))
+        from distdebug.report.stacks_view import render
+
+        click.echo(render(groups, missing, dumps, note))
     return 1 if missing else 0
 
 

@@ -13,7 +13,7 @@ a NaN snapshot. So:
   a folder of more than ``MAX_FOLDER_ENTRIES`` entries: a dataset) are linked whole; ``__pycache__`` is copied with
   its sources (a copy keeps the source's time, so the bytecode stays valid and no run compiles the copy again:
   a second or so of CPU a rank where the working directory holds a package), never linked (Python would write
-  the copy's bytecode into the user's folder): left out when it cannot be copied whole; the replay's own work
+  the copy's bytecode into the user's folder): what does not fit is left out, compiled again; the replay's own work
   dir, which is inside the working directory by default, is never in the copy. Symlinks stay symlinks.
 - Files written outside the working directory: the replay's probe (the clean run) calls ``before_save``
   before the first torch.save to each path, and before an os.replace / os.rename of a file torch.save wrote
@@ -49,8 +49,9 @@ LINKED_FOLDERS = frozenset({".git", ".hg", ".svn", "node_modules", layout.DEFAUL
 """Folders a training script reads at most (version control, the harness's runs, packages, tools' caches):
 linked whole, as a folder holding pyvenv.cfg (a virtualenv) is."""
 CACHES = frozenset({"__pycache__"})
-"""Folders copied whole or not at all, never linked: Python writes in them (bytecode); left out, the copy's
-sources are compiled again by every run."""
+"""Folders never linked (Python writes in them: bytecode); their files are copied with the rest, smallest first
+within the budget, and a file that does not fit is left out (its source is compiled again by the run), as is a
+folder of too many entries."""
 COPY_FOLDER = "cwd"
 """The folder of a run's copy in its cell's folder (beside its run dir)."""
 BACKUP_FOLDER = "saved-outside"

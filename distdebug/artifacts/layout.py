@@ -95,6 +95,10 @@ def inflight_path(run_dir: Path, rank: int) -> Path:
     return rank_dir(run_dir, rank) / INFLIGHT
 
 
+def checkpoints_path(run_dir: Path, rank: int) -> Path:
+    return rank_dir(run_dir, rank) / CHECKPOINTS
+
+
 def crash_path(run_dir: Path, rank: int) -> Path:
     return rank_dir(run_dir, rank) / CRASH
 

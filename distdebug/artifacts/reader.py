@@ -24,7 +24,7 @@ class RankStream:
 
     def last_attempt(self) -> list[dict]:
         """Records of the newest attempt (elastic restarts append a new ``start`` record)."""
-        starts = [i for i, r in enumerate(self.records) if r.get("kind") == "start"]
+        starts = [i for i, r in enumerate(self.records) if r.get("kind") == schema.START]
         return self.records[starts[-1]:] if starts else list(self.records)
 
 

@@ -96,3 +96,16 @@ def is_run_dir(path: Path) -> bool:
         return False
     return not children or (path / layout.MANIFEST).exists() or any(
         layout.rank_of_dir(c.name) is not None and c.is_dir() for c in children)
+
+
+def sibling_runs(run_dir: Path, newest: int) -> list[Path]:
+    """The other finished-or-running runs beside ``run_dir`` (the same runs root: those with a manifest),
+    newest first, at most ``newest`` of them."""
+    here = Path(run_dir).resolve()
+    try:
+        runs = [d for d in here.parent.iterdir()
+                if d.is_dir() and not d.is_symlink() and d.resolve() != here and layout.manifest_path(d).exists()]
+    except OSError:
+        return []
+    return sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True)[:newest]
+

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from distdebug.artifacts import layout
+from distdebug.artifacts import layout, runs
 from distdebug.errors import UserError
 
 
@@ -22,7 +21,7 @@ def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, r
     from distdebug.doctor.checks import FAIL
     from distdebug.launch.attach import attach
 
-    run_dir = run_dir or Path(layout.DEFAULT_RUNS_ROOT) / time.strftime("doctor-%Y%m%d-%H%M%S")
+    run_dir = run_dir or runs.new_run_dir("doctor")  # claimed by mkdir: two doctors never share one
     out = layout.doctor_path(Path(run_dir).resolve())
     args = ["--out", str(out), "--max-bytes", str(max_bytes)] + (["--bandwidth"] if bandwidth else [])
     worker = Path(distdebug.doctor.__file__).with_name("worker.py")

@@ -24,6 +24,7 @@ import torch
 from distdebug.artifacts import schema
 from distdebug.context import RankIdentity
 from distdebug.runtime import cost
+from distdebug.runtime.callinfo import P2P, call_shapes, call_site, p2p_peer
 from distdebug.runtime.progress import Progress
 
 # Python-level collectives of torch.distributed that are counted. DDP's reducer and NCCL calls
@@ -66,28 +67,6 @@ def _quietly(fn: Any, *args: Any) -> Any:
         return cost.timed(LEDGER, cost.SESSION, fn, *args)
     except Exception:
         return None
-
-
-_NOT_THE_CALLER = (f"{os.sep}site-packages{os.sep}", f"{os.sep}distdebug{os.sep}", "<frozen ",
-                   f"{os.sep}lib{os.sep}python3")
-
-
-def _call_site(depth: int) -> dict[str, Any] | None:
-    """The script's frame that called the collective (torch's, ours and the standard library's skipped):
-    kept with the in-flight record, so that a rank that dies inside the collective before any Python
-    runs again (and before its fatal-signal dump is complete) is still placed."""
-    try:
-        f: Any = sys._getframe(depth)
-    except ValueError:
-        return None
-    for _ in range(32):
-        if f is None:
-            return None
-        name = f.f_code.co_filename
-        if not any(m in name for m in _NOT_THE_CALLER):
-            return {"file": name, "line": f.f_lineno, "func": f.f_code.co_name}
-        f = f.f_back
-    return None
 
 
 FUNCTIONAL_COLLECTIVES = (
@@ -168,7 +147,7 @@ class TorchPatches:
             parts.append({"op": name, "peer": getattr(op, "peer", None), "tag": getattr(op, "tag", 0) or 0})
         progress = self.session.progress
         info = {"op": "batch_isend_irecv", "seq": progress.p2p_seq, "first_seq": before + 1,
-                "step": progress.step + 1, "ops": parts, "site": _call_site(4)}
+                "step": progress.step + 1, "ops": parts, "site": call_site(4)}
         for w in works or []:
             if hasattr(w, "wait"):
                 self._works[w] = info
@@ -428,10 +407,10 @@ class TorchPatches:
             if name == "all_reduce" and isinstance(t, torch.Tensor):
                 session.note_all_reduce(t, kwargs.get("group", args[2] if len(args) > 2 else None))
             info = {"op": name, "seq": seq, "step": progress.step + 1,
-                    "shapes": _call_shapes(args, kwargs),
-                    "site": _call_site(3)}  # describe <- _quietly <- collective <- its caller
+                    "shapes": call_shapes(args, kwargs),
+                    "site": call_site(3)}  # describe <- _quietly <- collective <- its caller
             if name in P2P:
-                info.update(_p2p_peer(name, args, kwargs))
+                info.update(p2p_peer(name, args, kwargs))
             return info
 
         patches = self
@@ -459,62 +438,3 @@ def _deepspeed_scale(engine: Any) -> float | None:
 def _deepspeed_overflow(engine: Any) -> bool:
     """Whether DeepSpeed's fp16 loss scaler skipped the step just taken (its optimizer's host flag)."""
     return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
-
-
-P2P = ("send", "recv", "isend", "irecv")
-"""Point-to-point operations: recorded with their peer and tag (pipeline stages, Megatron's P2P), so a
-hang names which peer each side waits for."""
-
-
-def _p2p_peer(name: str, args: Any, kwargs: Any) -> dict[str, Any]:
-    """``{"peer": global rank, "tag": tag}`` of a send/recv call however it was written (``dst``/``src``
-    or ``group_dst``/``group_src`` keywords, or positional), None where not given."""
-    side = "dst" if name in ("send", "isend") else "src"
-    peer = kwargs.get(side, args[1] if len(args) > 1 else None)
-    out: dict[str, Any] = {"peer": peer if isinstance(peer, int) else None}
-    group_peer = kwargs.get(f"group_{side}")
-    if out["peer"] is None and isinstance(group_peer, int):
-        # a rank within the group (how torch.distributed.pipelining calls them): its global rank
-        out["group_peer"] = group_peer
-        group = kwargs.get("group", args[2] if len(args) > 2 else None)
-        try:
-            import torch.distributed as dist
-
-            out["peer"] = group_peer if group is None else int(dist.get_global_rank(group, group_peer))
-        except Exception:  # a group this rank cannot resolve: the group rank alone is kept
-            pass
-    tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
-    out["tag"] = tag if isinstance(tag, int) else 0
-    return out
-
-
-TENSOR_ARGS = ("tensor", "output", "input", "output_tensor", "input_tensor", "tensor_list", "output_tensor_list",
-               "input_tensor_list", "output_list", "input_list", "gather_list", "scatter_list")
-"""Keyword names torch.distributed's collectives take their tensors by (DeepSpeed's comm wrappers pass
-``output=``/``input=``); with the first two positional arguments, where the shapes are read from."""
-SPLIT_ARGS = ("output_split_sizes", "input_split_sizes")
-
-
-def _call_shapes(args: Any, kwargs: Any) -> list[Any] | None:
-    """The shapes of a collective's tensors however it was called (positional or keyword, tensors or
-    lists of them), in argument order, and all_to_all_single's split sizes: what tells two ranks'
-    calls of the same collective apart. None when it takes no tensor (object collectives, barrier)."""
-    out: list[Any] = []
-    for obj in [*args[:2], *(kwargs[k] for k in TENSOR_ARGS if k in kwargs)]:
-        shapes = _shapes(obj)
-        if shapes:
-            out += shapes
-    for i, key in enumerate(SPLIT_ARGS):
-        splits = kwargs.get(key, args[2 + i] if len(args) > 2 + i else None)
-        if isinstance(splits, (list, tuple)) and splits and all(isinstance(v, int) for v in splits):
-            out.append({key.split("_")[0]: list(splits)[:8]})
-    return out or None
-
-
-def _shapes(obj: Any) -> list[list[int]] | None:
-    """Shapes of a collective's tensor argument (a tensor or a list of tensors; at most 4 listed)."""
-    if isinstance(obj, torch.Tensor):
-        return [list(obj.shape)]
-    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], torch.Tensor):
-        return [list(x.shape) for x in obj[:4]]
-    return None

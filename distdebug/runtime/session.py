@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import sys
 import time
-import traceback
 import weakref
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -46,6 +45,7 @@ from distdebug.runtime.clock import StepClock
 from distdebug.runtime.detector import Detector
 from distdebug.runtime.exchange import Exchange, checked_step
 from distdebug.runtime.finder import Finder
+from distdebug.runtime.outlet import Outlet
 from distdebug.runtime.patches import TorchPatches
 from distdebug.runtime.phases import Phases
 from distdebug.runtime.progress import Progress
@@ -71,7 +71,6 @@ class Session:
         echo: bool = True,
     ) -> None:
         self.identity = identity
-        self.writer = writer
         self.detectors = list(detectors)
         self.ctx = RankContext(identity, run_dir, rank_dir)
         self.patches = TorchPatches(self)
@@ -81,9 +80,9 @@ class Session:
         self.ctx.communication_observers = self.patches.communication_observers  # one list, shared
         self.ctx.emit = lambda kind, **fields: self.emit(schema.record(kind, rank=identity.rank, time=time.time(),
                                                                         **fields))
-        self.echo = echo
         self.step = 0
-        self.findings: list[Finding] = []
+        self.outlet = Outlet(self.ctx, writer, echo, lambda: self.step)
+        """Records and findings out of the rank (runtime.outlet)."""
         self.step_source: str | None = None  # "optimizer", "deepspeed" or "explicit"
         self._primary_ref: Any = None  # weakref to the optimizer whose step marks the boundary
         self.clock = StepClock()
@@ -482,7 +481,7 @@ class Session:
             pass
         self.emit(schema.record(schema.DISCOVERY, rank=self.identity.rank, step=self.step, **info))
 
-    # ------------------------------------------------------------------ findings
+    # ------------------------------------------------------------------ detectors and findings (runtime.outlet)
     def _run_detector(self, det: Detector, phase: str, call: Any) -> None:
         if det.off:
             return
@@ -497,52 +496,26 @@ class Session:
         """A detector raised (in a step call, a hook or a patch): it is off on this rank, said once."""
         if det in self.detectors:
             self.detectors.remove(det)
-        frames = traceback.extract_tb(e.__traceback__)
-        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
-        self.harness_finding(
-            Severity.ERROR,
-            f"detector:{det.name}",
-            f"detector '{det.name}' raised {type(e).__name__}: {e} in {phase} (at {where}); "
-            "switched off on this rank (its hooks removed, its patches passed through)",
-            evidence={"exception": type(e).__name__, "phase": phase, "where": where},
-        )
+        self.outlet.detector_failed(det.name, e, phase)
 
-    def harness_finding(
-        self, severity: Severity, subject: str, message: str, *, fix: str | None = None,
-        evidence: dict | None = None,
-    ) -> None:
-        self.report(
-            Finding(
-                severity=severity, detector="harness", ranks=[self.identity.rank],
-                step=self.step or None, subject=subject, message=message, evidence=evidence or {}, fix=fix,
-            )
-        )
+    @property
+    def findings(self) -> list[Finding]:
+        return self.outlet.findings
+
+    @property
+    def writer(self) -> EventWriter | None:
+        return self.outlet.writer
+
+    def harness_finding(self, severity: Severity, subject: str, message: str, *, fix: str | None = None,
+                        evidence: dict | None = None) -> None:
+        self.outlet.harness_finding(severity, subject, message, fix=fix, evidence=evidence)
 
     def report(self, finding: Finding) -> None:
-        self.findings.append(finding)
-        self.emit(schema.record(schema.FINDING, rank=self.identity.rank, **finding.to_dict()))
-        if self.echo:
-            step = f" step {finding.step}" if finding.step is not None else ""
-            try:
-                print(
-                    f"distdebug[rank {self.identity.rank}] {finding.severity.value.upper()}{step} "
-                    f"{finding.detector}: {finding.subject}: {finding.message}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            except (OSError, ValueError):  # a closed or broken stderr must not reach the training
-                pass
-        for listener in list(self.ctx.finding_listeners):
-            try:
-                listener(finding)
-            except Exception:  # a listener must not turn a finding into a failure
-                pass
+        self.outlet.report(finding)
 
-    # ------------------------------------------------------------------ plumbing
     def emit(self, rec: dict) -> None:
         """Append one record to this rank's event stream (any thread)."""
-        if self.writer is not None:
-            self.writer.write(rec)
+        self.outlet.emit(rec)
 
 
 def _is_deepspeed_optimizer(obj: Any) -> bool:

@@ -331,6 +331,11 @@ def _strings(expr: ast.AST) -> list[str]:
     return [n.value for n in ast.walk(expr) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
+def _run_dir_name(text: str, names: set[str]) -> bool:
+    """A run directory's file or folder name (or a rank's, a node's or a profiler window's), as a literal."""
+    return text.strip("/") in names or any(p in text for p in ("rank-", "node-", "steps-"))
+
+
 def contract_breaches(tree: ast.AST, kinds: set[str], names: set[str]) -> list[tuple[int, str]]:
     """(line, what) for each record kind written as a literal (compared with a record's kind, given as one,
     emitted) and each run-directory path built by hand (a layout name or a rank/node folder's name joined,
@@ -348,7 +353,7 @@ def contract_breaches(tree: ast.AST, kinds: set[str], names: set[str]) -> list[t
                     and v.value in kinds]
         elif isinstance(node, ast.Call):
             f = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if f in ("emit", "of_kind") and node.args and isinstance(node.args[0], ast.Constant) \
+            if f in ("emit", "of_kind", "record") and node.args and isinstance(node.args[0], ast.Constant) \
                     and node.args[0].value in kinds:
                 out.append((node.lineno, f"kind {node.args[0].value!r}"))
             out += [(node.lineno, f"kind {k.value.value!r}") for k in node.keywords
@@ -357,12 +362,13 @@ def contract_breaches(tree: ast.AST, kinds: set[str], names: set[str]) -> list[t
                 out.append((node.lineno, f"enumeration {f}"))
             joins = f == "join" and isinstance(node.func, ast.Attribute) \
                 and ast.unparse(node.func.value).endswith("path")
-            if f in ("glob", "rglob", "joinpath", "Path", "open") or joins:  # os.path.join, not str.join
-                out += [(node.lineno, f"path {v!r}") for a in node.args for v in _strings(a)
-                        if v in names or "rank-" in v or "node-" in v]
-        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            if f in ("glob", "rglob", "joinpath", "Path", "open", "startswith", "endswith") or joins:
+                out += [(node.lineno, f"path {v!r}") for a in node.args for v in _strings(a) if _run_dir_name(v, names)]
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Add)):
             out += [(node.lineno, f"path {v!r}") for side in (node.left, node.right) for v in _strings(side)
-                    if v in names or "rank-" in v or "node-" in v]
+                    if _run_dir_name(v, names)]
+        elif isinstance(node, ast.JoinedStr) and any(isinstance(v, ast.FormattedValue) for v in node.values):
+            out += [(node.lineno, f"path {v!r}") for v in _strings(node) if "/" in v and _run_dir_name(v, names)]
     return sorted(set(out))
 
 
@@ -372,11 +378,13 @@ def test_the_contract_check_sees_a_kind_literal_and_a_hand_built_path():
     src = ('if r.get("kind") == "step": pass\nif kind in ("end", "start"): pass\nctx.emit("memory", x=1)\n'
            'w({"kind": "finding"})\np = run_dir / "nodes" / f"node-{n:03d}.json"\nrun.glob("rank-*")\n'
            'if r.get("kind") == schema.STEP: pass\nx = {"step": 1}\nif k not in ("step", "kind"): pass\n'
-           '" ".join(["nodes"])\nos.path.join(d, "events.jsonl")\nr = layout.rank_of_dir(c.name)\n')
+           '" ".join(["nodes"])\nos.path.join(d, "events.jsonl")\nr = layout.rank_of_dir(c.name)\n'
+           'open(f"{d}/events.jsonl")\nname.startswith("rank-")\nschema.record("step", rank=0)\n'
+           'x = f"step {n}"\n')
     assert contract_breaches(ast.parse(src), kinds, names) == [
         (1, "kind 'step'"), (2, "kind 'end'"), (2, "kind 'start'"), (3, "kind 'memory'"), (4, "kind 'finding'"),
         (5, "path 'node-'"), (5, "path 'nodes'"), (6, "path 'rank-*'"), (11, "path 'events.jsonl'"),
-        (12, "enumeration rank_of_dir")]
+        (12, "enumeration rank_of_dir"), (13, "path '/events.jsonl'"), (14, "path 'rank-'"), (15, "kind 'step'")]
 
 
 def test_the_run_directory_is_reached_only_through_artifacts():

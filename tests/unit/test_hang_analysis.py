@@ -248,7 +248,7 @@ def test_a_rank_waiting_for_a_functional_collective_is_a_waiter_not_a_culprit(tm
 def test_collective_shapes_are_read_however_the_collective_was_called():
     import torch
 
-    from distdebug.runtime.patches import _call_shapes
+    from distdebug.runtime.callinfo import call_shapes as _call_shapes
 
     t = torch.zeros(3, 2)
     assert _call_shapes((t,), {}) == [[3, 2]]  # all_reduce(t)
@@ -267,7 +267,7 @@ def test_a_send_meeting_a_receive_is_not_a_mismatch_and_each_side_names_its_peer
     # number; both stalled. Not "ranks disagree on collective #4": each side says whom it waits for.
     import torch
 
-    from distdebug.runtime.patches import _p2p_peer
+    from distdebug.runtime.callinfo import p2p_peer as _p2p_peer
 
     assert _p2p_peer("isend", (torch.ones(2), 1), {}) == {"peer": 1, "tag": 0}
     assert _p2p_peer("irecv", (torch.ones(2),), {"src": 0, "tag": 7}) == {"peer": 0, "tag": 7}

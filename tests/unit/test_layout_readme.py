@@ -72,27 +72,42 @@ def house_layout() -> str:
 
 def test_the_house_layout_names_every_folder_and_module_and_nothing_that_is_not_there():
     """Issue 47: the README's layout omitted five modules. Every folder of distdebug/ and every module in
-    it and in fault_injection/ is named where a contributor reads the house's layout (each detector and
-    each fault is one module of its registry: `distdebug detectors` and `distdebug faults list` list them),
-    and every folder the listing names exists."""
+    it and in fault_injection/ is named where a contributor reads the house's layout, but for each
+    detector's and each fault's own module (one module of its registry each: `distdebug detectors` and
+    `distdebug faults list` list them); a detector grown into a package names its modules in its own
+    docstring (its map); and every folder the listing names exists."""
+    import ast
+    import sys
+
     from distdebug.detectors.registry import builtin
     from distdebug.fault_injection.registry import FAULTS
 
     listing = house_layout()
-    plugins = {cls.__module__.rpartition(".")[2] for cls in builtin().values()} | set(FAULTS)
+    own = {Path(sys.modules[cls.__module__].__file__).resolve()  # type: ignore[arg-type]
+           for cls in [*builtin().values(), *FAULTS.values()]}
+    packages = {p.parent for p in own if p.name == "__init__.py"}
     missing = []
+
+    def named(module: Path, text: str) -> bool:
+        return bool(re.search(rf"\b{module.stem}\b", text))
+
     for folder in sorted(p for p in (ROOT / "distdebug").iterdir() if p.is_dir() and p.name[0] not in "_."):
         if not re.search(rf"^\s+{folder.name}/", listing, re.M):
             missing.append(f"{folder.name}/")
-        for module in folder.rglob("*.py"):  # a detector grown into a package: its modules are its own
-            if module.parent != folder and module.parent.name in plugins:
+        for module in sorted(folder.rglob("*.py")):
+            module = module.resolve()
+            if module in own or module.stem == "__init__" and module.parent != folder:
                 continue
-            if module.stem != "__init__" and module.stem not in plugins and \
-                    not re.search(rf"\b{module.stem}\b", listing):
-                missing.append(f"{folder.name}/{module.name}")
+            if module.parent in packages:  # a detector's package: its map is its __init__'s docstring
+                doc = ast.get_docstring(ast.parse((module.parent / "__init__.py").read_text())) or ""
+                if not named(module, doc):
+                    missing.append(f"{module.relative_to(ROOT)} (in its package's docstring)")
+            elif module.stem != "__init__" and not named(module, listing):
+                missing.append(str(module.relative_to(ROOT)))
     for module in [*(ROOT / "distdebug").glob("*.py"), *(ROOT / "fault_injection").glob("*.py")]:
-        if module.stem not in ("__init__", "__main__", *plugins) and not re.search(rf"\b{module.stem}\b", listing):
+        if module.resolve() not in own and module.stem not in ("__init__", "__main__") \
+                and not named(module, listing):
             missing.append(str(module.relative_to(ROOT)))
     assert missing == []
-    named = set(re.findall(r"^ {6}(\w+)/", listing, re.M))
-    assert named and {n for n in named if not (ROOT / "distdebug" / n).is_dir()} == set()
+    folders = set(re.findall(r"^ {6}(\w+)/", listing, re.M))
+    assert folders and {n for n in folders if not (ROOT / "distdebug" / n).is_dir()} == set()

@@ -105,11 +105,23 @@ def test_the_step_records_fields():
     assert (bare["step"], bare["loss"], bare["backward_calls"]) == (4, None, 0)
 
 
-def test_a_step_called_by_the_script_is_a_training_step():
+def test_a_step_called_by_torchs_checkpoint_helpers_is_not_a_training_step():
+    """torch.distributed.checkpoint's _init_optim_state steps once to create the optimizer's state: found by
+    walking up from the optimizer's post-hook (the hook <- the optimizer's step <- the helper); the script's
+    own step is a training step."""
+    import os
+
     def post_hook():
         return not_a_training_step()
 
-    assert post_hook() is False
+    def step():  # the optimizer's step, which calls its post-hooks
+        return post_hook()
+
+    helper = {"step": step}
+    code = "def _init_optim_state():\n    return step()\n"
+    exec(compile(code, os.path.join("torch", "distributed", "checkpoint", "state_dict.py"), "exec"), helper)
+    assert helper["_init_optim_state"]() is True
+    assert step() is False
 
 
 # ------------------------------------------------------------------ training phases

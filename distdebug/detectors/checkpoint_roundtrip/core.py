@@ -14,7 +14,6 @@ from typing import Any
 from distdebug.artifacts import layout
 from distdebug.context import RankContext
 from distdebug.detectors.base import Detector
-from distdebug.detectors.checkpoint_roundtrip.records import RECORDS
 from distdebug.findings import Finding, Severity
 from distdebug.runtime.imports import ImportHook
 
@@ -55,4 +54,4 @@ class RoundTripState(Detector):
     def _records_path(self, rank: int) -> Path | None:
         ctx = self.ctx
         assert ctx is not None  # set in setup()/attach(), which the session calls first
-        return layout.rank_dir(ctx.run_dir, rank) / RECORDS if ctx.run_dir is not None else None
+        return layout.checkpoints_path(ctx.run_dir, rank) if ctx.run_dir is not None else None

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from distdebug.artifacts import layout
+from distdebug.artifacts import runs
 from distdebug.detectors.checkpoint_roundtrip.core import RoundTripState
 from distdebug.detectors.checkpoint_roundtrip.records import (
     EARLIER_RUNS,
@@ -65,13 +65,7 @@ class Loads(RoundTripState):
         assert ctx is not None  # set in setup()/attach(), which the session calls first
         if ctx.run_dir is None:
             return []
-        here = Path(ctx.run_dir).resolve()
-        try:
-            runs = [d for d in here.parent.iterdir()
-                    if d.is_dir() and not d.is_symlink() and d.resolve() != here and (d / layout.MANIFEST).exists()]
-        except OSError:
-            return []
-        return sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True)[:EARLIER_RUNS]
+        return runs.sibling_runs(Path(ctx.run_dir), EARLIER_RUNS)
 
     def _find_save(self, path: str) -> tuple[str, int, dict[str, Any]] | None:
         """Where ``path`` was saved, preferring this rank's own save: ("this run" or a run directory, rank, record)."""

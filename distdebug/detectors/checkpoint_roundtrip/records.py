@@ -95,7 +95,7 @@ def compare_saved(saved: dict[str, int], loaded: dict[str, int]) -> dict[str, li
 
 def paths_saved_by(run_dir: Path, rank: int) -> set[str]:
     """Every path ``rank`` recorded a save of in ``run_dir`` (its own files: what a restart should restore)."""
-    records = layout.rank_dir(run_dir, rank) / RECORDS
+    records = layout.checkpoints_path(run_dir, rank)
     out = set()
     try:
         for line in records.read_text().splitlines():

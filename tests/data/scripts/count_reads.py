@@ -23,7 +23,7 @@ OUT, SCRIPT = sys.argv[1], sys.argv[2]
 sys.argv = [SCRIPT, *sys.argv[3:]]
 PKG = os.sep + "distdebug" + os.sep
 TORCH = os.path.dirname(torch.__file__) + os.sep
-PASS_THROUGH = {("base.py", "call_original"), ("base.py", "patched")}
+PASS_THROUGH = {("detector.py", "call_original"), ("detector.py", "patched")}  # runtime/detector.py
 counts = {"boundary": {}, "elsewhere": 0, "sites": []}
 
 
