@@ -4,6 +4,7 @@ it lives with the launcher: the doctor's folder holds the checks and the worker,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -21,13 +22,21 @@ def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, r
     from distdebug.doctor.checks import FAIL
     from distdebug.launch.attach import attach
 
+    made = run_dir is None
     run_dir = run_dir or runs.new_run_dir("doctor")  # claimed by mkdir: two doctors never share one
     out = layout.doctor_path(Path(run_dir).resolve())
     args = ["--out", str(out), "--max-bytes", str(max_bytes)] + (["--bandwidth"] if bandwidth else [])
     worker = Path(distdebug.doctor.__file__).with_name("worker.py")
-    cfg = AttachConfig(target=str(worker), target_args=args, run_dir=run_dir, nproc_per_node=nproc_per_node,
-                       detectors=["env_check"], **launcher)  # type: ignore[arg-type]
-    result = attach(cfg, argv=["distdebug", "doctor", *sys.argv[2:]])
+    try:
+        cfg = AttachConfig(target=str(worker), target_args=args, run_dir=run_dir, nproc_per_node=nproc_per_node,
+                           detectors=["env_check"], **launcher)  # type: ignore[arg-type]
+        result = attach(cfg, argv=["distdebug", "doctor", *sys.argv[2:]])
+    except UserError:
+        if made:  # refused before anything ran: no empty run left behind (nor an empty runs root) for report
+            for folder in (Path(run_dir), Path(run_dir).parent):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only ever removes an empty folder
+        raise
     if not out.is_file():
         raise UserError(f"the doctor's ranks did not finish (exit code {result.exit_code}"
                         f"{': ' + result.message if result.message else ''}); see: distdebug report {run_dir}")

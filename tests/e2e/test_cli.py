@@ -42,6 +42,7 @@ def test_python_dash_m_distdebug_is_the_same_command():
         (["attach", "--no-such-option", "x.py"], "No such option '--no-such-option'"),
         (["attach", "--nproc-per-node", "0", "cli.py"], "--nproc-per-node must be a positive number"),
         (["attach", "--nproc-per-node", "gpu", "cli.py"], "no CUDA GPU on this machine"),
+        (["doctor", "--nproc-per-node", "gpu"], "no CUDA GPU on this machine"),
         (["attach", "--nnodes", "2", "cli.py"], "needs a meeting point"),
         (["attach", "--no-python", "cli.py"], "--no-python: distdebug instruments SCRIPT inside each rank's Python"),
         (["attach", "--local-ranks-filter", "a", "cli.py"], "the launcher refused its options: --local_ranks_filter"),

@@ -230,7 +230,7 @@ def test_replay_on_a_users_dataloader_script_runs_what_applies(tmp_path):
         if run.is_dir():
             assert len(incidents_of(run)) == (name != "clean"), (name, incidents_of(run))
     assert {n for n in cases if (tmp_path / "runs" / f"{n}-script" / "run").is_dir()} >= \
-        set(FITTED_ON_THE_USERS_DDP_SCRIPT) | {"clean"}
+        set(FITTED_ON_THE_USERS_DDP_SCRIPT) | {"clean", "checkpoint_corruption"}
 
 
 def test_replay_on_a_gpt_style_script_skips_what_it_lacks(tmp_path):

@@ -111,8 +111,8 @@ def paths_saved_by(run_dir: Path, rank: int) -> set[str]:
 def saves_in(run_dir: Path, path: str) -> list[tuple[int, dict[str, Any]]]:
     """(rank, last save record of ``path``) for every rank of one run directory that saved it."""
     out = []
-    for rank, rank_dir in layout.rank_dirs(run_dir):
-        records = rank_dir / RECORDS
+    for rank, _ in layout.rank_dirs(run_dir):
+        records = layout.checkpoints_path(run_dir, rank)
         if not records.exists():
             continue
         found = None
@@ -131,10 +131,11 @@ def saves_in(run_dir: Path, path: str) -> list[tuple[int, dict[str, Any]]]:
 def read_buffer_saves(run_dir: Path, me: int) -> list[dict[str, Any]]:
     """The buffer saves the other ranks of ``run_dir`` recorded (the last 1,000 records of each), by content."""
     out: list[dict[str, Any]] = []
-    for rank, rank_dir in layout.rank_dirs(run_dir):
-        if rank == me or not (rank_dir / RECORDS).exists():
+    for rank, _ in layout.rank_dirs(run_dir):
+        records = layout.checkpoints_path(run_dir, rank)
+        if rank == me or not records.exists():
             continue
-        for line in (rank_dir / RECORDS).read_text().splitlines()[-1000:]:
+        for line in records.read_text().splitlines()[-1000:]:
             try:
                 rec = json.loads(line)
                 if rec.get("buffer"):
