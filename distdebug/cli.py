@@ -16,6 +16,7 @@ from distdebug import envvars
 from distdebug.config import (
     ON_HANG,
     ON_STALL,
+    STARTUP_FLOOR_S,
     WATCH_MODES,
     AttachConfig,
     LossSpikeConfig,
@@ -118,6 +119,11 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
               help="Seconds without progress (no step, no collective finished) before a rank counts as stalled; "
                    "then every rank's stacks and Flight Recorder trace are collected and the hang is diagnosed. "
                    "0: off.")
+@click.option("--startup-timeout", type=float, default=None,
+              show_default=f"max(--stall-timeout, {STARTUP_FLOOR_S:g})",
+              help="Seconds without progress allowed to a rank that has not finished its first step (imports, "
+                   "model building, init_process_group, the first collectives, torch.compile) and to the "
+                   "rendezvous: ranks start unevenly, and a slow start is not a hang.")
 @click.option("--on-hang", type=click.Choice(ON_HANG), default=option_default(AttachConfig, "on_hang"),
               show_default=True,
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")

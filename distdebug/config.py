@@ -25,6 +25,11 @@ EXIT_NEVER_ACTED = 122
 acted: the run tested nothing, and a script or CI that checks "the detector caught it" must not read
 the clean run as a pass. Only under ``--inject``; a failing training's own code always wins."""
 
+STARTUP_FLOOR_S = 600.0
+"""The least start-up allowance by default (``--startup-timeout``): a rank's first step may follow
+minutes of imports, model building, init_process_group, the first collectives' connections and
+torch.compile's first graphs; NCCL's own default for a collective is 10 minutes."""
+
 ON_HANG = ("abort", "report")
 ON_STALL = ("warn", "abort")
 
@@ -65,6 +70,12 @@ class AttachConfig:
     stall_timeout: float = 300.0
     """Seconds without progress on a rank (no step, no collective finished) before it counts as
     stalled and dumps its stacks and Flight Recorder buffer; 0 turns hang detection off."""
+    startup_timeout: float | None = None
+    """Seconds without progress allowed to a rank that has not finished its first step yet (start-up:
+    imports, model building, init_process_group, the first collectives, torch.compile), and to a
+    rendezvous; None: ``max(stall_timeout, STARTUP_FLOOR_S)``. Ranks start unevenly, and one still
+    building its model while another waits in the first collective is a slow start, not a hang: a job
+    is never ended for it before this allowance is spent (``startup_allowance``)."""
     on_hang: str = "abort"
     """``abort``: end the job with EXIT_HANG after the verdict; ``report``: report and keep waiting."""
     on_stall: str = "warn"
@@ -121,6 +132,8 @@ class AttachConfig:
             raise UserError(f"--rdzv-endpoint must be HOST:PORT, got '{self.rdzv_endpoint}'", 2)
         if self.stall_timeout < 0:
             raise UserError(f"--stall-timeout must be 0 (off) or a number of seconds, got {self.stall_timeout}", 2)
+        if self.startup_timeout is not None and self.startup_timeout <= 0:
+            raise UserError(f"--startup-timeout must be a positive number of seconds, got {self.startup_timeout}", 2)
         if self.on_stall not in ON_STALL:
             raise UserError(f"--on-stall must be one of {', '.join(ON_STALL)}, got '{self.on_stall}'", 2)
         if self.on_hang not in ON_HANG:
@@ -135,6 +148,18 @@ class AttachConfig:
         # and the option is the one a retyped command keeps getting wrong).
         if not self.module and not Path(self.target).is_file():
             raise UserError(f"script not found: {self.target} (give a path to a .py file, or -m MODULE)", 2)
+
+    @property
+    def startup_allowance(self) -> float:
+        """The seconds a rank may go without progress before its first step (see ``startup_timeout``)."""
+        if self.startup_timeout is not None:
+            return self.startup_timeout
+        return startup_allowance(self.stall_timeout)
+
+
+def startup_allowance(stall_timeout: float) -> float:
+    """The default start-up allowance for a stall timeout: never shorter than the stall timeout itself."""
+    return max(stall_timeout, STARTUP_FLOOR_S)
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

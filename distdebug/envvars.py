@@ -28,6 +28,10 @@ STALL_TIMEOUT = "DISTDEBUG_STALL_TIMEOUT"
 """Seconds without progress (no step, no collective finished) after which a rank dumps its
 stacks and Flight Recorder buffer; ``0`` turns stall detection off."""
 
+STARTUP_TIMEOUT = "DISTDEBUG_STARTUP_TIMEOUT"
+"""Seconds without progress allowed to a rank before its first step finishes (``--startup-timeout``;
+default: the launcher's start-up allowance for its stall timeout)."""
+
 DETERMINISTIC = "DISTDEBUG_DETERMINISTIC"
 """``1``: seed every generator and turn on torch's deterministic algorithms before the script."""
 
@@ -56,8 +60,8 @@ REPLAY_BACKUP = "DISTDEBUG_REPLAY_BACKUP"
 torch.save to each path outside the replay's work dir, whether the path existed and the file that was there
 (fault_injection.sandbox.before_save), so that the replay puts it back between runs."""
 
-ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, DETERMINISTIC, INJECT,
-       REPLICA_GROUPS, MEASURE_OVERHEAD, REPLAY_BACKUP)
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, STARTUP_TIMEOUT, DETERMINISTIC,
+       INJECT, REPLICA_GROUPS, MEASURE_OVERHEAD, REPLAY_BACKUP)
 
 
 def device_path_forced() -> bool:

@@ -22,7 +22,7 @@ class Hang(Fault):
     description = "one rank blocks in its forward at one step and never joins the next collective"
     catcher = "hang"
     engines = ("ddp", "manual", "ddp_tp")  # DDP x TP: the blocked rank's TP peer waits in a functional collective
-    attach_args = ("--stall-timeout", "4")
+    attach_args = ("--stall-timeout", "4", "--startup-timeout", "60")  # a hang asked for at step 1 is a start-up one
     exit_codes = (124,)
 
     acts_through = "the model's forward, called in its step"

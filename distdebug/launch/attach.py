@@ -103,6 +103,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
     os.environ[envvars.TARGET_IS_MODULE] = "1" if cfg.module else "0"
     os.environ[envvars.NODE_RANK] = str(cfg.node_rank)
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
+    os.environ[envvars.STARTUP_TIMEOUT] = repr(float(cfg.startup_allowance))
     os.environ[envvars.DETERMINISTIC] = "1" if cfg.deterministic else "0"
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
@@ -189,7 +190,8 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
 
     _worker_env(cfg, run_dir, detectors)
     supervisor = supervisor_mod.Supervisor(
-        run_dir, stall_timeout=cfg.stall_timeout, on_hang=cfg.on_hang, node_rank=cfg.node_rank,
+        run_dir, stall_timeout=cfg.stall_timeout, startup_timeout=cfg.startup_allowance, on_hang=cfg.on_hang,
+        node_rank=cfg.node_rank,
         expected_nodes=parse_nnodes(cfg.nnodes)[0], on_stall=cfg.on_stall,
     )
     supervisor.start()

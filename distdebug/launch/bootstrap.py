@@ -185,11 +185,13 @@ def main() -> None:
     except Exception as e:  # instrumentation must never stop training
         print(f"distdebug: instrumentation off on this rank: {type(e).__name__}: {e}", file=sys.stderr)
     if session is not None:
-        from distdebug.config import AttachConfig, option_default
+        from distdebug.config import AttachConfig, option_default, startup_allowance
         from distdebug.runtime.watchdog import RankWatchdog
 
         stall = float(envvars.get(envvars.STALL_TIMEOUT) or option_default(AttachConfig, "stall_timeout"))
-        watchdog = RankWatchdog(session, stall, watch_parent=envvars.get(envvars.PARENT_WATCH, "1") != "0")
+        startup = float(envvars.get(envvars.STARTUP_TIMEOUT) or startup_allowance(stall))
+        watchdog = RankWatchdog(session, stall, startup_timeout=startup,
+                                watch_parent=envvars.get(envvars.PARENT_WATCH, "1") != "0")
         watchdog.start()
 
     sys.argv = [target, *args]

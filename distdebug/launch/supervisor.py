@@ -42,19 +42,22 @@ RETRY, WARN, REPORT, END_JOB = "retry", "warn", "report", "end-job"
 
 
 def poll_decision(*, now: float, started: float, stall_timeout: float, pids: set[int], stalled: dict[int, float],
-                  ended: set[int], heard: dict[int, float], retry_at: float, has_children: Callable[[], bool]) -> str:
+                  ended: set[int], heard: dict[int, float], retry_at: float, has_children: Callable[[], bool],
+                  startup_timeout: float | None = None) -> str:
     """What the supervisor does at one poll (pure; times are monotonic seconds; unit-tested).
 
-    pids: the ranks that wrote a start record; stalled: rank -> when its stall record arrived; ended:
-    ranks that ended or raised; heard: rank -> when its last record of any kind arrived. Returns WAIT,
-    RENDEZVOUS_HANG (no rank started a stall timeout after the launch and no worker exists), DIAGNOSE_ALL
+    startup_timeout: how long a rendezvous may take (as a rank's start-up: nodes start unevenly;
+    None: the stall timeout); pids: the ranks that wrote a start record; stalled: rank -> when its
+    stall record arrived; ended: ranks that ended or raised; heard: rank -> when its last record of any
+    kind arrived. Returns WAIT, RENDEZVOUS_HANG (no rank started within the start-up allowance after
+    the launch and no worker exists), DIAGNOSE_ALL
     (every live rank has stalled) or DIAGNOSE_SOME (the grace period is over and the ranks that have not
     stalled are silent too).
     """
     if not pids:
         # Rendezvous is done once torch's agent has started this node's workers (they may take a
         # while to import torch and write their first record; that is not a rendezvous hang).
-        if now - started > stall_timeout and not has_children():
+        if now - started > (startup_timeout or stall_timeout) and not has_children():
             return RENDEZVOUS_HANG
         return WAIT
     if not stalled or now < retry_at:
@@ -116,9 +119,10 @@ class _Tail:
 
 class Supervisor:
     def __init__(self, run_dir: Path, *, stall_timeout: float, on_hang: str, node_rank: int, expected_nodes: int,
-                 interval: float = 0.5, on_stall: str = "warn") -> None:
+                 interval: float = 0.5, on_stall: str = "warn", startup_timeout: float | None = None) -> None:
         self.run_dir = run_dir
         self.stall_timeout = stall_timeout
+        self.startup_timeout = startup_timeout or stall_timeout
         self.on_hang = on_hang
         self.on_stall = on_stall
         self.stall_warnings = 0
@@ -184,7 +188,8 @@ class Supervisor:
             return
         action = poll_decision(now=time.monotonic(), started=self.started, stall_timeout=self.stall_timeout,
                                pids=set(self._pids), stalled=self._stalled, ended=self._ended, heard=self._heard,
-                               retry_at=self._retry_at, has_children=_has_children)
+                               retry_at=self._retry_at, has_children=_has_children,
+                               startup_timeout=self.startup_timeout)
         if action == RENDEZVOUS_HANG:
             self._rendezvous_hang()
         elif action in (DIAGNOSE_ALL, DIAGNOSE_SOME):
@@ -227,7 +232,7 @@ class Supervisor:
 
         present = [node for node, _ in layout.node_files(self.run_dir)]
         self._conclude([rendezvous_incomplete(expected_nodes=self.expected_nodes, present=present,
-                                              stall_timeout=self.stall_timeout, host=socket.gethostname())])
+                                              stall_timeout=self.startup_timeout, host=socket.gethostname())])
         if self.on_hang == "abort":
             # No worker exists on this node yet: nothing else to clean up.
             from distdebug.config import EXIT_HANG

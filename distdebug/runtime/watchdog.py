@@ -95,36 +95,42 @@ class StallClock:
     the progress time moves.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, startup: float | None = None) -> None:
         self.timeout = timeout
+        self.startup = startup if startup is not None else timeout
+        """The timeout before the rank's first step has finished (start-up: ranks start unevenly; a rank
+        that waits in the first collective for one still building its model has not stalled)."""
         self.stalled_at: float | None = None
         """The progress time (monotonic seconds) of the stall already recorded, or None."""
         self.recorded_at = 0.0
         """When (monotonic seconds) that stall was last recorded."""
 
-    def check(self, progress: float, now: float) -> list[str]:
-        """Actions for one check, in order: progress is the monotonic time of the rank's last progress."""
+    def check(self, progress: float, now: float, started: bool = True) -> list[str]:
+        """Actions for one check, in order: progress is the monotonic time of the rank's last progress;
+        started: the rank has finished a step (before that, the start-up timeout applies)."""
         actions: list[str] = []
+        timeout = self.timeout if started else self.startup
         if self.stalled_at is not None and progress != self.stalled_at:
             actions.append(CLEARED)
             self.stalled_at = None
-        if self.stalled_at is None and now - progress > self.timeout:
+        if self.stalled_at is None and now - progress > timeout:
             self.stalled_at, self.recorded_at = progress, now
             actions.append(STALLED)
-        elif self.stalled_at is not None and now - self.recorded_at > self.timeout:
+        elif self.stalled_at is not None and now - self.recorded_at > timeout:
             self.recorded_at = now
             actions.append(STILL_STALLED)
         return actions
 
 
 class RankWatchdog:
-    def __init__(self, session: Session, stall_timeout: float, watch_parent: bool = True, interval: float = 0.5):
+    def __init__(self, session: Session, stall_timeout: float, *, startup_timeout: float | None = None,
+                 watch_parent: bool = True, interval: float = 0.5):
         self.session = session
         self.stall_timeout = stall_timeout
         self.watch_parent = watch_parent
         self.interval = interval
         self.parent = os.getppid()
-        self.clock = StallClock(stall_timeout)
+        self.clock = StallClock(stall_timeout, startup_timeout)
         self._request_seen: int | None = None  # the stacks request last answered (its file's mtime)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -166,7 +172,7 @@ class RankWatchdog:
             return
         p = s.progress
         last, now = p.last, time.monotonic()
-        for action in self.clock.check(last, now):
+        for action in self.clock.check(last, now, started=p.step > 0):
             if action == CLEARED:
                 s.emit(schema.record(schema.STALL_CLEARED, rank=s.identity.rank, step=p.step, time=time.time()))
             else:

@@ -13,7 +13,10 @@ import pytest
 
 from tests.helpers import DATA, Completed, distdebug
 
-HANG_STALL_S = "4"  # seconds; short, yet longer than a slow rank start-up on a loaded 2-core machine
+HANG_STALL_S = "4"
+"""Seconds: short, so that a hang is noticed in seconds. A rank's start-up (imports, init, the first
+collectives) may take longer beside a CPU-bound test: the start-up allowance (default 600 s) covers it,
+and a test of a start-up hang gives --startup-timeout itself."""
 SHARED = "shared-runs"
 """The xdist group of the tests that read a shared run (pytest.mark.xdist_group(SHARED))."""
 

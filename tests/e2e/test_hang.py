@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,6 +28,11 @@ from tests.helpers import DATA, ROOT, distdebug, free_port, kill_tree, make_env
 
 SCRIPT = str(DATA / "scripts" / "hang.py")
 STALL = HANG_STALL_S
+
+
+def script_line(code: str) -> int:
+    """The line of hang.py where code is (the tests read it, so that an edit of the script moves it)."""
+    return next(i for i, text in enumerate(Path(SCRIPT).read_text().splitlines(), 1) if code in text)
 
 
 def run_findings(run_dir):
@@ -95,7 +101,8 @@ def test_collective_with_different_sizes_across_ranks(tmp_path):
     assert f["subject"] == "collective #3" and f["ranks"] == [0, 1] and f["step"] == 3
     assert "rank 0 all_reduce [[20]]" in f["message"] and "rank 1 all_reduce [[40]]" in f["message"]
     # rank 0 was aborted by gloo (no Python ran): its place comes from the faulthandler dump
-    assert "rank 0 died by a fatal signal at step 3 in hang.py:53 in <module>" in f["message"]
+    line = script_line("dist.all_reduce(flat)")
+    assert f"rank 0 died by a fatal signal at step 3 in hang.py:{line} in <module>" in f["message"]
 
 
 @pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
@@ -109,7 +116,10 @@ def test_rank_that_exits_early_is_named(tmp_path):
 
 @pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_slow_but_progressing_rank_is_not_a_hang(tmp_path):
-    r = attach(tmp_path, "--slow", "1.2", "--steps", "8")
+    # Slow to start (rank 1 sleeps 2.5x the stall timeout after init_process_group while rank 0 waits in
+    # the first all_reduce: a rank loading a large checkpoint; the start-up allowance covers it), then
+    # slow at every step (1.2 s more a step, under the stall timeout: progress).
+    r = attach(tmp_path, "--slow", "1.2", "--steps", "8", "--slow-start", str(2.5 * float(STALL)))
     assert r.returncode == 0, r.output
     assert run_findings(tmp_path) == []
     for rank in (0, 1):
@@ -118,7 +128,7 @@ def test_slow_but_progressing_rank_is_not_a_hang(tmp_path):
 
 @pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_rank_stuck_before_init_process_group(tmp_path):
-    r = attach(tmp_path, "--init-late")
+    r = attach(tmp_path, "--init-late", extra=("--startup-timeout", STALL))  # a hang at start-up
     assert r.returncode == EXIT_HANG, r.output
     (f,) = run_findings(tmp_path)
     assert f["subject"] == "init_process_group" and f["ranks"] == [1]
@@ -175,7 +185,7 @@ def test_report_only_mode_keeps_waiting(tmp_path):
 @pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
 def test_rendezvous_that_never_completes_names_the_missing_node(tmp_path):
     port = free_port()
-    r = distdebug("attach", "--run-dir", str(tmp_path), "--stall-timeout", STALL, "--nnodes", "2",
+    r = distdebug("attach", "--run-dir", str(tmp_path), "--startup-timeout", STALL, "--nnodes", "2",
                   "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                   "--rdzv-id", "lonely", SCRIPT, timeout=60)
     assert r.returncode == EXIT_HANG, r.output
@@ -222,7 +232,8 @@ def test_a_collective_called_by_keywords_with_different_sizes_names_each_ranks_s
     (f,) = run_findings(tmp_path)
     assert 0 in f["ranks"] and f["step"] == 4  # after the 3rd optimizer step: step 4's work
     r0 = f["evidence"]["ranks"]["0"]["in_collective"]
-    assert (r0["op"], r0["shapes"], r0["site"]["line"]) == ("all_to_all_single", [[12], [12]], 69)
+    line = script_line("dist.all_to_all_single(")
+    assert (r0["op"], r0["shapes"], r0["site"]["line"]) == ("all_to_all_single", [[12], [12]], line)
     if "ranks disagree" in f["message"]:
         assert "rank 0 all_to_all_single [[12], [12]], rank 1 all_to_all_single [[16], [16]]" in f["message"], f
     one = f["evidence"]["ranks"]["1"]

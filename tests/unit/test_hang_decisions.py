@@ -62,6 +62,20 @@ def test_progress_clears_the_stall_and_a_later_stall_is_a_new_one():
     assert clock.check(5.2, 9.3) == [STALLED]  # a new stall, recorded as such (fresh stacks)
 
 
+def test_before_its_first_step_a_rank_has_the_start_up_allowance_not_the_stall_timeout():
+    """Ranks start unevenly: one waits in the first collective while another still builds its model (the
+    fresh-clone CI killed healthy jobs so, with a 4 s stall timeout on a loaded machine). Until the rank has
+    finished a step, only the start-up allowance makes a stall; after that, the stall timeout again."""
+    clock = StallClock(TIMEOUT, startup=30.0)
+    assert [a for t in (5.0, 20.0, 29.9) for a in clock.check(0.0, t, started=False)] == []
+    assert clock.check(0.0, 30.1, started=False) == [STALLED]  # a start-up that never ends is still a hang
+    assert clock.check(0.0, 45.0, started=False) == []  # recorded again once per start-up allowance
+    assert clock.check(0.0, 60.2, started=False) == [STILL_STALLED]
+    later = StallClock(TIMEOUT, startup=30.0)
+    assert later.check(100.0, 104.5, started=True) == [STALLED]  # a step done: the stall timeout
+    assert StallClock(TIMEOUT).startup == TIMEOUT  # none given: the stall timeout throughout
+
+
 def test_a_busy_evaluation_of_three_timeouts_is_recorded_at_most_three_times():
     """The e2e test's long evaluation (12 s at a 4 s timeout): the warnings it gives are bounded by the
     watchdog's records, at most one per stall timeout."""
@@ -150,6 +164,21 @@ def test_a_stall_with_nothing_to_name_is_a_warning_the_supervisor_reads_as_busy(
     assert (f.severity, f.ranks, f.step, f.subject) == (Severity.WARNING, [0, 1], None, BUSY_STALL)
     assert f.message == "no progress for 4s on ranks [0, 1]; no culprit found: the job goes on"
     assert is_busy_stall([f])  # so verdict_decision never ends a job on it
+
+
+def test_a_rendezvous_has_the_start_up_allowance():
+    assert decide(5.0, pids=set(), has_children=lambda: False, startup_timeout=30.0) == WAIT
+    assert decide(30.5, pids=set(), has_children=lambda: False, startup_timeout=30.0) == RENDEZVOUS_HANG
+
+
+def test_the_default_start_up_allowance_is_never_shorter_than_the_stall_timeout(tmp_path):
+    from distdebug.config import STARTUP_FLOOR_S, AttachConfig
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    assert AttachConfig(target=str(script), stall_timeout=4.0).startup_allowance == STARTUP_FLOOR_S
+    assert AttachConfig(target=str(script), stall_timeout=4000.0).startup_allowance == 4000.0
+    assert AttachConfig(target=str(script), stall_timeout=4.0, startup_timeout=9.0).startup_allowance == 9.0
 
 
 def test_an_incomplete_rendezvous_names_the_nodes_whose_launcher_never_came(tmp_path):

@@ -3,7 +3,9 @@
 All faults act on --fault-rank only: --skip-at K (skips its all_reduce in step K, then after the
 loop stays alive without calling collectives), --sleep-at K (sleeps forever inside step K),
 --size-at K (a different tensor size in step K), --exit-at K (exits with code 0 in step K),
---slow S (S seconds more per step: slow but progressing), --init-late (sleeps forever before
+--slow S (S seconds more per step: slow but progressing), --slow-start S (S seconds after
+init_process_group before building its model, as a rank loading a large checkpoint: the others wait
+in the first collective), --init-late (sleeps forever before
 init_process_group), --pg-timeout S (the process group's collective timeout); --busy K S below."""
 
 import argparse
@@ -23,6 +25,7 @@ p.add_argument("--sleep-at", type=int)
 p.add_argument("--size-at", type=int)
 p.add_argument("--exit-at", type=int)
 p.add_argument("--slow", type=float, default=0.0)
+p.add_argument("--slow-start", type=float, default=0.0)
 p.add_argument("--init-late", action="store_true")
 p.add_argument("--pg-timeout", type=float)
 p.add_argument("--busy", nargs=2, type=float, metavar=("K", "S"), help="no fault: all ranks evaluate S s after step K"); p.add_argument("--a2a-size-at", type=int, help="a keyword all_to_all_single, another size on the fault rank")  # noqa: E501, E702
@@ -36,6 +39,8 @@ if args.init_late and faulty:
 kw = {"timeout": datetime.timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}
 dist.init_process_group("gloo", **kw)
 rank, world = dist.get_rank(), dist.get_world_size()
+if faulty:
+    time.sleep(args.slow_start)
 torch.manual_seed(0)
 model = nn.Linear(4, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
