@@ -58,3 +58,19 @@ class Finding:
             evidence=dict(d.get("evidence") or {}),
             fix=d.get("fix"),
         )
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 7`` / ``ranks 0-6, 8-15``: runs of consecutive ranks as ranges (what a thousand ranks' text
+    needs); ``rank ?`` for none."""
+    ranks = sorted(ranks)
+    if not ranks:
+        return "rank ?"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)

@@ -204,12 +204,12 @@ class Fault(Detector):
     def execution(self) -> tuple[int, int]:
         """The step whose computation runs now, and which execution of it: (the step in progress, 0) in the
         training; (the step re-executed, n) while the harness re-executes a step on this rank
-        (``Session.replay``: nan_origin's on-demand watch, ``--rerun-on-anomaly``)."""
+        (``Reexecution.replay``: nan_origin's on-demand watch, ``--rerun-on-anomaly``)."""
         from distdebug.runtime.session import current_session
 
         session = current_session()
-        if session is not None and session.replay_step is not None:
-            return session.replay_step, session.replays
+        if session is not None and session.reexecution.replay_step is not None:
+            return session.reexecution.replay_step, session.reexecution.replays
         return self.current, 0
 
     def mine(self) -> bool:

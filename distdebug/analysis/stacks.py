@@ -31,6 +31,7 @@ from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import read_events
 from distdebug.artifacts.writer import write_json_atomic
 from distdebug.errors import UserError
+from distdebug.findings import ranks_text
 
 NATIVE_TIMEOUT_S = 10.0
 """Seconds py-spy may take on one process before its dump is given up."""
@@ -166,19 +167,6 @@ def summary(frames: list[dict[str, Any]]) -> str:
         code = f" `{mine['code']}`" if mine.get("code") else ""
         at = f"at {Path(str(mine.get('file'))).name}:{mine.get('line')} in {mine.get('func')}{code}"
     return f"in {call} {at}".strip() if call else at
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """``rank 7`` / ``ranks 0-6, 8-15``: runs of consecutive ranks as ranges."""
-    ranks = sorted(ranks)
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    parts = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def group(answers: dict[int, RankAnswer]) -> list[Group]:

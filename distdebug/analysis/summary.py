@@ -17,7 +17,7 @@ from distdebug.analysis.incidents import group as group_incidents
 from distdebug.analysis.traces import analyze_run
 from distdebug.artifacts import schema
 from distdebug.artifacts.reader import Run
-from distdebug.findings import Finding, Severity
+from distdebug.findings import Finding, Severity, ranks_text
 
 
 @dataclass
@@ -257,21 +257,14 @@ def acted(injected: list[dict[str, Any]], not_acted: Any = ()) -> set[str]:
 def why_not(names: list[str], not_acted: Any) -> dict[str, list[str]]:
     """Each named fault's own reasons for not acting, in the order first given, each with the ranks that gave
     it (``"no other rank holds head.weight ... [rank 1]"``); a fault that gave none is left out."""
-    ranks: dict[str, dict[str, list[Any]]] = {}
+    ranks: dict[str, dict[str, list[int]]] = {}
     for n in not_acted:
         name, reason = str(n.get("fault")), str(n.get("reason") or "")
         if name in names and reason:
             got = ranks.setdefault(name, {}).setdefault(reason, [])
-            if n.get("rank") not in got:
-                got.append(n.get("rank"))
-    return {name: [f"{reason} [{_ranks_said(rs)}]" for reason, rs in by.items()] for name, by in ranks.items()}
-
-
-def _ranks_said(ranks: list[Any]) -> str:
-    known = sorted(r for r in ranks if isinstance(r, int))
-    if len(known) == 1:
-        return f"rank {known[0]}"
-    return f"ranks {', '.join(map(str, known))}" if known else "rank ?"
+            if isinstance(n.get("rank"), int) and n["rank"] not in got:
+                got.append(n["rank"])
+    return {name: [f"{reason} [{ranks_text(rs)}]" for reason, rs in by.items()] for name, by in ranks.items()}
 
 
 NO_REASON = "nothing it acts through was there, or its step never came"

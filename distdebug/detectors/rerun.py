@@ -204,7 +204,8 @@ class Rerun(ExchangeUser, Detector):
                 continue
             self.done.add(step)
             session = current_session()
-            around = functools.partial(session.replay, step) if session is not None else contextlib.nullcontext
+            around = (functools.partial(session.reexecution.replay, step) if session is not None
+                      else contextlib.nullcontext)
             verdicts = [(rec, rerun.reexecute(rec, cap, around)) for rec, cap in held]
             for rec, v in verdicts:
                 stored = self._reread(rec, step) if why == REPLICAS else None

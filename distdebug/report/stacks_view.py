@@ -4,7 +4,8 @@ groups as data)."""
 
 from __future__ import annotations
 
-from distdebug.analysis.stacks import Group, headline, ranks_text, script_frames, summary
+from distdebug.analysis.stacks import Group, headline, script_frames, summary
+from distdebug.findings import ranks_text
 
 
 def render(groups: list[Group], missing: dict[int, str], native: dict[int, str], note: str | None,

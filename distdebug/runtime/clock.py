@@ -70,6 +70,14 @@ class StepClock:
         if self.t_last is None:
             self.t_last = time.perf_counter()
 
+    def unmarked(self, steps: int) -> tuple[str, str] | None:
+        """At the rank's end: (message, fix) when backward ran but no step boundary was ever seen (the
+        loop steps no torch.optim optimizer); None otherwise."""
+        if steps or not self.backward_total:
+            return None
+        return (f"{self.backward_total} backward calls but no step boundary: the loop does not call a torch.optim "
+                "optimizer's step()", "call distdebug.step(loss) once per training step (and distdebug.watch(model))")
+
     def count_backward(self) -> None:
         self.backward_calls += 1
         self.backward_total += 1

@@ -126,3 +126,17 @@ def thread_cpu_s() -> dict[str, float]:
         return out
     except Exception:  # no per-thread accounting on this platform: the threads' cost is unknown
         return {}
+
+
+LEDGER = Ledger()
+"""This process's harness cost: the wrappers' bookkeeping (``quietly``) is the session's part (the session
+puts its own ledger here when it is installed)."""
+
+
+def quietly(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run the harness's bookkeeping in a wrapper of the script's call, timed as the session's; an exception of
+    ours is swallowed, never the script's business."""
+    try:
+        return timed(LEDGER, SESSION, fn, *args)
+    except Exception:
+        return None

@@ -39,6 +39,25 @@ CAPACITY = 64
 CHECK_EVERY = 16
 
 
+def open_exchange(rank: int, detectors: list[Any], report: Callable[[Finding], None],
+                  raw_collectives: dict[str, Any], warn: Callable[[str], None]) -> Exchange | None:
+    """The rank's exchange, made at the first step boundary on every rank alike (new_group is collective),
+    when some detector uses it and there are peers; None otherwise, or when it could not be made (then
+    ``warn`` says why: the cross-rank checks are off, the training goes on)."""
+    if not any(getattr(d, "uses_exchange", False) for d in detectors):
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        return Exchange(rank, report, raw_collectives)
+    except Exception as e:
+        warn(f"could not create the harness's process group ({type(e).__name__}: {e}); cross-rank checks are "
+             "off on this rank")
+        return None
+
+
 def checked_step(step: int) -> bool:
     """The steps at which the periodic checks exchange: early ones (2, 4, 8), then every CHECK_EVERY."""
     return step in (2, 4, 8) or step % CHECK_EVERY == 0

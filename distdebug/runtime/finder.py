@@ -93,6 +93,16 @@ class Finder:
             # (seen: a flattened-buffer loop with TP layers inferred the TP group as data-parallel).
             self.reduced_ptrs[tensor.data_ptr()] = group
 
+    def blind(self, watchers: list[str], step: int) -> tuple[str, str] | None:
+        """At the end of discovery: (message, fix) when no model was found and ``watchers`` (the detectors
+        that need one) would watch nothing; None otherwise."""
+        if self.roots or not watchers:
+            return None
+        return (f"no model was found in step {step} (no module ran forward before its optimizer step): "
+                f"{', '.join(watchers)} watch nothing in this run",
+                "call distdebug.watch(model, optimizer) once they are built; or look for an optimizer.step() before "
+                "the first forward (a helper that steps once to create the optimizer's state)")
+
     def describe(self, ctx: RankContext, step_source: str | None) -> dict[str, Any]:
         """What was found, described; the models and the layout set on ``ctx``, its ``discovery`` too."""
         grad_ptrs = set()

@@ -8,6 +8,7 @@ fails). Any thread may emit (the exchange's and the watchdog's report here too).
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -74,3 +75,20 @@ class Outlet:
             "switched off on this rank (its hooks removed, its patches passed through)",
             evidence={"exception": type(e).__name__, "phase": phase, "where": where},
         )
+
+    def start(self, detectors: list[str]) -> None:
+        """The rank's first record: who it is (the launcher's supervisor learns its pid here) and what runs."""
+        i = self.ctx.identity
+        self.emit(schema.record(
+            schema.START, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
+            local_world_size=i.local_world_size, node=i.node, attempt=i.attempt, host=i.host, pid=i.pid,
+            time=time.time(), detectors=detectors,
+        ))
+
+    def end(self, exit_code: int, steps: int, alive: dict[str, Any], released: list[str]) -> None:
+        """The rank's last record; ``alive``: what will meet interpreter teardown (the advice if the process
+        aborts after this); ``released``: the destroyed groups' defaults it freed (runtime.teardown)."""
+        self.emit(schema.record(
+            schema.END, rank=self.ctx.identity.rank, exit_code=exit_code, steps=steps, time=time.time(),
+            write_errors=self.writer.failed_writes if self.writer else 0, alive=alive, released_defaults=released[:20],
+        ))

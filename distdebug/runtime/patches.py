@@ -7,7 +7,7 @@ it is read, guarded and changed together. Each wrapper tells the session what ha
 session's public methods and the rank's progress record (``runtime.progress``), then calls the
 original with the caller's arguments unchanged: nothing here touches tensor values, RNG state or
 the order of collectives. Every replacement is undone by ``restore()``. The harness's own part of
-each wrapper is guarded (``_quietly``): an exception of ours never stops the call the script made.
+each wrapper is guarded (``quietly``): an exception of ours never stops the call the script made.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from distdebug.artifacts import schema
 from distdebug.context import RankIdentity
 from distdebug.runtime import cost
 from distdebug.runtime.callinfo import P2P, call_shapes, call_site, p2p_peer
+from distdebug.runtime.clock import StepClock
 from distdebug.runtime.progress import Progress
+from distdebug.runtime.stepsource import StepSource
 
 # Python-level collectives of torch.distributed that are counted. DDP's reducer and NCCL calls
 # made from C++ do not pass through Python and are not counted here.
@@ -42,13 +44,13 @@ class Observer(Protocol):
     identity: RankIdentity
     progress: Progress
     inflight: Any
-    step_source: str | None
+    source: StepSource
 
     def note_loss(self, tensors: Any) -> None: ...
     def note_scaled(self, scaler: Any, out: Any) -> None: ...
     def after_backward(self) -> None: ...
     def scaler_skipped(self, scaler: Any, optimizer: Any) -> None: ...
-    optimizer_steps: int
+    clock: StepClock
     def note_all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None: ...
     def boundary(self, skipped: bool = False, loss_scale: float | None = None) -> None: ...
     def emit(self, rec: dict) -> None: ...
@@ -57,16 +59,7 @@ class Observer(Protocol):
     def close(self, exit_code: int) -> None: ...
 
 
-LEDGER = cost.Ledger()
-"""This process's harness cost (runtime.cost): the wrappers' bookkeeping is the session's part."""
-
-
-def _quietly(fn: Any, *args: Any) -> Any:
-    """Run the harness's bookkeeping; an exception of ours is swallowed, never the script's business."""
-    try:
-        return cost.timed(LEDGER, cost.SESSION, fn, *args)
-    except Exception:
-        return None
+quietly = cost.quietly
 
 
 FUNCTIONAL_COLLECTIVES = (
@@ -85,7 +78,7 @@ def _observed(fn: Any, observers: list[Any]) -> Any:
             return fn(*args, **kwargs)
         out = fn(*args, **kwargs)
         for observe in observers:  # what went in and what came out (detectors' device flags, no read)
-            _quietly(observe, args[0] if args else kwargs.get("self", kwargs.get("input")), out)
+            quietly(observe, args[0] if args else kwargs.get("self", kwargs.get("input")), out)
         return out
     return counted
 
@@ -135,7 +128,7 @@ class TorchPatches:
         def batch_isend_irecv(p2p_op_list: Any) -> Any:
             before = patches.session.progress.p2p_seq
             works = original(p2p_op_list)
-            _quietly(patches._note_batch, works, p2p_op_list, before)
+            quietly(patches._note_batch, works, p2p_op_list, before)
             return works
 
         return batch_isend_irecv
@@ -160,10 +153,10 @@ class TorchPatches:
 
         @functools.wraps(original)
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            info = _quietly(patches._works.pop, work, None) if patches._works else None
+            info = quietly(patches._works.pop, work, None) if patches._works else None
             if info is None:
                 return original(work, *args, **kwargs)
-            slot = _quietly(patches._enter_flight, {**info, "waiting": True})
+            slot = quietly(patches._enter_flight, {**info, "waiting": True})
             return patches._in_flight(slot, original, work, *args, **kwargs)
 
         return wait
@@ -184,13 +177,13 @@ class TorchPatches:
             out = call(*args, **kwargs)
         except BaseException:
             if slot is not None:
-                _quietly(slot.fail)
+                quietly(slot.fail)
             raise
         finally:
             progress.in_collective = None
             progress.touch()
         if slot is not None:
-            _quietly(slot.leave)
+            quietly(slot.leave)
         return out
 
     def patch_functional_collectives(self) -> None:
@@ -248,9 +241,9 @@ class TorchPatches:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if patches._in_engine_backward:
                 return original(tensors, *args, **kwargs)
-            _quietly(patches.session.note_loss, tensors)
+            quietly(patches.session.note_loss, tensors)
             out = original(tensors, *args, **kwargs)
-            _quietly(patches.session.after_backward)
+            quietly(patches.session.after_backward)
             return out
 
         return backward
@@ -263,9 +256,9 @@ class TorchPatches:
             original(ddp, *args, **kwargs)
             from distdebug.runtime import discovery
 
-            _quietly(discovery.note_ddp, ddp)
-            _quietly(discovery.note_ddp_params, ddp)  # by name, before TP parameters leave named_parameters()
-            _quietly(discovery.note_ddp_builder, ddp, sys._getframe(1))  # a framework's options, or the script's
+            quietly(discovery.note_ddp, ddp)
+            quietly(discovery.note_ddp_params, ddp)  # by name, before TP parameters leave named_parameters()
+            quietly(discovery.note_ddp_builder, ddp, sys._getframe(1))  # a framework's options, or the script's
 
         return __init__
 
@@ -277,7 +270,7 @@ class TorchPatches:
         @functools.wraps(original)
         def scale(scaler: Any, outputs: Any) -> Any:
             out = original(scaler, outputs)
-            _quietly(session.note_scaled, scaler, out)
+            quietly(session.note_scaled, scaler, out)
             return out
 
         return scale
@@ -291,43 +284,19 @@ class TorchPatches:
 
         @functools.wraps(original)
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            before = session.optimizer_steps
+            before = session.clock.optimizer_steps
             out = original(scaler, optimizer, *args, **kwargs)
-            if session.optimizer_steps == before and getattr(scaler, "_enabled", False):
-                _quietly(session.scaler_skipped, scaler, optimizer)
+            if session.clock.optimizer_steps == before and getattr(scaler, "_enabled", False):
+                quietly(session.scaler_skipped, scaler, optimizer)
             return out
 
         return step
 
     def hook_deepspeed_engine(self, engine: Any) -> None:
-        """Step and loss from the engine itself (ZeRO calls its inner optimizer once per sub-group)."""
-        patches, session = self, self.session
-        orig_backward, orig_step = engine.backward, engine.step
+        """Step and loss from the engine itself (runtime.engine_hooks)."""
+        from distdebug.runtime.engine_hooks import hook_deepspeed_engine
 
-        @functools.wraps(orig_backward)
-        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-            _quietly(session.note_loss, loss)
-            patches._in_engine_backward = True
-            try:
-                out = orig_backward(loss, *args, **kwargs)
-            finally:
-                patches._in_engine_backward = False
-            _quietly(session.after_backward)
-            return out
-
-        @functools.wraps(orig_step)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            at_boundary = bool(engine.is_gradient_accumulation_boundary())
-            scale = _quietly(_deepspeed_scale, engine) if at_boundary else None  # this step's, before its update
-            result = orig_step(*args, **kwargs)
-            if at_boundary and session.step_source in (None, "deepspeed", "optimizer"):
-                session.step_source = "deepspeed"
-                skipped = bool(scale is not None and _quietly(_deepspeed_overflow, engine))
-                _quietly(session.boundary, skipped, scale)
-            return result
-
-        engine.backward = backward
-        engine.step = step
+        hook_deepspeed_engine(self, engine)
 
     # ------------------------------------------------------------------ process groups and exit
     def _wrap_init(self, original: Any) -> Any:
@@ -339,12 +308,12 @@ class TorchPatches:
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             progress.phase = "init_process_group"
             progress.touch()
-            _quietly(session.emit, schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin",
+            quietly(session.emit, schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin",
                                                  time=time.time()))
             result = original(*args, **kwargs)
             progress.phase = "training"
             progress.touch()
-            _quietly(session.emit, schema.record(schema.PG_INIT, rank=session.identity.rank, phase="done",
+            quietly(session.emit, schema.record(schema.PG_INIT, rank=session.identity.rank, phase="done",
                                                  time=time.time()))
             return result
 
@@ -380,10 +349,10 @@ class TorchPatches:
         @functools.wraps(original)
         def destroy_process_group(group: Any = None) -> Any:
             if group is None:
-                _quietly(session.release_groups)
+                quietly(session.release_groups)
             out = original(group)
             if group is None:
-                _quietly(session.release_stale_defaults)
+                quietly(session.release_stale_defaults)
             return out
 
         return destroy_process_group
@@ -408,7 +377,7 @@ class TorchPatches:
                 session.note_all_reduce(t, kwargs.get("group", args[2] if len(args) > 2 else None))
             info = {"op": name, "seq": seq, "step": progress.step + 1,
                     "shapes": call_shapes(args, kwargs),
-                    "site": call_site(3)}  # describe <- _quietly <- collective <- its caller
+                    "site": call_site(3)}  # describe <- quietly <- collective <- its caller
             if name in P2P:
                 info.update(p2p_peer(name, args, kwargs))
             return info
@@ -417,24 +386,11 @@ class TorchPatches:
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            info = _quietly(describe, args, kwargs)
-            slot = _quietly(patches._enter_flight, info) if info is not None else None
+            info = quietly(describe, args, kwargs)
+            slot = quietly(patches._enter_flight, info) if info is not None else None
             out = patches._in_flight(slot, fn, *args, **kwargs)
             if info is not None and out is not None and hasattr(out, "wait"):  # async: its wait() is where it blocks
-                _quietly(patches._note_work, out, info)
+                quietly(patches._note_work, out, info)
             return out
 
         return collective
-
-
-def _deepspeed_scale(engine: Any) -> float | None:
-    """DeepSpeed's fp16 loss scale (None without fp16): a host value on its optimizer, no device read."""
-    if not engine.fp16_enabled():
-        return None
-    scale = getattr(getattr(engine, "optimizer", None), "cur_scale", None)
-    return float(scale) if isinstance(scale, (int, float)) else None
-
-
-def _deepspeed_overflow(engine: Any) -> bool:
-    """Whether DeepSpeed's fp16 loss scaler skipped the step just taken (its optimizer's host flag)."""
-    return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))

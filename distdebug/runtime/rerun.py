@@ -22,7 +22,7 @@ here the step is re-run without the user's loop, from what was captured while it
 generator state, runs the call and its backward again, compares the fingerprints, and puts
 everything back as it was, bit for bit (parameters, buffers, generators: the training goes on as if
 nothing had happened). Every other hook of the harness passes while it runs (``Detector.paused``,
-``Session.replaying``); injected faults do not pause (a persistent fault acts again, as a broken
+``Reexecution.replaying``); injected faults do not pause (a persistent fault acts again, as a broken
 unit would). The re-execution runs twice: two re-executions that differ from each other mean the
 step is not reproducible by itself (non-deterministic kernels), and no verdict is given.
 

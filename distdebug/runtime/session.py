@@ -23,11 +23,8 @@ state or the order of collectives: the harness observes.
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
-import weakref
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +36,18 @@ from distdebug.context import RankContext, RankIdentity
 from distdebug.envvars import MEASURE_OVERHEAD
 from distdebug.envvars import get as env_get
 from distdebug.findings import Finding, Severity
-from distdebug.runtime import clock, cost, localgrads, overhead
-from distdebug.runtime import patches as patches_mod
+from distdebug.runtime import clock, cost, localgrads, overhead, stepsource, teardown
 from distdebug.runtime.clock import StepClock
 from distdebug.runtime.detector import Detector
-from distdebug.runtime.exchange import Exchange, checked_step
+from distdebug.runtime.dispatch import Dispatch
+from distdebug.runtime.exchange import Exchange, checked_step, open_exchange
 from distdebug.runtime.finder import Finder
 from distdebug.runtime.outlet import Outlet
 from distdebug.runtime.patches import TorchPatches
 from distdebug.runtime.phases import Phases
 from distdebug.runtime.progress import Progress
 from distdebug.runtime.reexecution import Reexecution
+from distdebug.runtime.stepsource import StepSource
 
 _SESSION: Session | None = None
 
@@ -71,7 +69,6 @@ class Session:
         echo: bool = True,
     ) -> None:
         self.identity = identity
-        self.detectors = list(detectors)
         self.ctx = RankContext(identity, run_dir, rank_dir)
         self.patches = TorchPatches(self)
         self.ctx.report = self.report
@@ -83,8 +80,12 @@ class Session:
         self.step = 0
         self.outlet = Outlet(self.ctx, writer, echo, lambda: self.step)
         """Records and findings out of the rank (runtime.outlet)."""
-        self.step_source: str | None = None  # "optimizer", "deepspeed" or "explicit"
-        self._primary_ref: Any = None  # weakref to the optimizer whose step marks the boundary
+        self.ledger = cost.Ledger()
+        """What the harness costs this rank (runtime.cost): hooks, boundary work, reads, threads."""
+        self.dispatch = Dispatch(detectors, self.ledger, self.report, self.outlet.detector_failed)
+        """The detectors, and each call into one, guarded and timed (runtime.dispatch)."""
+        self.source = StepSource()
+        """Which call ends a training step (runtime.stepsource)."""
         self.clock = StepClock()
         """The step in progress: its loss, counters and time, and the step's read (runtime.clock)."""
         self.reexecution = Reexecution()
@@ -93,12 +94,9 @@ class Session:
         """The models found in a phase's first step (runtime.finder)."""
         self.phases = Phases()
         """What tells a new training phase, and the detectors' change-over (runtime.phases)."""
-        self._after_backward: list[Detector] = []  # only the detectors that use it are called after a backward
         self._handles: list[Any] = []
         block = int(env_get(MEASURE_OVERHEAD) or 0)
         self._ab = overhead.Blocks(block) if block else None  # attach --measure-overhead (runtime.overhead)
-        self.ledger = cost.Ledger()
-        """What the harness costs this rank (runtime.cost): hooks, boundary work, reads, threads."""
         self.progress = Progress()
         """What the rank is doing, for the watchdog thread (runtime.progress)."""
         self.inflight: Any = None  # artifacts.inflight.InflightSlot when there is a run directory
@@ -108,68 +106,33 @@ class Session:
 
     # ------------------------------------------------------------------ the rooms' public side
     @property
-    def replaying(self) -> bool:
-        """A step is being re-executed: the session's own module hooks pass (Reexecution.replaying)."""
-        return self.reexecution.replaying
+    def detectors(self) -> list[Detector]:
+        """The detectors running on this rank (runtime.dispatch)."""
+        return self.dispatch.detectors
 
-    @property
-    def replay_step(self) -> int | None:
-        """The step being re-executed (None: none is): what an injected fault takes for the step it is in."""
-        return self.reexecution.replay_step
-
-    @property
-    def replays(self) -> int:
-        """Re-executions so far (an injected fault acts once in each execution of its step)."""
-        return self.reexecution.replays
-
-    def replay(self, step: int) -> AbstractContextManager[None]:
-        """For the length of a re-execution of ``step`` on this rank (Reexecution.replay)."""
-        return self.reexecution.replay(step)
+    @detectors.setter
+    def detectors(self, value: list[Detector]) -> None:
+        self.dispatch.detectors = value
+        self.dispatch.arrange()
 
     @property
     def roots(self) -> list[torch.nn.Module]:
         """The models found so far (outermost module of each forward), in the order first seen."""
         return self.finder.roots
 
-    @property
-    def optimizer_steps(self) -> int:
-        """optimizer.step() calls seen (any optimizer): tells a step a scaler skipped (StepClock)."""
-        return self.clock.optimizer_steps
-
-    @optimizer_steps.setter
-    def optimizer_steps(self, value: int) -> None:
-        self.clock.optimizer_steps = value
-
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
         global _SESSION
         _SESSION = self
-        patches_mod.LEDGER = self.ledger  # the wrappers' bookkeeping counts as the session's
+        cost.LEDGER = self.ledger  # the wrappers' bookkeeping counts as the session's
         from torch.optim import optimizer as optim_module
 
         self.finder.install_hooks()
         self._handles.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
         self.patches.install()
-        self.emit(
-            schema.record(
-                schema.START,
-                rank=self.identity.rank,
-                local_rank=self.identity.local_rank,
-                world_size=self.identity.world_size,
-                local_world_size=self.identity.local_world_size,
-                node=self.identity.node,
-                attempt=self.identity.attempt,
-                host=self.identity.host,
-                pid=self.identity.pid,
-                time=time.time(),
-                detectors=[d.name for d in self.detectors],
-            )
-        )
-        # Only the detectors that use it are called after every backward.
-        self._after_backward = [d for d in self.detectors if type(d).after_backward is not Detector.after_backward]
-        for det in list(self.detectors):
-            det.on_failure = self._detector_failed
-            self._run_detector(det, "setup", lambda d: d.setup(self.ctx))
+        self.outlet.start([d.name for d in self.detectors])
+        self.dispatch.arrange()
+        self.dispatch.set_up(list(self.detectors), self.ctx)
 
     def uninstall(self) -> None:
         global _SESSION
@@ -187,46 +150,16 @@ class Session:
             return
         self._closed = True
         Detector.paused = False  # the end is no block: every detector finishes
-        # Backward calls after the last boundary belong to an unfinished step: not counted.
-        if self.step == 0 and self.clock.backward_total > 0:
-            self.harness_finding(
-                Severity.WARNING,
-                "step boundaries",
-                f"{self.clock.backward_total} backward calls but no step boundary: the loop does not call a "
-                "torch.optim optimizer's step()",
-                fix="call distdebug.step(loss) once per training step (and distdebug.watch(model))",
-            )
-        for det in list(self.detectors):
-            self._run_detector(det, "on_end", lambda d: d.on_end())
-            det.remove_hooks()
+        unmarked = self.clock.unmarked(self.step)
+        if unmarked is not None:
+            self.harness_finding(Severity.WARNING, "step boundaries", unmarked[0], fix=unmarked[1])
+        self.dispatch.end()
         self._emit_cost()  # before the exchange's thread ends: its CPU time is still counted
         self._close_exchange(clean=False)
         self.release_groups()
         self.release_stale_defaults()
-        if exit_code == 0:
-            # The script has returned: what it built and left in reference cycles (models whose
-            # FSDP/DeepSpeed state holds process groups) is freed now, on this thread, rather than
-            # in interpreter teardown (runtime.teardown says why).
-            gc.collect()
-        try:
-            from distdebug.runtime import teardown
-
-            alive = teardown.alive()
-        except Exception:
-            alive = {}
-        self.emit(
-            schema.record(
-                schema.END,
-                rank=self.identity.rank,
-                exit_code=exit_code,
-                steps=self.step,
-                time=time.time(),
-                write_errors=self.writer.failed_writes if self.writer else 0,
-                # What will meet interpreter teardown: the advice if the process aborts after this.
-                alive=alive,
-                released_defaults=self._released_defaults[:20],
-            )
-        )
+        alive = teardown.end_of_rank(collect=exit_code == 0)
+        self.outlet.end(exit_code, self.step, alive, self._released_defaults)
         self.uninstall()
         if self.writer is not None:
             self.writer.close()
@@ -236,8 +169,7 @@ class Session:
         for obj in objects:
             if isinstance(obj, torch.optim.Optimizer) or _is_deepspeed_optimizer(obj):
                 self.ctx.add_optimizer(obj)
-                if self._primary() is None:
-                    self._primary_ref = weakref.ref(obj)
+                self.source.watched(obj)
             elif isinstance(obj, torch.nn.Module):
                 self.finder.note_root(obj)
             elif obj is not None:
@@ -246,7 +178,7 @@ class Session:
             self._emit_discovery()
 
     def explicit_step(self, loss: Any = None) -> None:
-        self.step_source = "explicit"
+        self.source.explicit()
         if loss is not None:
             self.clock.explicit(loss)
         self.boundary()
@@ -255,10 +187,7 @@ class Session:
     def _found_engine(self, module: torch.nn.Module) -> None:
         """Discovery found a DeepSpeed engine: its methods are patched, and its steps mark the boundaries."""
         self.patches.hook_deepspeed_engine(module)
-        self.step_source = "deepspeed" if self.step_source in (None, "optimizer") else self.step_source
-
-    def _primary(self) -> Any:
-        return self._primary_ref() if self._primary_ref is not None else None
+        self.source.engine_found()
 
     def note_all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
         """An all_reduce the script called (runtime.finder: read during discovery only)."""
@@ -270,8 +199,7 @@ class Session:
         self.clock.count_backward()
         if self.finder.discovering:
             self.ctx.models = self.roots
-            for det in list(self.detectors):
-                self._run_detector(det, "before_backward", lambda d: d.before_backward(self.ctx))
+            self.dispatch.each("before_backward", lambda d: d.before_backward(self.ctx))
         if self.ctx.end_of_backward:
             localgrads.queue_end_of_backward(t, self.ctx.end_of_backward)
         self.clock.arrive(self.ctx, lambda: self.roots)
@@ -281,9 +209,7 @@ class Session:
     def after_backward(self) -> None:
         """A backward call returned (gradients accumulated, and reduced under DDP/FSDP2): detectors
         that read gradients before the script's own clipping do it here (device work, no read)."""
-        for det in self._after_backward:
-            if not det.off and not det.paused:
-                self._run_detector(det, "after_backward", lambda d: d.after_backward())
+        self.dispatch.after_backward()
 
     def note_scaled(self, scaler: Any, out: Any) -> None:
         """``GradScaler.scale(loss)`` returned ``out`` (loss times the scale): remembered weakly, a few."""
@@ -292,36 +218,27 @@ class Session:
     def scaler_skipped(self, scaler: Any, optimizer: Any) -> None:
         """``GradScaler.step(optimizer)`` did not call ``optimizer.step()`` (non-finite gradients, which the
         scaler handles by skipping the update and lowering the scale): the step ends here, skipped."""
-        if self.step_source in ("explicit", "deepspeed"):
-            return
-        if self._primary() is None:
-            self._primary_ref = weakref.ref(optimizer)
-        if optimizer is self._primary():
-            self.step_source = "optimizer"
+        if self.source.scaler_skipped(optimizer):
             self.boundary(skipped=True)
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.clock.backward_calls == 0 and clock.not_a_training_step():
             return
-        self.optimizer_steps += 1
-        if self.step_source in ("explicit", "deepspeed"):
+        self.clock.optimizer_steps += 1
+        what = self.source.optimizer_stepped(opt)
+        if what == stepsource.ELSEWHERE:
             if self.finder.discovering:
                 self.ctx.add_optimizer(opt)
             return
-        if self._primary() is None:
-            # The first optimizer to step marks the boundaries; if the script drops it and builds
-            # another (a fresh optimizer per step, a rebuild after a restart), the next one does.
-            self._primary_ref = weakref.ref(opt)
+        if what == stepsource.CLAIMED:  # the first to step, or the next after the script dropped its own
             if not self.finder.discovering and self.step > 0 and not self.phases.watches(opt):
                 self._new_phase(opt)  # and it trains parameters no detector watches: a new model
-        elif opt is self._primary():
+        elif what == stepsource.PRIMARY:
             self.phases.primary_stepped()
-        elif not self.finder.discovering and self.step_source == "optimizer":
-            if self.phases.note_rival(opt):
-                self._rival_phase(opt)
+        elif not self.finder.discovering and self.source.kind == stepsource.OPTIMIZER and self.phases.note_rival(opt):
+            self._rival_phase(opt)
         self.ctx.add_optimizer(opt)
-        if opt is self._primary():
-            self.step_source = "optimizer"
+        if self.source.marks(opt):
             self.boundary()
 
     # ------------------------------------------------------------------ training phases (runtime.phases)
@@ -329,7 +246,7 @@ class Session:
         """Another optimizer stepped twice in a row, over parameters nobody watches: it starts a new phase."""
         self.step += 1  # its first step, which came before it could be told from a rival's: a bare record
         self.emit(clock.bare_step_record(self.identity.rank, self.step, self.identity.attempt))
-        self._primary_ref = weakref.ref(opt)
+        self.source.follow(opt)
         self._new_phase(opt)
 
     def _new_phase(self, opt: Any) -> None:
@@ -342,45 +259,27 @@ class Session:
         """After the boundary that ended the old phase: the new detectors are set up and the next step
         discovers the model, as the first step did."""
         fresh = self.phases.take_fresh()
-        for det in fresh:
-            det.on_failure = self._detector_failed
-            self._run_detector(det, "setup", lambda d: d.setup(self.ctx))
+        self.dispatch.set_up(fresh, self.ctx)
         self.detectors = self.phases.arrange(self.detectors, fresh)
-        self._after_backward = [d for d in self.detectors if type(d).after_backward is not Detector.after_backward]
         self.finder.restart()
 
     def release_stale_defaults(self) -> None:
         """Free the destroyed groups that imported functions still hold as defaults (runtime.teardown)."""
-        try:
-            from distdebug.runtime import teardown
-
-            self._released_defaults += teardown.release_stale_defaults()
-        except Exception:  # a clean teardown is a courtesy; it must never fail the script
-            pass
+        self._released_defaults += teardown.release_quietly()
 
     def release_groups(self) -> None:
         """Every rank is ending together (the script destroys its default group): detectors post what
         they still hold, the exchange is drained and its group released, before torch's own go."""
-        for det in list(self.detectors):
-            self._run_detector(det, "before_destroy", lambda d: d.before_destroy())
+        self.dispatch.each("before_destroy", lambda d: d.before_destroy())
         self._close_exchange(clean=True)
 
     def _open_exchange(self) -> None:
-        """The rank's one cross-rank exchange, made at the first step boundary on every rank alike
-        (new_group is collective), when some detector uses it and there are peers."""
-        if self._exchange is not None or not any(getattr(d, "uses_exchange", False) for d in self.detectors):
-            return
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        try:
-            self._exchange = Exchange(self.identity.rank, self.report, self.ctx.raw_collectives)
+        """The rank's one cross-rank exchange (runtime.exchange.open_exchange), once."""
+        if self._exchange is None:
+            self._exchange = open_exchange(self.identity.rank, self.detectors, self.report, self.ctx.raw_collectives,
+                                           lambda why: self.harness_finding(Severity.WARNING, "cross-rank exchange",
+                                                                            why))
             self.ctx.exchange = self._exchange
-        except Exception as e:  # no exchange: the cross-rank checks are off, training goes on
-            self.harness_finding(Severity.WARNING, "cross-rank exchange",
-                                  f"could not create the harness's process group ({type(e).__name__}: {e}); "
-                                  "cross-rank checks are off on this rank")
 
     def _close_exchange(self, clean: bool) -> None:
         if self._exchange is not None:
@@ -407,12 +306,11 @@ class Session:
 
     def _next_block(self) -> None:
         """``--measure-overhead``: this step's time into its block; the detectors on or off for the next."""
-        ab = self._ab
-        assert ab is not None
-        done = ab.step_done(self.step, time.perf_counter())
+        assert self._ab is not None
+        done = self._ab.step_done(self.step, time.perf_counter())
         if done is not None:
             self.emit(schema.record(schema.OVERHEAD_BLOCK, rank=self.identity.rank, time=time.time(), **done))
-        Detector.paused = not overhead.harness_on(self.step + 1, ab.block)
+        Detector.paused = not overhead.harness_on(self.step + 1, self._ab.block)
 
     def _boundary(self, skipped: bool, loss_scale: float | None) -> None:
         off = Detector.paused  # --measure-overhead's off block: nothing read, no detector called
@@ -429,10 +327,7 @@ class Session:
         event = self.clock.close_step(self.identity.rank, self.step, now, progress, loss, readout, skipped,
                                       loss_scale if loss_scale is not None else scale)
         self.emit(clock.step_record(event, self.identity.attempt, skipped, off))
-        for det in list(self.detectors):
-            # a detector without its own on_step is not called (the base's does nothing): every boundary
-            if not det.paused and type(det).on_step is not Detector.on_step:
-                self._run_detector(det, "on_step", lambda d: d.on_step(event))
+        self.dispatch.each("on_step", lambda d: d.on_step(event), only="on_step")
         if self._exchange is not None:
             self._exchange.flush()  # this boundary's posts, one round (the same posts on every rank)
 
@@ -457,47 +352,25 @@ class Session:
         self.finder.discovering = False
         self._emit_discovery()
         self.finder.end_hooks(self._closed)
-        blind = [d.name for d in self.detectors if d.needs_model]
-        if not self.roots and blind:
-            # Never a quiet "No findings.": a run in which these checks saw nothing says so.
-            self.harness_finding(
-                Severity.WARNING, "discovery",
-                f"no model was found in step {self.step} (no module ran forward before its optimizer step): "
-                f"{', '.join(blind)} watch nothing in this run",
-                fix="call distdebug.watch(model, optimizer) once they are built; or look for an optimizer.step() "
-                    "before the first forward (a helper that steps once to create the optimizer's state)")
+        blind = self.finder.blind([d.name for d in self.detectors if d.needs_model], self.step)
+        if blind is not None:  # never a quiet "No findings.": a run in which these checks saw nothing says so
+            self.harness_finding(Severity.WARNING, "discovery", blind[0], fix=blind[1])
         self._open_exchange()
         for det in list(self.phases.take_attach(self.detectors)):
-            self._run_detector(det, "attach", lambda d: d.attach(self.ctx))
+            self.dispatch.run(det, "attach", lambda d: d.attach(self.ctx))
         self.phases.watch(self.finder.trained_parameters(self.ctx))
         if self._exchange is not None:
             self._exchange.flush()
 
     def _emit_discovery(self) -> None:
-        info = self.finder.describe(self.ctx, self.step_source)
+        info = self.finder.describe(self.ctx, self.source.kind)
         try:
             self.patches.patch_functional_collectives()
         except Exception:  # unwatched: a NaN through TP communication is then not told from one born there
             pass
         self.emit(schema.record(schema.DISCOVERY, rank=self.identity.rank, step=self.step, **info))
 
-    # ------------------------------------------------------------------ detectors and findings (runtime.outlet)
-    def _run_detector(self, det: Detector, phase: str, call: Any) -> None:
-        if det.off:
-            return
-        try:
-            # listed inside the timed region: on_step may be a generator, whose work runs as it is read
-            for finding in cost.timed(self.ledger, det.name, lambda d: list(call(d) or ()), det):
-                self.report(finding)
-        except Exception as e:
-            det.fail(e, phase)  # switched off on this rank (hooks removed); training goes on untouched
-
-    def _detector_failed(self, det: Detector, e: BaseException, phase: str) -> None:
-        """A detector raised (in a step call, a hook or a patch): it is off on this rank, said once."""
-        if det in self.detectors:
-            self.detectors.remove(det)
-        self.outlet.detector_failed(det.name, e, phase)
-
+    # ------------------------------------------------------------------ findings and records (runtime.outlet)
     @property
     def findings(self) -> list[Finding]:
         return self.outlet.findings

@@ -22,6 +22,7 @@ the rank's end, after the script returned.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -153,3 +154,24 @@ def alive() -> dict[str, Any]:
                                  if t is not threading.main_thread() and t.is_alive()),
         "native_threads": native_threads(),
     }
+
+
+def release_quietly() -> list[str]:
+    """``release_stale_defaults``, which never raises: a clean teardown is a courtesy, never the script's
+    failure."""
+    try:
+        return release_stale_defaults()
+    except Exception:
+        return []
+
+
+def end_of_rank(collect: bool) -> dict[str, Any]:
+    """The rank's last tidying, after the script: ``collect`` (the script returned) frees what it built and
+    left in reference cycles (models whose FSDP/DeepSpeed state holds process groups) now, on this thread,
+    rather than in interpreter teardown; returns what is still alive (``alive``; {} if that fails)."""
+    try:
+        if collect:
+            gc.collect()
+        return alive()
+    except Exception:
+        return {}

@@ -43,7 +43,7 @@ def test_reasons_are_the_faults_own_once_each_with_the_ranks_that_gave_them():
     records = [ALONE, {**ALONE, "rank": 0}, {**ALONE, "rank": 1}, UNDONE,
                {"kind": "not_acted", "fault": "nan_grad", "rank": 0, "step": 3, "reason": "elsewhere"}]
     assert why_not(["bitflip_param"], records) == {"bitflip_param": [
-        "no other rank holds head.weight (sharded over ranks [0, 1] by FSDP2) [ranks 0, 1]",
+        "no other rank holds head.weight (sharded over ranks [0, 1] by FSDP2) [ranks 0-1]",
         "the flipped bit in 4.weight did not survive step 2 [rank 1]"]}
     assert why_not(["duplicate_data"], records) == {}
 

@@ -1,6 +1,7 @@
 """Tier 1 (no processes): the session's rooms, each on its own (issue 47, item 2): the step clock's loss
 averaging and counters on CPU tensors, training phases' rival rule and change-over, the finder's notes,
-re-execution's flags restored whatever happens, and the session delegating to them under its old names."""
+re-execution's flags restored whatever happens, which call ends a step, the detector loop's guard, and the
+session delegating to them under its old names."""
 
 from __future__ import annotations
 
@@ -246,17 +247,98 @@ def test_reexecution_sets_its_flags_for_the_replay_and_restores_them_on_an_excep
         Detector.paused = False
 
 
+# ------------------------------------------------------------------ which call ends a step (runtime.stepsource)
+def test_the_first_optimizer_to_step_marks_the_boundary_until_the_script_drops_it():
+    from distdebug.runtime import stepsource as ss
+
+    src = ss.StepSource()
+    a, b = torch.optim.SGD([torch.zeros(1)], lr=1), torch.optim.SGD([torch.zeros(1)], lr=1)
+    assert src.optimizer_stepped(a) == ss.CLAIMED and src.marks(a) and src.kind == ss.OPTIMIZER
+    assert src.optimizer_stepped(a) == ss.PRIMARY and src.marks(a)
+    assert src.optimizer_stepped(b) == ss.OTHER and not src.marks(b)  # a GAN's second optimizer
+    src.follow(b)  # a rival that took over (runtime.phases says when)
+    assert src.optimizer_stepped(b) == ss.PRIMARY
+    del b  # the script dropped it (held weakly): the next optimizer to step takes over
+    assert src.primary is None and src.optimizer_stepped(a) == ss.CLAIMED
+
+
+def test_an_engine_or_an_explicit_step_marks_the_boundaries_instead_and_explicit_wins():
+    from distdebug.runtime import stepsource as ss
+
+    src = ss.StepSource()
+    opt = torch.optim.SGD([torch.zeros(1)], lr=1)
+    src.engine_found()
+    assert src.optimizer_stepped(opt) == ss.ELSEWHERE and not src.marks(opt)  # ZeRO's inner optimizer
+    assert not src.scaler_skipped(opt) and src.engine_stepped() and src.kind == ss.DEEPSPEED
+    src.explicit()
+    src.engine_found()
+    assert src.kind == ss.EXPLICIT and not src.engine_stepped()
+    scaled = ss.StepSource()
+    assert scaled.scaler_skipped(opt) and scaled.kind == ss.OPTIMIZER  # a skipped first step still ends it
+
+
+# ------------------------------------------------------------------ the detector loop (runtime.dispatch)
+class _Counting(Detector):
+    name = "counting"
+
+    def __init__(self, raise_in: str = "") -> None:
+        self.calls: list[str] = []
+        self.raise_in = raise_in
+
+    def _call(self, what: str):
+        self.calls.append(what)
+        if what == self.raise_in:
+            raise ValueError(f"broken {what}")
+
+    def setup(self, ctx):
+        self._call("setup")
+
+    def on_step(self, event):
+        self._call("on_step")
+        return [f"finding of {self.name}"]
+
+    def after_backward(self):
+        self._call("after_backward")
+
+
+class _Quiet(Detector):
+    name = "quiet"  # overrides nothing: never called at a step or after a backward
+
+
+def test_dispatch_calls_only_what_a_detector_has_and_switches_off_one_that_raises():
+    from distdebug.runtime.dispatch import Dispatch
+
+    reported, failed = [], []
+    good, bad, quiet = _Counting(), _Counting(raise_in="on_step"), _Quiet()
+    bad.name = "bad"
+    ledger = cost.Ledger()
+    d = Dispatch([good, bad, quiet], ledger, reported.append, lambda *a: failed.append(a))
+    d.arrange()
+    d.set_up(list(d.detectors), None)
+    assert good.calls == bad.calls == ["setup"]
+    d.each("on_step", lambda det: det.on_step(None), only="on_step")
+    assert reported == ["finding of counting"]  # the bad one raised before its finding
+    assert [(n, type(e).__name__, where) for n, e, where in failed] == [("bad", "ValueError", "on_step")]
+    assert bad.off and d.detectors == [good, quiet]  # off on this rank, said once
+    d.after_backward()
+    d.each("on_step", lambda det: det.on_step(None), only="on_step")
+    assert bad.calls == ["setup", "on_step"] and good.calls == ["setup", "on_step", "after_backward", "on_step"]
+    Detector.paused = True  # --measure-overhead's off block: nothing is called
+    try:
+        d.each("on_step", lambda det: det.on_step(None), only="on_step")
+        d.after_backward()
+    finally:
+        Detector.paused = False
+    assert len(good.calls) == 4 and len(failed) == 1
+    assert ledger.ns["counting"] > 0  # the time is the detector's, not the session's
+
+
 # ------------------------------------------------------------------ the session composes them
 def test_the_session_keeps_its_names_over_the_rooms():
     from distdebug.runtime.session import Session
 
     s = Session(IDENTITY, None, [], echo=False)
-    assert (s.replaying, s.replay_step, s.replays, s.roots, s.optimizer_steps) == (False, None, 0, [], 0)
-    with s.replay(2):
-        assert s.replaying and s.replay_step == 2
-    assert s.replays == 1 and not s.replaying
-    s.optimizer_steps += 1
-    assert s.clock.optimizer_steps == 1
+    assert (s.roots, s.clock.optimizer_steps, s.detectors) == ([], 0, [])
     model = torch.nn.Linear(2, 2)
     s.watch(model)
     assert s.roots == [model]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from distdebug.analysis.stacks import RankAnswer, group, headline, native_dumps, ranks_text, script_frames, summary
+from distdebug.analysis.stacks import RankAnswer, group, headline, native_dumps, script_frames, summary
+from distdebug.findings import ranks_text
 
 TORCH = os.sep.join(["", "venv", "site-packages", "torch", "distributed"])
 OURS = os.sep.join(["", "src", "distdebug", "runtime", "patches.py"])
@@ -49,7 +50,7 @@ def test_distdebugs_own_frames_neither_split_a_group_nor_show():
 
 
 def test_ranks_text_compresses_runs():
-    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([3]) == "rank 3" and ranks_text([]) == "rank ?"
     assert ranks_text([0, 2]) == "ranks 0, 2"
     assert ranks_text([5, 0, 1, 2, 9, 10]) == "ranks 0-2, 5, 9-10"
 

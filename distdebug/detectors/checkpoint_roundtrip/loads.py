@@ -9,7 +9,6 @@ that differ, are missing or are extra. A restore of another rank's shard is queu
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from distdebug.detectors.checkpoint_roundtrip.records import (
     RESTORE_FIX,
     closest,
     compare_saved,
+    dcp_path,
     file_stamp,
     paths_saved_by,
     read_buffer_saves,
@@ -52,8 +52,8 @@ class Loads(RoundTripState):
         @functools.wraps(original)
         def load(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(state_dict, *args, **kwargs)  # DCP restores in place
-            path = kwargs.get("checkpoint_id") or getattr(kwargs.get("storage_reader"), "path", None)
-            if isinstance(path, (str, os.PathLike)):
+            path = dcp_path(kwargs, "storage_reader")
+            if path is not None:
                 det.check_safely(det._check_load, state_dict, path)
             return result
 

@@ -37,6 +37,14 @@ def target(f: Any) -> str | None:
     return None
 
 
+def dcp_path(kwargs: dict[str, Any], storage: str) -> str | os.PathLike | None:
+    """The directory a torch.distributed.checkpoint save or load names: its ``checkpoint_id``, or its
+    storage writer's or reader's (``storage``: ``storage_writer`` / ``storage_reader``) ``path``; None when
+    neither is a path (a storage of another kind: nothing to compare)."""
+    path = kwargs.get("checkpoint_id") or getattr(kwargs.get(storage), "path", None)
+    return path if isinstance(path, (str, os.PathLike)) else None
+
+
 def closest(saves: list[dict[str, Any]], loaded: dict[str, int]) -> tuple[dict[str, Any], list[str]] | None:
     """The save with the same tensor names that ``loaded`` differs least from, with the names that differ;
     None when no save has those names, or when the closest differs in too many to be its corruption."""

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from distdebug.detectors.checkpoint_roundtrip.core import RoundTripState
-from distdebug.detectors.checkpoint_roundtrip.records import BUFFER_SAVES, file_stamp, target, tensor_items
+from distdebug.detectors.checkpoint_roundtrip.records import BUFFER_SAVES, dcp_path, file_stamp, target, tensor_items
 from distdebug.fingerprint.hashing import fingerprints
 
 
@@ -42,8 +41,8 @@ class Saves(RoundTripState):
         @functools.wraps(original)
         def save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(state_dict, *args, **kwargs)
-            path = kwargs.get("checkpoint_id") or getattr(kwargs.get("storage_writer"), "path", None)
-            if isinstance(path, (str, os.PathLike)):
+            path = dcp_path(kwargs, "storage_writer")
+            if path is not None:
                 det.check_safely(det._record_save, state_dict, path)
             return result
 

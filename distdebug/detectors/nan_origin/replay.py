@@ -86,7 +86,7 @@ class Replay(NanOriginState):
     def _localise(self, step: int) -> tuple[list[tuple[str, torch.Tensor]], str]:
         """On-demand watch, the rare path: re-execute ``step``'s forward from its capture with every module
         watched (the hooks full watch keeps on every step), on this rank alone; every other hook of the
-        harness passes meanwhile, injected faults act (Session.replay_step: the step they see). Returns the
+        harness passes meanwhile, injected faults act (Reexecution.replay_step: the step they see). Returns the
         module flags in forward order and '' or, when it could not run, [] and why."""
         rec = self._recorder
         cap = rec.last(step) if rec is not None else None
@@ -105,7 +105,7 @@ class Replay(NanOriginState):
         try:
             for mod, kind, fn, kwargs in self._watch:  # not guarded by Detector.paused, which replay sets
                 handles.append(getattr(mod, f"register_{kind}_hook")(_quiet(fn), **kwargs))
-            with session.replay(step) if session is not None else contextlib.nullcontext():
+            with session.reexecution.replay(step) if session is not None else contextlib.nullcontext():
                 replay_forward(rec, cap)
             return list(self.fwd.items()), ""
         except Exception as e:  # the model raised when run again: no module named, the rest stands
