@@ -7,13 +7,15 @@ whole process tree is collected (psutil) and each pid is killed.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,36 @@ def free_port() -> int:
 def read_digests(out_dir: Path) -> dict[str, str]:
     """rank file -> 'digest final-loss' from recipes/_common.write_digest (the step time is left out)."""
     return {p.name: " ".join(p.read_text().split()[:2]) for p in sorted(out_dir.glob("rank*.txt"))}
+
+
+# ---------------------------------------------------------------- a small file system that truly fills
+@contextlib.contextmanager
+def small_fs(where: Path, size_kb: int) -> Iterator[Path]:
+    """A tmpfs of ``size_kb`` KiB mounted at ``where`` for the block (a real ENOSPC, not a mock), unmounted
+    after it whatever happens. Needs root: skipped, saying so, where mounting is not allowed, unless
+    DISTDEBUG_REQUIRE_MOUNT=1 (CI sets it) makes that a failure."""
+    import pytest
+
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        why = f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip()}): the full-disk tests need root"
+        if os.environ.get("DISTDEBUG_REQUIRE_MOUNT") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(fs: Path, leave_kb: int) -> None:
+    """Fill ``fs`` with one file of zeros, leaving about ``leave_kb`` KiB free."""
+    st = os.statvfs(fs)
+    free = st.f_bavail * st.f_frsize - leave_kb * 1024
+    if free > 0:
+        (fs / "filler").write_bytes(bytes(free))
 
 
 # ---------------------------------------------------------------- forked gloo ranks (tier 2)

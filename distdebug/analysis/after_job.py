@@ -82,8 +82,9 @@ def analyse(run_dir: Path, end: JobEnd) -> AfterJob:
     _guarded(out, "read the layout", lambda: _layout(run, out))
     if run.manifest and run.manifest.get("faults"):
         _guarded(out, "read which faults acted", lambda: _never_acted(run, out))
-    if out.findings:
-        append_run_findings(run_dir, out.findings)
+    if out.findings:  # printed by attach whatever happens here: a full disk loses the file, not the verdicts
+        _guarded(out, f"write the run's findings to {layout.RUN_FINDINGS}",
+                 lambda: append_run_findings(run_dir, out.findings))
     return out
 
 

@@ -31,7 +31,8 @@ class RankSummary:
     median_step_time_s: float | None
     findings: int
     status: str
-    """``exit 0``, ``exit N``, ``script raised X`` or ``no end record (killed or still running)``."""
+    """``exit 0``, ``exit N``, ``script raised X`` or ``no end record (killed or still running)``; and where the
+    rank's writes failed (a full disk), from which step and why."""
     wrapper: str | None = None
     damaged_lines: int = 0
     memory_peak: dict[str, Any] | None = None
@@ -129,6 +130,12 @@ def summarize(run: Run) -> RunSummary:
             status = f"exit {end.get('exit_code')}"
         else:
             status = "no end record (killed, or still running)"
+        failed = next((r for r in records if r.get("kind") == schema.WRITE_FAILED), None)
+        if failed is not None:  # a full or failing disk: what is missing after it is not the rank's doing
+            status += (f"; its writes failed from step {failed.get('step')} ({failed.get('error')}): only findings, "
+                       "stalls and its end kept after that")
+            if end is not None and end.get("write_errors"):
+                status += f", {end['write_errors']} records lost"
         models = (disc or {}).get("models") or []
         peaks = [r for r in records if r.get("kind") == schema.MEMORY_PEAK]
         mems = [r for r in records if r.get("kind") == schema.MEMORY]  # a killed rank has no peak record

@@ -34,7 +34,12 @@ class InflightSlot:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, SIZE)
+            # Written, not truncated to size: a sparse file gets its block at the first store into the
+            # mapping, and on a full file system that store is a SIGBUS that kills the rank (and the job)
+            # inside its first collective. Written here, a full disk is an OSError at start-up instead,
+            # and the rank runs without the slot (launch.bootstrap).
+            if os.write(fd, bytes(SIZE)) != SIZE:
+                raise OSError(28, "short write: the run directory's file system is full")
             self._mm = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)

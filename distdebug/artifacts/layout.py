@@ -42,6 +42,8 @@ FILES: tuple[tuple[str, str], ...] = (
     (f"{TRACES}/{TRACE_WINDOW_TEMPLATE}/{TRACE_FILE_TEMPLATE}",
      "a profiler window of each rank: torch's gzip Chrome trace (--profile-steps, --profile-on-finding)"),
     (f"{RANK_DIR_TEMPLATE}/{EVENTS}", "per rank, append-only JSON Lines: the record kinds below"),
+    (f"{RANK_DIR_TEMPLATE}/.{EVENTS}.reserve", "while the rank runs: disk space held back (zeros) for its findings, "
+                                                "a stall and its end record if the disk fills (artifacts.writer)"),
     (f"{RANK_DIR_TEMPLATE}/{INFLIGHT}", "the collective the rank is inside now (memory-mapped; survives a crash)"),
     (f"{RANK_DIR_TEMPLATE}/{STACKS}", "on a stall: every thread's Python stack"),
     (STACKS_REQUEST, "distdebug stacks' latest request (its id and time): each rank's watchdog answers it"),
@@ -57,6 +59,11 @@ FILES: tuple[tuple[str, str], ...] = (
                                            "append-only"),
 )
 """(template relative to the run directory, what it holds), for every file a run directory may hold."""
+
+
+def reserve_path(path: Path) -> Path:
+    """The space an append-only file's writer holds back beside it (``.NAME.reserve``)."""
+    return path.with_name(f".{path.name}.reserve")
 
 
 def manifest_path(run_dir: Path) -> Path:

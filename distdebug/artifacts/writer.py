@@ -8,48 +8,127 @@ would lose its backlog exactly when a rank is killed, which is when the records 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 
+from distdebug.artifacts import layout, schema
 from distdebug.artifacts.redact import Redactor
+
+RESERVE = 64 * 1024
+"""Bytes a rank's event writer holds back on disk (a file of its own, given back at need), so that when the
+disk fills its findings, a stall and its end record still fit."""
 
 
 class EventWriter:
-    """Writes one record per line; thread-safe; never raises into training after open."""
+    """Writes one record per line; thread-safe; never raises into training after open.
 
-    def __init__(self, path: Path) -> None:
+    A full or failing disk (ENOSPC, EIO, a read-only file system) never reaches the training: at the first
+    failed write the writer says so once on stderr, gives back its reserve, writes a ``write_failed``
+    record, and from then on writes only the essential records (``schema.ESSENTIAL``: findings, stalls,
+    the end), each taking a little of the reserve if the disk is still full. What was written stays
+    readable: a cut line is skipped by every reader.
+    """
+
+    def __init__(self, path: Path, reserve: int = 0, label: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
         self.failed_writes = 0
+        self.degraded = False
+        """Writes failed once: only the essential records are written from then on."""
+        self.label = label or str(path)
         self._redact = Redactor()  # secrets never land in the run directory (artifacts.redact)
+        self._cut = False
+        self._last_step: int | None = None  # the step of the last record written that had one
+        self._reserve: Path | None = None
+        if reserve:
+            self._reserve = layout.reserve_path(path)
+            try:
+                self._reserve.write_bytes(bytes(reserve))
+            except OSError:  # no room for it: the disk is nearly full already; writes fail and say so
+                self._give_back(0)
 
     def write(self, record: dict) -> None:
         line = (self._redact(json.dumps(record, separators=(",", ":"), default=str)) + "\n").encode()
         with self._lock:
             if self._fd is None:
                 return
-            try:
-                # One write() per record: with O_APPEND, concurrent records never interleave.
-                os.write(self._fd, line)
-            except OSError:
-                # A full disk must not stop training; the count is reported at close.
-                self.failed_writes += 1
+            if self.degraded and record.get("kind") not in schema.ESSENTIAL:
+                self.failed_writes += 1  # dropped: the smallest tier keeps only what matters
+                return
+            error = self._write(line)
+            if error is None:
+                if isinstance(record.get("step"), int):
+                    self._last_step = record["step"]
+                return
+            if not self.degraded:
+                self._degrade(error, record)
+            if record.get("kind") in schema.ESSENTIAL and self._give_back(len(line) + 4096) \
+                    and self._write(line) is None:
+                return  # the reserve made room for an essential record
+            self.failed_writes += 1
+
+    def _write(self, line: bytes) -> OSError | None:
+        assert self._fd is not None
+        if self._cut:  # the last record was cut by a full disk: end its line, or this one joins it
+            line = b"\n" + line
+        try:
+            # One write() per record: with O_APPEND, concurrent records never interleave.
+            n = os.write(self._fd, line)
+        except OSError as e:
+            return e
+        self._cut = n != len(line) and n > 0 or (self._cut and n == 0)
+        return None if n == len(line) else OSError(errno.ENOSPC, "short write (the file system is full)")
+
+    def _degrade(self, error: OSError, lost: dict) -> None:
+        """The first failure: say it once, give back the reserve, record what happened (essential)."""
+        self.degraded = True
+        reason = f"{errno.errorcode.get(error.errno or 0, type(error).__name__)}: {error.strerror or error}"
+        try:
+            print(f"distdebug: {self.label}: writing the run directory failed ({reason}); from here on only "
+                  "findings, stalls and the end are kept; the training goes on", file=sys.stderr, flush=True)
+        except Exception:  # stderr on the same full disk
+            pass
+        self._give_back(8192)  # room for this record; the rest stays held for the essential ones
+        step = lost.get("step") if isinstance(lost.get("step"), int) else self._last_step
+        rec = schema.record(schema.WRITE_FAILED, rank=lost.get("rank"), step=step, error=reason,
+                            lost=lost.get("kind"), time=time.time())
+        line = (json.dumps(rec, separators=(",", ":"), default=str) + "\n").encode()
+        if self._write(line) is not None:
+            self.failed_writes += 1
+
+    def _give_back(self, size: int) -> bool:
+        """Shrink the reserve by ``size`` bytes (0: all of it); whether there was any to give."""
+        if self._reserve is None:
+            return False
+        try:
+            left = max(0, self._reserve.stat().st_size - size) if size else 0
+            if left:
+                os.truncate(self._reserve, left)
+            else:
+                self._reserve.unlink()
+                self._reserve = None
+            return True
+        except OSError:
+            self._reserve = None
+            return False
 
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            self._give_back(0)
 
 
 def append_run_findings(run_dir: Path, findings: list) -> None:
     """Append run-level findings (``Finding`` objects) to the run's findings.jsonl."""
-    from distdebug.artifacts import layout, schema
-
     w = EventWriter(layout.run_findings_path(run_dir))
     for f in findings:
         w.write(schema.record(schema.FINDING, **f.to_dict()))
@@ -61,5 +140,9 @@ def write_json_atomic(path: Path, data: dict) -> None:
     aside and renamed: a reader never sees half of it, and a writer killed midway leaves the old one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(Redactor()(json.dumps(data, indent=2, default=str)))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(Redactor()(json.dumps(data, indent=2, default=str)))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+        raise

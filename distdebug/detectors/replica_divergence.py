@@ -89,7 +89,10 @@ class ReplicaDivergence(ExchangeUser, Detector):
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.replicas = ReplicaSet(ctx.models, ctx.optimizers, ctx.layout or Layout(rank=ctx.rank, world=world))
         if ctx.rank_dir is not None:
-            self.snapshots = SnapshotWriter(ctx.rank_dir)
+            try:
+                self.snapshots = SnapshotWriter(ctx.rank_dir)
+            except OSError as e:  # a full or read-only run directory: no snapshots; the online check goes on
+                self._snapshots_lost(1, f"{type(e).__name__}: {e}")
         if world > 1:
             # The rank's harness exchange: our all_gathers never interleave with the training's collectives.
             self.open_exchange(ctx)
@@ -141,6 +144,9 @@ class ReplicaDivergence(ExchangeUser, Detector):
         if self.snapshots is not None:
             # Written here, one append per check: a rank killed a moment later keeps every snapshot.
             self.snapshots.write(event.step, fps)
+            if self.snapshots.stopped is not None:
+                self._snapshots_lost(*self.snapshots.stopped)
+                self.snapshots = None
         if self.exchange is None or self._stopped:
             return ()
         self._batch.append((event.step, event.backward_total, fps))
@@ -163,6 +169,17 @@ class ReplicaDivergence(ExchangeUser, Detector):
         if channel is None:
             return False
         return channel.post(batch, lambda rows: self._judge(channel, batch, rows), prepare=self._rows)
+
+    def _snapshots_lost(self, step: int, why: str) -> None:
+        """The run directory took no more fingerprints (a full or failing disk): said once; the online check
+        goes on, and ``distdebug diff`` reads the steps written before it."""
+        assert self.ctx is not None
+        self.ctx.report(Finding(
+            severity=Severity.WARNING, detector="harness", ranks=[self.ctx.rank], step=step,
+            subject="fingerprint snapshots",
+            message=f"fingerprint snapshots stopped at step {step} ({why}): the cross-rank check goes on; distdebug "
+                    "diff reads only the steps before it",
+            fix="free space in the run directory's file system, or give attach --run-dir on a larger one"))
 
     def _next(self, step: int) -> None:
         self.synced_buffers = None

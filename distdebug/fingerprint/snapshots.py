@@ -9,6 +9,7 @@ offline diff of thousands of ranks must load in seconds (numpy reads it directly
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -22,14 +23,33 @@ _HEAD = struct.Struct("<qii")
 
 
 class SnapshotWriter:
+    """Appends a rank's fingerprints. A full or failing disk stops the snapshots, never the check: the
+    first failure is said once (``stopped``: the step and why), the file cut back to its last whole
+    record so that ``diff`` still reads every step before it, and nothing more is written."""
+
     def __init__(self, rank_dir: Path) -> None:
         rank_dir.mkdir(parents=True, exist_ok=True)
         self.names_path = rank_dir / layout.FINGERPRINT_NAMES
         self._fd = os.open(rank_dir / layout.FINGERPRINTS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._fd).st_size
         self._lists: list[list[str]] = []
         self._ids: dict[tuple[str, ...], int] = {}
+        self.stopped: tuple[int, str] | None = None
+        """(the first step not written, why) once a write failed."""
 
     def write(self, step: int, fps: dict[str, int]) -> None:
+        if self.stopped is not None:
+            return
+        try:
+            self._write(step, fps)
+        except OSError as e:
+            self.stopped = (step, f"{errno.errorcode.get(e.errno or 0, type(e).__name__)}: {e.strerror or e}")
+            try:
+                os.ftruncate(self._fd, self._size)  # a cut record would misalign every later read
+            except OSError:
+                pass  # parse_records drops a record cut at the end
+
+    def _write(self, step: int, fps: dict[str, int]) -> None:
         names = tuple(fps)
         nid = self._ids.get(names)
         if nid is None:
@@ -39,7 +59,10 @@ class SnapshotWriter:
             tmp.write_text(json.dumps({"v": 1, "names": self._lists}))
             os.replace(tmp, self.names_path)
         values = np.fromiter((fps[n] for n in names), dtype=np.uint64, count=len(names))
-        os.write(self._fd, _HEAD.pack(step, nid, len(names)) + values.tobytes())
+        data = _HEAD.pack(step, nid, len(names)) + values.tobytes()
+        if os.write(self._fd, data) != len(data):
+            raise OSError(errno.ENOSPC, "short write (the file system is full)")
+        self._size += len(data)
 
     def close(self) -> None:
         os.close(self._fd)

@@ -174,7 +174,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
 
     launcher = _launcher_info(cfg, nproc)
     if cfg.node_rank == 0 or not layout.manifest_path(run_dir).exists():
-        write_json_atomic(
+        _write_or_say(
             layout.manifest_path(run_dir),
             manifest_mod.build_manifest(
                 argv=argv or sys.argv, target=cfg.target, target_args=cfg.target_args, module=cfg.module,
@@ -186,7 +186,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         "node_rank": cfg.node_rank, "host": socket.gethostname(), "pid": os.getpid(),
         "started": time.time(), "launcher": launcher,
     }
-    write_json_atomic(node_file, node_info)
+    _write_or_say(node_file, node_info)
 
     _worker_env(cfg, run_dir, detectors)
     supervisor = supervisor_mod.Supervisor(
@@ -232,12 +232,22 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     elif code == 0 and result.never_acted:
         code, message = EXIT_NEVER_ACTED, never_acted_message(result.never_acted, result.why_not)
     node_info.update(ended=time.time(), exit_code=code, message=message)
-    write_json_atomic(node_file, node_info)
+    _write_or_say(node_file, node_info)
     if cfg.node_rank == 0:
         data = read_json(layout.manifest_path(run_dir)) or {}
         data.update(world_size=result.world_size, layout=result.layout)
-        write_json_atomic(layout.manifest_path(run_dir), data)
+        _write_or_say(layout.manifest_path(run_dir), data)
     return AttachResult(code, run_dir, message, result.completed or code == EXIT_NEVER_ACTED)
+
+
+def _write_or_say(path: Path, data: dict[str, Any]) -> None:
+    """One of the launcher's files; a full or failing disk loses it (said in one line), never the job or its
+    exit code."""
+    try:
+        write_json_atomic(path, data)
+    except OSError as e:
+        print(f"distdebug: could not write {path.name} in the run directory ({e.strerror or e}); the job goes on",
+              file=sys.stderr, flush=True)
 
 
 def never_acted_message(names: list[str], why: dict[str, list[str]]) -> str:

@@ -18,7 +18,7 @@ from distdebug import envvars
 
 def _start_session():  # -> Session | None
     from distdebug.artifacts import layout
-    from distdebug.artifacts.writer import EventWriter
+    from distdebug.artifacts.writer import RESERVE, EventWriter
     from distdebug.context import RankIdentity
     from distdebug.detectors import registry
     from distdebug.runtime.session import Session
@@ -30,7 +30,12 @@ def _start_session():  # -> Session | None
     rank_dir = None
     if run_dir is not None:
         rank_dir = layout.rank_dir(run_dir, identity.rank)
-        writer = EventWriter(layout.events_path(run_dir, identity.rank))
+        try:
+            writer = EventWriter(layout.events_path(run_dir, identity.rank), reserve=RESERVE,
+                                 label=f"rank {identity.rank}")
+        except OSError as e:  # a full or read-only run directory: the checks still run, their findings on stderr
+            _say(f"distdebug: rank {identity.rank}: cannot write the run directory ({_why(e)}): this rank's "
+                 "records are off; its checks run and print their findings here")
     detectors = registry.build_injected(envvars.get(envvars.INJECT)) + \
         registry.build(envvars.decode_specs(envvars.get(envvars.DETECTORS)))
     session = Session(identity, writer, detectors, run_dir=run_dir, rank_dir=rank_dir)
@@ -39,12 +44,17 @@ def _start_session():  # -> Session | None
 
         from distdebug.artifacts.inflight import InflightSlot
 
-        session.inflight = InflightSlot(layout.inflight_path(run_dir, identity.rank))
-        # A rank that dies by a fatal signal (gloo aborts on a collective size mismatch) runs no
-        # Python again; faulthandler writes every thread's stack from its C-level handler.
-        global _CRASH_FILE
-        _CRASH_FILE = open(layout.crash_path(run_dir, identity.rank), "w")  # noqa: SIM115 (open for the process life)
-        faulthandler.enable(file=_CRASH_FILE, all_threads=True)
+        try:  # where a crash leaves no record: the collective the rank was inside, its stacks
+            session.inflight = InflightSlot(layout.inflight_path(run_dir, identity.rank))
+            # A rank that dies by a fatal signal (gloo aborts on a collective size mismatch) runs no
+            # Python again; faulthandler writes every thread's stack from its C-level handler.
+            global _CRASH_FILE
+            _CRASH_FILE = open(layout.crash_path(run_dir, identity.rank), "w")  # noqa: SIM115 (open for the process life)
+            faulthandler.enable(file=_CRASH_FILE, all_threads=True)
+        except OSError as e:
+            if writer is not None:  # the events' failure was said already
+                _say(f"distdebug: rank {identity.rank}: cannot write the run directory ({_why(e)}): a crash of "
+                     "this rank will not be told from its last collective")
     session.install()
     if envvars.get(envvars.DETERMINISTIC) == "1":
         _deterministic()
@@ -73,6 +83,21 @@ def _deterministic() -> None:
 _CRASH_FILE = None
 
 
+def _say(line: str) -> None:
+    """One line on stderr; a closed or full stderr (a file on the same full disk) never stops the script."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except Exception:
+        pass
+
+
+def _why(e: OSError) -> str:
+    """``ENOSPC: No space left on device``: the error's name and text, for a one-line message."""
+    import errno
+
+    return f"{errno.errorcode.get(e.errno or 0, type(e).__name__)}: {e.strerror or e}"
+
+
 def _collective_in_traceback(exc: BaseException) -> str | None:
     """The torch.distributed function an exception came out of (``all_reduce``...), if any."""
     name = None
@@ -93,8 +118,11 @@ def _record_script_error(session, exc: BaseException) -> None:
     if collective is not None and session.ctx.run_dir is not None:
         dump = flight_recorder_dump()
         if dump is not None:
-            layout.fr_trace_path(session.ctx.run_dir, session.identity.rank).write_bytes(dump)
-            fr = True
+            try:  # the error record below matters more than the dump
+                layout.fr_trace_path(session.ctx.run_dir, session.identity.rank).write_bytes(dump)
+                fr = True
+            except OSError:
+                pass
     session.emit(
         schema.record(
             schema.SCRIPT_ERROR,
@@ -183,7 +211,7 @@ def main() -> None:
     try:
         session = _start_session()
     except Exception as e:  # instrumentation must never stop training
-        print(f"distdebug: instrumentation off on this rank: {type(e).__name__}: {e}", file=sys.stderr)
+        _say(f"distdebug: instrumentation off on this rank: {type(e).__name__}: {e}")
     if session is not None:
         from distdebug.config import AttachConfig, option_default, startup_allowance
         from distdebug.runtime.watchdog import RankWatchdog
@@ -213,13 +241,13 @@ def main() -> None:
             try:
                 _record_script_error(session, e)
             except Exception as err:
-                print(f"distdebug: could not record the script's error: {err}", file=sys.stderr)
+                _say(f"distdebug: could not record the script's error: {err}")
     finally:
         if session is not None:
             try:
                 session.close(code)
             except Exception as e:
-                print(f"distdebug: could not close the session cleanly: {e}", file=sys.stderr)
+                _say(f"distdebug: could not close the session cleanly: {e}")
         if watchdog is not None:
             watchdog.stop()
     sys.exit(code)

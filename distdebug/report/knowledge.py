@@ -191,10 +191,13 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
                       "or an atexit handler: the training itself completed",
                       "the finding's list of what was still alive when the script ended",
                       f.fix or "destroy_process_group() after the last collective")
-    if d == "harness":
+    if d == "harness" and f.subject.startswith("detector:"):
         return Advice("a distdebug detector failed", "distdebug itself (the detector was switched off; "
                       "training was not affected)", "the message; rerun with DISTDEBUG_DEBUG=1",
                       "report it; meanwhile --detectors without that one")
+    if d == "harness":  # what the harness could not do or see (a full disk, no model found): not the training's
+        return Advice("what distdebug could not do or see in this run", "the message says (the training was not "
+                      "affected)", "the message", f.fix or "")
     return Advice("", "", "", f.fix or "")
 
 

@@ -216,12 +216,15 @@ class RankWatchdog:
         fr = flight_recorder_dump()
         run_dir = s.ctx.run_dir
         if run_dir is not None:
-            layout.rank_dir(run_dir, s.identity.rank).mkdir(parents=True, exist_ok=True)
-            from distdebug.artifacts.redact import Redactor
+            try:  # a full disk loses the files, never the stall record below (the hang verdict reads it)
+                layout.rank_dir(run_dir, s.identity.rank).mkdir(parents=True, exist_ok=True)
+                from distdebug.artifacts.redact import Redactor
 
-            layout.stacks_path(run_dir, s.identity.rank).write_text(Redactor()(text))
-            if fr is not None:
-                layout.fr_trace_path(run_dir, s.identity.rank).write_bytes(fr)
+                layout.stacks_path(run_dir, s.identity.rank).write_text(Redactor()(text))
+                if fr is not None:
+                    layout.fr_trace_path(run_dir, s.identity.rank).write_bytes(fr)
+            except OSError:
+                fr = None
         p = s.progress
         s.emit(schema.record(
             schema.STALL, rank=s.identity.rank, step=p.step, phase=p.phase, idle_s=round(idle, 3),

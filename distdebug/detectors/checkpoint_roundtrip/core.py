@@ -7,6 +7,7 @@ fields, composed by ``CheckpointRoundTrip`` (the package); declared once so each
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class RoundTripState(Detector):
         self._restore: list[tuple[Any, str, Any]] = []  # patched outside Detector.patch (a classmethod)
         self._others: tuple[int, list[dict[str, Any]]] = (-1, [])  # (step read at, the other ranks' buffer saves)
         self._lock = threading.Lock()
+        self._records_lost = False  # the run directory took no more records (append_record)
 
     def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
         ctx = self.ctx
@@ -50,6 +52,27 @@ class RoundTripState(Detector):
                 severity=Severity.INFO, detector="harness", ranks=[ctx.rank], step=self.step or None,
                 subject=f"detector:{self.name}", message=f"could not check {f}: {type(e).__name__}: {e}",
             ))
+
+    def append_record(self, record: dict[str, Any]) -> None:
+        """One save's record in this rank's checkpoints.jsonl (one write: a cut line is skipped by its readers).
+        A full or failing disk stops the records, said once: this job's own restores are still checked (from
+        memory); a later job's restore of these saves is not."""
+        ctx = self.ctx
+        assert ctx is not None  # set in setup()/attach(), which the session calls first
+        records = self._records_path(ctx.rank)
+        if records is None or self._records_lost:
+            return
+        try:
+            records.parent.mkdir(parents=True, exist_ok=True)
+            with open(records, "a") as out:
+                out.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self._records_lost = True
+            ctx.report(Finding(
+                severity=Severity.INFO, detector="harness", ranks=[ctx.rank], step=self.step or None,
+                subject=f"detector:{self.name}",
+                message=f"could not record checkpoint saves in the run directory ({e.strerror or e}): restores in "
+                        "this job are still checked; a later job's restore of these saves cannot be"))
 
     def _records_path(self, rank: int) -> Path | None:
         ctx = self.ctx

@@ -8,7 +8,6 @@ later run, or ``from_pretrained`` (pretrained.py) is compared with."""
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +54,8 @@ class Saves(RoundTripState):
         fps = fingerprints(tensor_items(obj), portable=True)  # a GPU save may be loaded onto the CPU
         with self._lock:
             self.saved[path] = {"fps": fps, "step": self.step}
-        records = self._records_path(ctx.rank)
-        if records is not None:
-            records.parent.mkdir(parents=True, exist_ok=True)
-            with open(records, "a") as out:
-                out.write(json.dumps({"v": 1, "op": "save", "path": path, "step": self.step,
-                                      "rank": ctx.rank, "stamp": file_stamp(path),
-                                      "fps": {k: f"{v:016x}" for k, v in fps.items()}}) + "\n")
+        self.append_record({"v": 1, "op": "save", "path": path, "step": self.step, "rank": ctx.rank,
+                            "stamp": file_stamp(path), "fps": {k: f"{v:016x}" for k, v in fps.items()}})
 
     def _record_buffer_save(self, obj: Any, f: Any) -> None:
         """A save into a buffer: kept by content (this rank's latest few in memory, every one recorded)."""
@@ -72,9 +66,5 @@ class Saves(RoundTripState):
             return
         with self._lock:
             self._buffers = [*self._buffers[-(BUFFER_SAVES - 1):], {"fps": fps, "step": self.step, "rank": ctx.rank}]
-        records = self._records_path(ctx.rank)
-        if records is not None:
-            records.parent.mkdir(parents=True, exist_ok=True)
-            with open(records, "a") as out:
-                out.write(json.dumps({"v": 1, "op": "save", "path": None, "buffer": True, "step": self.step,
-                                      "rank": ctx.rank, "fps": {k: f"{v:016x}" for k, v in fps.items()}}) + "\n")
+        self.append_record({"v": 1, "op": "save", "path": None, "buffer": True, "step": self.step, "rank": ctx.rank,
+                            "fps": {k: f"{v:016x}" for k, v in fps.items()}})

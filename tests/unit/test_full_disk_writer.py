@@ -1,0 +1,83 @@
+"""Tier 1 (no ranks; a real tmpfs of a few hundred KiB, mounted and unmounted by the test): a rank's event
+writer on a disk that fills. It never raises, says so once, writes a ``write_failed`` record, keeps writing the
+essential records (findings, stalls, the end) out of the space it held back, drops the per-step bulk, and every
+line it wrote reads back; the fingerprint writer stops at a whole record. The clean twin: the same writes on a
+disk with room give no failure and no reserve left behind. The whole job on a full disk: tests/e2e/test_full_disk.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+
+from distdebug.artifacts import layout, schema
+from distdebug.artifacts.reader import read_events
+from distdebug.artifacts.writer import RESERVE, EventWriter
+from distdebug.fingerprint.snapshots import SnapshotWriter, parse_records
+from tests.helpers import fill, small_fs
+
+STEP_PAD = "x" * 400  # a step record about the size of a real one
+
+
+def _steps(w: EventWriter, first: int, n: int) -> None:
+    for step in range(first, first + n):
+        w.write(schema.record(schema.STEP, rank=0, step=step, loss=1.0, pad=STEP_PAD))
+
+
+def test_a_full_disk_keeps_the_essential_records_says_so_once_and_reads_back(tmp_path):
+    with small_fs(tmp_path / "fs", 512) as fs:
+        path = fs / "rank-00000" / layout.EVENTS
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            w = EventWriter(path, reserve=RESERVE, label="rank 0")
+            assert layout.reserve_path(path).stat().st_size == RESERVE
+            fill(fs, leave_kb=24)
+            w.write(schema.record(schema.START, rank=0))
+            _steps(w, 1, 200)  # about 90 KiB: the disk fills on the way
+            assert w.degraded
+            w.write(schema.record(schema.FINDING, rank=0, step=201, detector="nan_origin", subject="w"))
+            _steps(w, 202, 50)
+            w.write(schema.record(schema.STALL, rank=0, step=252, idle_s=5.0))
+            w.write(schema.record(schema.END, rank=0, exit_code=0, steps=252, write_errors=w.failed_writes))
+            w.close()
+        lines = [x for x in err.getvalue().splitlines() if "writing the run directory failed" in x]
+        assert len(lines) == 1 and "ENOSPC" in lines[0] and lines[0].startswith("distdebug: rank 0:"), err.getvalue()
+        records, damaged = read_events(path)
+        kinds = [r["kind"] for r in records]
+        (failed,) = [r for r in records if r["kind"] == schema.WRITE_FAILED]
+        assert failed["error"].startswith("ENOSPC") and failed["lost"] == schema.STEP
+        steps = [r["step"] for r in records if r["kind"] == schema.STEP]
+        assert steps == list(range(1, failed["step"]))  # every step before the first lost one, none after
+        assert kinds[-3:] == [schema.FINDING, schema.STALL, schema.END]  # out of the space held back
+        assert damaged <= 1  # at most the one record the disk cut
+        assert not layout.reserve_path(path).exists()  # given back at the end
+
+
+def test_the_clean_twin_writes_everything_and_leaves_no_reserve(tmp_path):
+    with small_fs(tmp_path / "fs", 512) as fs:
+        path = fs / "rank-00000" / layout.EVENTS
+        w = EventWriter(path, reserve=RESERVE, label="rank 0")
+        _steps(w, 1, 200)
+        w.close()
+        records, damaged = read_events(path)
+        assert [r["step"] for r in records] == list(range(1, 201)) and damaged == 0 and w.failed_writes == 0
+        assert not w.degraded and not layout.reserve_path(path).exists()
+
+
+def test_fingerprint_snapshots_stop_at_a_whole_record_on_a_full_disk(tmp_path):
+    with small_fs(tmp_path / "fs", 256) as fs:
+        w = SnapshotWriter(fs / "rank-00000")
+        fps = {f"layer{i}.weight": i * 7919 for i in range(100)}  # 816 bytes a step
+        w.write(1, fps)
+        fill(fs, leave_kb=8)
+        for step in range(2, 40):
+            w.write(step, fps)
+        assert w.stopped is not None and w.stopped[1].startswith("ENOSPC")
+        w.close()
+        import json
+
+        lists = json.loads(w.names_path.read_text())["names"]
+        got = parse_records((fs / "rank-00000" / layout.FINGERPRINTS).read_bytes(), lists)
+        assert sorted(got) == list(range(1, w.stopped[0]))  # every step before it, whole
+        assert np.array_equal(got[1][1], np.array(list(fps.values()), dtype=np.uint64))
