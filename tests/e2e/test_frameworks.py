@@ -154,9 +154,9 @@ LIGHTNING_AIMED = {
     ("lightning", "fw_lightning.py", ["--steps", "16"],
      "10 applicable, 10 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
     ("accelerate", "fw_accelerate.py", ["--steps", "16"],
-     "8 applicable, 8 caught-localised, 5 not applicable; 1 of 1 clean runs clean; 0 failed"),
+     "6 applicable, 6 caught-localised, 5 not applicable; 1 of 1 clean runs clean; 0 failed"),
     ("transformers", "fw_hf_trainer.py", ["--steps", "16", "--resume"],
-     "8 applicable, 8 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
+     "6 applicable, 6 caught-localised, 4 not applicable; 1 of 1 clean runs clean; 0 failed"),
 ])
 def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_path):
     """The user's CI command on each framework's script: every applicable fault caught and localised, the
@@ -169,12 +169,17 @@ def test_faults_replay_on_each_framework(framework, script, args, summary, tmp_p
     Skipped here (suite time): the faults that act beside the framework, not through it, and are replayed on
     the same engine elsewhere: bad_env (the launch's environment), transient_compute (persistent_compute's
     re-execution, which is through the framework's step, kept); the hang on two of the three (Lightning's
-    kept); the straggler behind the Trainer has its own test (test_a_slow_rank_is_named_behind_...)."""
+    kept); the straggler behind the Trainer has its own test (test_a_slow_rank_is_named_behind_...); on
+    accelerate and the Trainer, the faults that act on the model's own modules and parameters (nan_activation:
+    a forward hook; bitflip_param: a parameter's bit), whose path through a framework's loop is the one
+    nan_grad (its backward) and skip_step (its optimizer step) take there, and which are replayed on
+    Lightning, the DDP scripts and the layouts."""
     needs(framework)
     junit = tmp_path / "replay.xml"
     aims = ([a for aim, _ in LIGHTNING_AIMED.values() if aim for a in ("--inject", aim)] + ["--keep-runs"]
             if framework == "lightning" else [])
-    skip = ["bad_env", "transient_compute", *(["hang"] if framework != "lightning" else []),
+    skip = ["bad_env", "transient_compute",
+            *(["hang", "nan_activation", "bitflip_param"] if framework != "lightning" else []),
             *(["straggler"] if framework == "transformers" else [])]
     aims += [a for f in skip for a in ("--skip", f)]
     r = distdebug("faults", "replay", *aims, "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
