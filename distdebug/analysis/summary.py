@@ -132,8 +132,11 @@ def summarize(run: Run) -> RunSummary:
             status = "no end record (killed, or still running)"
         failed = next((r for r in records if r.get("kind") == schema.WRITE_FAILED), None)
         if failed is not None:  # a full or failing disk: what is missing after it is not the rank's doing
-            status += (f"; its writes failed from step {failed.get('step')} ({failed.get('error')}): only findings, "
-                       "stalls and its end kept after that")
+            since = f"step {failed['step']}" if failed.get("step") is not None else "its start"
+            if end is None and error is None:
+                status = "no end record: the disk took none (not necessarily a kill)"
+            status += (f"; its writes failed from {since} ({failed.get('error')}): only findings, stalls and the end "
+                       "kept")
             if end is not None and end.get("write_errors"):
                 status += f", {end['write_errors']} records lost"
         models = (disc or {}).get("models") or []

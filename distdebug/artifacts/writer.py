@@ -22,6 +22,10 @@ from distdebug.artifacts.redact import Redactor
 RESERVE = 64 * 1024
 """Bytes a rank's event writer holds back on disk (a file of its own, given back at need), so that when the
 disk fills its findings, a stall and its end record still fit."""
+LAST = 16 * 1024
+"""The part of the reserve only a stall and the end may take: many findings, or a long evaluation's repeated
+stall warnings, never use up the room of a real hang's stall record or of the end record."""
+LAST_KINDS = frozenset({schema.STALL, schema.END})
 
 
 class EventWriter:
@@ -69,7 +73,8 @@ class EventWriter:
                 return
             if not self.degraded:
                 self._degrade(error, record)
-            if record.get("kind") in schema.ESSENTIAL and self._give_back(len(line) + 4096) \
+            floor = 0 if record.get("kind") in LAST_KINDS else LAST
+            if record.get("kind") in schema.ESSENTIAL and self._give_back(len(line) + 4096, floor) \
                     and self._write(line) is None:
                 return  # the reserve made room for an essential record
             self.failed_writes += 1
@@ -83,8 +88,11 @@ class EventWriter:
             n = os.write(self._fd, line)
         except OSError as e:
             return e
-        self._cut = n != len(line) and n > 0 or (self._cut and n == 0)
-        return None if n == len(line) else OSError(errno.ENOSPC, "short write (the file system is full)")
+        if n >= len(line) - 1:  # whole (a record cut just before its newline is whole too: never written twice)
+            self._cut = n < len(line)
+            return None
+        self._cut = n > 0 or self._cut
+        return OSError(errno.ENOSPC, "short write (the file system is full)")
 
     def _degrade(self, error: OSError, lost: dict) -> None:
         """The first failure: say it once, give back the reserve, record what happened (essential)."""
@@ -95,7 +103,7 @@ class EventWriter:
                   "findings, stalls and the end are kept; the training goes on", file=sys.stderr, flush=True)
         except Exception:  # stderr on the same full disk
             pass
-        self._give_back(8192)  # room for this record; the rest stays held for the essential ones
+        self._give_back(8192, LAST)  # room for this record; the rest stays held for the essential ones
         step = lost.get("step") if isinstance(lost.get("step"), int) else self._last_step
         rec = schema.record(schema.WRITE_FAILED, rank=lost.get("rank"), step=step, error=reason,
                             lost=lost.get("kind"), time=time.time())
@@ -103,12 +111,15 @@ class EventWriter:
         if self._write(line) is not None:
             self.failed_writes += 1
 
-    def _give_back(self, size: int) -> bool:
-        """Shrink the reserve by ``size`` bytes (0: all of it); whether there was any to give."""
+    def _give_back(self, size: int, floor: int = 0) -> bool:
+        """Shrink the reserve by ``size`` bytes (0: all of it), never below ``floor``; whether any was given."""
         if self._reserve is None:
             return False
         try:
-            left = max(0, self._reserve.stat().st_size - size) if size else 0
+            held = self._reserve.stat().st_size
+            left = max(floor, held - size) if size else 0
+            if left >= held:
+                return False
             if left:
                 os.truncate(self._reserve, left)
             else:

@@ -48,6 +48,7 @@ class SnapshotWriter:
                 os.ftruncate(self._fd, self._size)  # a cut record would misalign every later read
             except OSError:
                 pass  # parse_records drops a record cut at the end
+            self.close()
 
     def _write(self, step: int, fps: dict[str, int]) -> None:
         names = tuple(fps)
@@ -65,7 +66,9 @@ class SnapshotWriter:
         self._size += len(data)
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def parse_records(data: bytes, lists: list[list[str]]) -> dict[int, tuple[list[str], np.ndarray]]:

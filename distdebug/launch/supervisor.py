@@ -9,9 +9,10 @@ to report, kills this node's ranks by pid so that torch's agent tears the job do
 
 No kill without a culprit: a diagnosis that names none (every rank busy in its own work, e.g. a
 long evaluation) is a warning with every rank's stack, and the job goes on; the ranks' watchdogs
-record the stall again after each further stall timeout, so the warning repeats at most once per
-stall timeout, and a stall that turns into a real hang (a rank now waits for another) is then
-diagnosed and ended. ``--on-stall abort`` ends the job on such a stall too.
+record the stall again after each further stall timeout (before a rank's first step: each further
+start-up allowance), so the warning repeats at most once per timeout, and a stall that turns into a
+real hang (a rank now waits for another) is then diagnosed and ended. ``--on-stall abort`` ends the
+job on such a stall too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.writer import append_run_findings
@@ -136,6 +138,7 @@ class Supervisor:
         self._host: dict[int, str] = {}
         self._stalled: dict[int, float] = {}
         self._ended: set[int] = set()
+        self._stall_step: dict[int, Any] = {}  # rank -> steps it had finished at its last stall record
         self._heard: dict[int, float] = {}
         """rank -> when its last record arrived (a step, a finding, anything: the rank is alive)."""
         self._reported = False
@@ -175,6 +178,7 @@ class Supervisor:
                     self._ended.discard(rank)
                 elif kind == schema.STALL:
                     self._stalled[rank] = time.monotonic()
+                    self._stall_step[rank] = rec.get("step")
                 elif kind == schema.STALL_CLEARED:
                     self._stalled.pop(rank, None)
                     self._reported = False
@@ -207,7 +211,9 @@ class Supervisor:
 
         findings = diagnose(load_run(self.run_dir))
         if not findings:  # stalled, but nothing to name (e.g. one rank alone idle): a warning, no culprit
-            findings = [stall_without_culprit(sorted(self._stalled), self.stall_timeout)]
+            starting = all(not self._stall_step.get(r) for r in self._stalled)  # none had finished a step
+            findings = [stall_without_culprit(sorted(self._stalled),
+                                              self.startup_timeout if starting else self.stall_timeout)]
         action = verdict_decision(busy=is_busy_stall(findings), every=every, on_stall=self.on_stall,
                                   on_hang=self.on_hang)
         if action == RETRY:
@@ -222,7 +228,7 @@ class Supervisor:
     def _warn(self, findings: list[Finding]) -> None:
         """Say it, keep the job: the next stall records (after another stall timeout) are diagnosed anew."""
         self.stall_warnings += 1
-        append_run_findings(self.run_dir, findings)
+        self._record(findings)
         for f in findings:
             print(format_finding(f), file=sys.stderr, flush=True)
         self._stalled.clear()
@@ -243,9 +249,18 @@ class Supervisor:
     def _conclude(self, findings: list[Finding]) -> None:
         self.verdict = findings
         self._reported = True
-        append_run_findings(self.run_dir, findings)
+        self._record(findings)
         for f in findings:
             print(format_finding(f), file=sys.stderr, flush=True)
+
+    def _record(self, findings: list[Finding]) -> None:
+        """Into the run's findings file; a full or read-only disk loses the file, never the verdict or the kill
+        that follows it (the findings are printed in any case)."""
+        try:
+            append_run_findings(self.run_dir, findings)
+        except OSError as e:
+            print(f"distdebug: could not write the hang verdict to the run directory ({e.strerror or e})",
+                  file=sys.stderr, flush=True)
 
     def _terminate_local_ranks(self) -> None:
         """SIGTERM, then SIGKILL, this node's ranks, by pid (only our own descendants).

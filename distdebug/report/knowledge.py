@@ -195,6 +195,10 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
         return Advice("a distdebug detector failed", "distdebug itself (the detector was switched off; "
                       "training was not affected)", "the message; rerun with DISTDEBUG_DEBUG=1",
                       "report it; meanwhile --detectors without that one")
+    if d == "harness" and f.subject == "launcher":
+        return Advice("the launcher process died", "the launcher was killed (the OOM killer, the scheduler, a "
+                      "signal): its ranks ended themselves so that none is left behind", "dmesg; the scheduler's "
+                      "log for the launcher's pid", f.fix or "restart the job; give the launcher's node more memory")
     if d == "harness":  # what the harness could not do or see (a full disk, no model found): not the training's
         return Advice("what distdebug could not do or see in this run", "the message says (the training was not "
                       "affected)", "the message", f.fix or "")

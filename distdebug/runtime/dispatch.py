@@ -62,7 +62,7 @@ class Dispatch:
         self._after_backward = [d for d in self.detectors if _overrides(d, "after_backward")]
 
     def after_backward(self) -> None:
-        for det in self._after_backward:
+        for det in list(self._after_backward):  # one that fails is taken off the list meanwhile
             if not det.off and not det.paused:
                 self.run(det, "after_backward", lambda d: d.after_backward())
 

@@ -81,3 +81,24 @@ def test_fingerprint_snapshots_stop_at_a_whole_record_on_a_full_disk(tmp_path):
         got = parse_records((fs / "rank-00000" / layout.FINGERPRINTS).read_bytes(), lists)
         assert sorted(got) == list(range(1, w.stopped[0]))  # every step before it, whole
         assert np.array_equal(got[1][1], np.array(list(fps.values()), dtype=np.uint64))
+
+
+def test_many_findings_never_use_up_the_room_of_a_stall_and_the_end(tmp_path):
+    """A long degraded run that keeps finding (or warning of busy stalls): the findings take the reserve down
+    to its last part, which only a stall and the end record may take."""
+    with small_fs(tmp_path / "fs", 512) as fs:
+        path = fs / "rank-00000" / layout.EVENTS
+        with contextlib.redirect_stderr(io.StringIO()):
+            w = EventWriter(path, reserve=RESERVE, label="rank 0")
+            fill(fs, leave_kb=8)
+            _steps(w, 1, 40)
+            assert w.degraded
+            for i in range(400):  # about 200 KiB of findings: far more than the reserve
+                w.write(schema.record(schema.FINDING, rank=0, step=41, detector="loss_spike", subject=str(i),
+                                      message="m" * 400))
+            w.write(schema.record(schema.STALL, rank=0, step=41, idle_s=5.0, main_stack=[{"code": "x" * 2000}]))
+            w.write(schema.record(schema.END, rank=0, exit_code=0, steps=41))
+            w.close()
+        records, _ = read_events(path)
+        kinds = [r["kind"] for r in records]
+        assert kinds[-2:] == [schema.STALL, schema.END] and 20 < kinds.count(schema.FINDING) < 400

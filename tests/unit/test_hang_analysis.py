@@ -83,6 +83,21 @@ def test_first_step_with_different_collective_counts(tmp_path):
     assert first_collective_count_difference(states) == {"step": 2, "collectives_per_rank": {0: 2, 1: 1, 2: 2}}
 
 
+def test_a_rank_whose_writes_failed_is_placed_by_its_stall_not_by_its_last_step_record(tmp_path):
+    """A full disk stopped rank 0's step records at step 2 and rank 1's at step 3; the job hung at step 40.
+    The ranks are where their stall records say, and the collectives they entered since the records stopped
+    are not taken for one step's count (which would name step 3 as the first with different counts)."""
+    failed = schema.record(schema.WRITE_FAILED, step=2, error="ENOSPC: No space left on device", lost="step")
+    write(tmp_path, 0, steps([2, 2]) + [failed, schema.record(schema.STALL, step=39, phase="training",
+                                                                collectives_entered=80, main_stack=[USER])], world=2)
+    write(tmp_path, 1, steps([2, 2, 2]) + [{**failed, "step": 3}, schema.record(
+        schema.STALL, step=39, phase="training", collectives_entered=79, main_stack=[USER, TORCH])], world=2)
+    states = rank_states(load_run(tmp_path))
+    assert (states[0].step, states[1].step) == (39, 39)
+    assert states[0].in_progress_collectives is None and states[1].in_progress_collectives is None
+    assert first_collective_count_difference(states) is None
+
+
 def test_rank_behind_is_named_by_majority_of_waiting_ranks(tmp_path):
     for rank in (0, 2):
         write(tmp_path, rank, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training",

@@ -253,7 +253,8 @@ def _busy_stall(states: dict[int, RankState]) -> Finding:
         evidence={"ranks": {r: {"status": s.status, "last_step": s.step, "phase": s.phase} for r, s in states.items()},
                   "stacks": {r: states[r].stack[-8:] for r in stalled}},
         fix="nothing, if this work is expected to take that long (a --stall-timeout above the longest evaluation or "
-            "save stops the warning); if it never ends, each rank's stacks.txt shows where it is; "
+            "save stops the warning; before the first step, --startup-timeout); if it never ends, each rank's "
+            "stacks.txt shows where it is; "
             "--on-stall abort ends a job on such a stall",
     )
 
@@ -454,7 +455,8 @@ def _missing(states: dict[int, RankState], inflight: dict[int, dict[str, Any]], 
 
 # ---------------------------------------------------------------- the supervisor's own findings
 def stall_without_culprit(stalled: list[int], stall_timeout: float) -> Finding:
-    """The launcher saw ranks stall, and ``judge`` named nothing (e.g. one rank alone idle): a warning."""
+    """The launcher saw ranks stall, and ``judge`` named nothing (e.g. one rank alone idle): a warning.
+    ``stall_timeout``: the timeout that made the stall (the start-up allowance before a rank's first step)."""
     return Finding(
         severity=Severity.WARNING, detector=DETECTOR, ranks=sorted(stalled), step=None,
         subject=BUSY_STALL, message=f"no progress for {stall_timeout:g}s on ranks "
@@ -464,7 +466,7 @@ def stall_without_culprit(stalled: list[int], stall_timeout: float) -> Finding:
 
 
 def rendezvous_incomplete(*, expected_nodes: int, present: list[int], stall_timeout: float, host: str) -> Finding:
-    """No rank started within a stall timeout of the launch: some nodes' launchers never joined.
+    """No rank started within the start-up allowance after the launch: some nodes' launchers never joined.
 
     present: the nodes whose launcher wrote its node file in this run directory.
     """

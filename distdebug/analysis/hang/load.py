@@ -112,6 +112,7 @@ def rank_state(rank: int, records: list[dict[str, Any]], inflight: tuple[str, di
                crash: str) -> RankState:
     """One rank's state from its last attempt's records, its in-flight slot and its crash dump ("" if none)."""
     st = RankState(rank=rank, status=Status.RUNNING)
+    incomplete = False  # its writes failed (a full disk): step records stop there, the stall says where it is
     for r in records:
         kind = r.get("kind")
         if kind == schema.STEP:
@@ -122,8 +123,13 @@ def rank_state(rank: int, records: list[dict[str, Any]], inflight: tuple[str, di
         elif kind == schema.STALL:
             st.status, st.phase, st.stack = Status.STALLED, r.get("phase"), r.get("main_stack") or []
             st.idle_s = r.get("idle_s")
-            if r.get("collectives_entered") is not None:
+            if isinstance(r.get("step"), int):
+                st.step = max(st.step, r["step"])
+            if r.get("collectives_entered") is not None and not incomplete:
                 st.entered_total = int(r["collectives_entered"])
+        elif kind == schema.WRITE_FAILED:
+            # The per-step counts stop here: what the rank entered since cannot be split into steps.
+            incomplete, st.entered_total = True, None
         elif kind == schema.STALL_CLEARED:
             st.status = Status.RUNNING
         elif kind == schema.DISCOVERY and isinstance((r.get("layout") or {}).get("pipeline"), dict):

@@ -70,7 +70,7 @@ class RoundTripState(Detector):
             self._records_lost = True
             ctx.report(Finding(
                 severity=Severity.INFO, detector="harness", ranks=[ctx.rank], step=self.step or None,
-                subject=f"detector:{self.name}",
+                subject="checkpoint records",
                 message=f"could not record checkpoint saves in the run directory ({e.strerror or e}): restores in "
                         "this job are still checked; a later job's restore of these saves cannot be"))
 
