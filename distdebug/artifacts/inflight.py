@@ -16,6 +16,7 @@ the slot must still say which collective failed.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -39,7 +40,7 @@ class InflightSlot:
             # inside its first collective. Written here, a full disk is an OSError at start-up instead,
             # and the rank runs without the slot (launch.bootstrap).
             if os.write(fd, bytes(SIZE)) != SIZE:
-                raise OSError(28, "short write: the run directory's file system is full")
+                raise OSError(errno.ENOSPC, "short write: the run directory's file system is full")
             self._mm = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)

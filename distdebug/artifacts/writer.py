@@ -28,6 +28,11 @@ stall warnings, never use up the room of a real hang's stall record or of the en
 LAST_KINDS = frozenset({schema.STALL, schema.END})
 
 
+def os_error_text(e: OSError) -> str:
+    """``ENOSPC: No space left on device``: a failed write's error name and text, for the one line that says it."""
+    return f"{errno.errorcode.get(e.errno or 0, type(e).__name__)}: {e.strerror or e}"
+
+
 class EventWriter:
     """Writes one record per line; thread-safe; never raises into training after open.
 
@@ -97,7 +102,7 @@ class EventWriter:
     def _degrade(self, error: OSError, lost: dict) -> None:
         """The first failure: say it once, give back the reserve, record what happened (essential)."""
         self.degraded = True
-        reason = f"{errno.errorcode.get(error.errno or 0, type(error).__name__)}: {error.strerror or error}"
+        reason = os_error_text(error)
         try:
             print(f"distdebug: {self.label}: writing the run directory failed ({reason}); from here on only "
                   "findings, stalls and the end are kept; the training goes on", file=sys.stderr, flush=True)

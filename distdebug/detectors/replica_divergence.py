@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import xxhash
 
+from distdebug.artifacts.writer import os_error_text
 from distdebug.config import ReplicaDivergenceConfig
 from distdebug.context import ExchangeChannel, RankContext, StepEvent
 from distdebug.detectors.base import Detector
@@ -92,7 +93,7 @@ class ReplicaDivergence(ExchangeUser, Detector):
             try:
                 self.snapshots = SnapshotWriter(ctx.rank_dir)
             except OSError as e:  # a full or read-only run directory: no snapshots; the online check goes on
-                self._snapshots_lost(1, f"{type(e).__name__}: {e}")
+                self._snapshots_lost(1, os_error_text(e))
         if world > 1:
             # The rank's harness exchange: our all_gathers never interleave with the training's collectives.
             self.open_exchange(ctx)

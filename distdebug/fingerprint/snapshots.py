@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from distdebug.artifacts import layout
+from distdebug.artifacts.writer import os_error_text
 
 _HEAD = struct.Struct("<qii")
 
@@ -43,7 +44,7 @@ class SnapshotWriter:
         try:
             self._write(step, fps)
         except OSError as e:
-            self.stopped = (step, f"{errno.errorcode.get(e.errno or 0, type(e).__name__)}: {e.strerror or e}")
+            self.stopped = (step, os_error_text(e))
             try:
                 os.ftruncate(self._fd, self._size)  # a cut record would misalign every later read
             except OSError:

@@ -24,7 +24,7 @@ from distdebug.analysis.teardown import how
 from distdebug.analysis.teardown import summary_line as teardown_summary
 from distdebug.artifacts import layout, runs
 from distdebug.artifacts.reader import read_json
-from distdebug.artifacts.writer import write_json_atomic
+from distdebug.artifacts.writer import os_error_text, write_json_atomic
 from distdebug.config import EXIT_HANG, EXIT_NEVER_ACTED, AttachConfig, parse_nnodes
 from distdebug.detectors import registry
 from distdebug.errors import UserError
@@ -246,7 +246,7 @@ def _write_or_say(path: Path, data: dict[str, Any]) -> None:
     try:
         write_json_atomic(path, data)
     except OSError as e:
-        print(f"distdebug: could not write {path.name} in the run directory ({e.strerror or e}); the job goes on",
+        print(f"distdebug: could not write {path.name} in the run directory ({os_error_text(e)}); the job goes on",
               file=sys.stderr, flush=True)
 
 

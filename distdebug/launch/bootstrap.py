@@ -18,7 +18,7 @@ from distdebug import envvars
 
 def _start_session():  # -> Session | None
     from distdebug.artifacts import layout
-    from distdebug.artifacts.writer import RESERVE, EventWriter
+    from distdebug.artifacts.writer import RESERVE, EventWriter, os_error_text
     from distdebug.context import RankIdentity
     from distdebug.detectors import registry
     from distdebug.runtime.session import Session
@@ -34,7 +34,7 @@ def _start_session():  # -> Session | None
             writer = EventWriter(layout.events_path(run_dir, identity.rank), reserve=RESERVE,
                                  label=f"rank {identity.rank}")
         except OSError as e:  # a full or read-only run directory: the checks still run, their findings on stderr
-            _say(f"distdebug: rank {identity.rank}: cannot write the run directory ({_why(e)}): this rank's "
+            _say(f"distdebug: rank {identity.rank}: cannot write the run directory ({os_error_text(e)}): this rank's "
                  "records are off; its checks run and print their findings here")
     detectors = registry.build_injected(envvars.get(envvars.INJECT)) + \
         registry.build(envvars.decode_specs(envvars.get(envvars.DETECTORS)))
@@ -53,8 +53,8 @@ def _start_session():  # -> Session | None
             faulthandler.enable(file=_CRASH_FILE, all_threads=True)
         except OSError as e:
             if writer is not None:  # the events' failure was said already
-                _say(f"distdebug: rank {identity.rank}: cannot write the run directory ({_why(e)}): a crash of "
-                     "this rank will not be told from its last collective")
+                _say(f"distdebug: rank {identity.rank}: cannot write the run directory ({os_error_text(e)}): a "
+                     "crash of this rank will not be told from its last collective")
     session.install()
     if envvars.get(envvars.DETERMINISTIC) == "1":
         _deterministic()
@@ -89,13 +89,6 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
     except Exception:
         pass
-
-
-def _why(e: OSError) -> str:
-    """``ENOSPC: No space left on device``: the error's name and text, for a one-line message."""
-    import errno
-
-    return f"{errno.errorcode.get(e.errno or 0, type(e).__name__)}: {e.strerror or e}"
 
 
 def _collective_in_traceback(exc: BaseException) -> str | None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout, schema
-from distdebug.artifacts.writer import append_run_findings
+from distdebug.artifacts.writer import append_run_findings, os_error_text
 from distdebug.findings import Finding
 from distdebug.report.fmt import format_finding
 
@@ -259,7 +259,7 @@ class Supervisor:
         try:
             append_run_findings(self.run_dir, findings)
         except OSError as e:
-            print(f"distdebug: could not write the hang verdict to the run directory ({e.strerror or e})",
+            print(f"distdebug: could not write the hang verdict to the run directory ({os_error_text(e)})",
                   file=sys.stderr, flush=True)
 
     def _terminate_local_ranks(self) -> None:

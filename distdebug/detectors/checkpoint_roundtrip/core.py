@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout
+from distdebug.artifacts.writer import os_error_text
 from distdebug.context import RankContext
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -71,7 +72,7 @@ class RoundTripState(Detector):
             ctx.report(Finding(
                 severity=Severity.INFO, detector="harness", ranks=[ctx.rank], step=self.step or None,
                 subject="checkpoint records",
-                message=f"could not record checkpoint saves in the run directory ({e.strerror or e}): restores in "
+                message=f"could not record checkpoint saves in the run directory ({os_error_text(e)}): restores in "
                         "this job are still checked; a later job's restore of these saves cannot be"))
 
     def _records_path(self, rank: int) -> Path | None:
