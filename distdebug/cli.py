@@ -13,9 +13,11 @@ from pathlib import Path
 import click
 
 from distdebug import envvars
+from distdebug.artifacts.retention import parse_size, size_text
 from distdebug.config import (
     ON_HANG,
     ON_STALL,
+    RUN_DIR_BUDGET,
     STARTUP_FLOOR_S,
     WATCH_MODES,
     AttachConfig,
@@ -26,6 +28,25 @@ from distdebug.config import (
     option_default,
 )
 from distdebug.errors import UserError
+
+
+class _Size(click.ParamType):
+    """A size in bytes: 512K, 64M, 1G (binary units), a plain number of bytes, or 0."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        if isinstance(value, int):
+            return value
+        if str(value).strip() in ("0", "none", "off"):
+            return 0
+        try:
+            return parse_size(str(value))
+        except (ValueError, IndexError):
+            self.fail(f"'{value}' is not a size: give e.g. 512K, 64M or 1G (0: no budget)", param, ctx)
+
+
+_SIZE = _Size()
 
 
 class OneLineErrors(click.Group):
@@ -124,6 +145,10 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
               help="Seconds without progress allowed to a rank that has not finished its first step (imports, "
                    "model building, init_process_group, the first collectives, torch.compile) and to the "
                    "rendezvous: ranks start unevenly, and a slow start is not a hang.")
+@click.option("--run-dir-budget", type=_SIZE, default=size_text(RUN_DIR_BUDGET), show_default=True,
+              help="Disk each rank may fill in the run directory, however long the job (e.g. 64M, 1G; 0: no "
+                   "budget). Past it the oldest steps are thinned to summaries; the first and last steps and "
+                   "every finding's neighbourhood stay whole.")
 @click.option("--on-hang", type=click.Choice(ON_HANG), default=option_default(AttachConfig, "on_hang"),
               show_default=True,
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")

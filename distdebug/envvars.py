@@ -32,6 +32,9 @@ STARTUP_TIMEOUT = "DISTDEBUG_STARTUP_TIMEOUT"
 """Seconds without progress allowed to a rank before its first step finishes (``--startup-timeout``;
 default: the launcher's start-up allowance for its stall timeout)."""
 
+RUN_DIR_BUDGET = "DISTDEBUG_RUN_DIR_BUDGET"
+"""Bytes of the run directory each rank may fill (``--run-dir-budget``); ``0`` or unset: unbounded."""
+
 DETERMINISTIC = "DISTDEBUG_DETERMINISTIC"
 """``1``: seed every generator and turn on torch's deterministic algorithms before the script."""
 

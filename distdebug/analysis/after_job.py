@@ -114,27 +114,30 @@ def _post_mortem(run: Run, end: JobEnd, out: AfterJob) -> None:
 
 
 def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
-    from distdebug.analysis.diff import first_divergent_step, load_snapshots
+    from distdebug.analysis.diff import Roots, first_divergent_step, load_snapshots
     from distdebug.fingerprint.compare import divergence_finding
 
     if any(f.get("detector") == "replica_divergence" for f in run.all_findings()):
         return  # the online check already named the first divergent step
-    size = sum(p.stat().st_size for _, d in layout.rank_dirs(run_dir) if (p := d / layout.FINGERPRINTS).is_file())
+    size = sum(p.stat().st_size for _, d in layout.rank_dirs(run_dir)
+               for p in layout.stream_files(d / layout.FINGERPRINTS) if p.is_file())
     if not size:
         return
     if size > OFFLINE_CHECK_MAX_BYTES:
         out.notes.append(f"fingerprint snapshots are {size >> 20} MiB; run 'distdebug diff {run_dir}' to check "
                          "the last steps offline")
         return
-    snaps = load_snapshots(run_dir)
-    found = first_divergent_step(snaps)
+    roots: Roots = {}
+    snaps = load_snapshots(run_dir, roots)
+    found = first_divergent_step(snaps, roots)
     if found is None:
         return
     step, diffs = found
-    compared = sum(1 for s in snaps.values() if step in s)
+    compared = sum(1 for r in set(snaps) | set(roots) if step in snaps.get(r, {}) or step in roots.get(r, {}))
     ddp = any("ddp" in (m.get("wrappers") or [])
               for s in run.ranks.values() for d in s.of_kind(schema.DISCOVERY) for m in d.get("models") or [])
-    names = next(list(s[step][0]) for s in snaps.values() if step in s)
+    names = next((list(s[step][0]) for s in snaps.values() if step in s),
+                 next((list(r[step][0]) for r in roots.values() if step in r), []))
     out.findings.append(divergence_finding(step, [d.to_dict() for d in diffs], compared, after_job=True,
                                            run_dir=str(run_dir), ddp=ddp, compared=names))
 

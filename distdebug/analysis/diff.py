@@ -18,25 +18,31 @@ import numpy as np
 from distdebug.artifacts import layout
 from distdebug.errors import UserError
 from distdebug.fingerprint.compare import compare, odd_ones_out, split_group
-from distdebug.fingerprint.snapshots import parse_records
+from distdebug.fingerprint.snapshots import read_roots, read_stream
 
 Snapshots = dict[int, dict[int, tuple[list[str], np.ndarray]]]  # rank -> step -> (names, values)
+Roots = dict[int, dict[int, tuple[tuple[str, ...], int]]]  # rank -> thinned step -> (names, digest of them all)
+THINNED = "(every tensor: this step was thinned to one digest; which tensor differs is not kept)"
+"""The tensor a thinned step's difference names (artifacts.retention: past the ring, a step's fingerprints
+are kept as one digest, unless a finding pinned it)."""
 
 
-def load_snapshots(run_dir: Path) -> Snapshots:
-    """All ranks' snapshots; identical name files (the usual case) are parsed once."""
+def load_snapshots(run_dir: Path, roots: Roots | None = None) -> Snapshots:
+    """All ranks' snapshots (every file of their rotated streams); identical name files (the usual case) are
+    parsed once. ``roots``: filled with the digests of the thinned steps."""
     parsed: dict[bytes, list[list[str]]] = {}
     out: Snapshots = {}
     for rank, child in layout.rank_dirs(run_dir):
         try:
             raw_names = (child / layout.FINGERPRINT_NAMES).read_bytes()
-            data = (child / layout.FINGERPRINTS).read_bytes()
         except FileNotFoundError:
             continue
         lists = parsed.get(raw_names)
         if lists is None:
             lists = parsed[raw_names] = json.loads(raw_names)["names"]
-        out[rank] = parse_records(data, lists)
+        out[rank] = read_stream(child, lists)
+        if roots is not None:
+            roots[rank] = read_roots(child, lists)
     if not out:
         raise UserError(f"no fingerprint snapshots in {run_dir}: was it run with the replica_divergence detector "
                         "(on by default) and did it reach a step?")
@@ -89,12 +95,34 @@ def diff_step(snaps: Snapshots, step: int) -> list[TensorDiff]:
     return diffs
 
 
-def first_divergent_step(snaps: Snapshots) -> tuple[int, list[TensorDiff]] | None:
-    for step in steps_of(snaps):
-        diffs = diff_step(snaps, step)
+def first_divergent_step(snaps: Snapshots, roots: Roots | None = None) -> tuple[int, list[TensorDiff]] | None:
+    """The first step where ranks differ: a whole step's tensors, or a thinned step's digests."""
+    thinned = sorted(set().union(*(set(r) for r in roots.values()))) if roots else []
+    for step in sorted(set(steps_of(snaps)) | set(thinned)):
+        diffs = diff_step(snaps, step) or (diff_thinned(roots, step, snaps) if roots else [])
         if diffs:
             return step, diffs
     return None
+
+
+def diff_thinned(roots: Roots, step: int, snaps: Snapshots | None = None) -> list[TensorDiff]:
+    """A step some rank thinned: ranks grouped by the digest of all their tensors (a rank that kept the step
+    whole, as the one whose finding pinned it, digested here), among ranks that digested the same names (a
+    tensor set that differs by design, as between replica groups, is not a difference)."""
+    rows = {r: d for r in set(roots) | set(snaps or {}) if (d := _digest(snaps or {}, roots, r, step)) is not None}
+    if not any(step in s for s in roots.values()):
+        return []
+    by_names: dict[tuple[str, ...], dict[int, int]] = {}
+    for rank, (names, digest) in rows.items():
+        by_names.setdefault(names, {})[rank] = digest
+    for values in by_names.values():
+        if len(set(values.values())) > 1:
+            odd, majority = odd_ones_out(values)
+            groups: dict[int, list[int]] = {}
+            for r, v in sorted(values.items()):
+                groups.setdefault(v, []).append(r)
+            return [TensorDiff(THINNED, odd, sorted(groups.values()), majority)]
+    return []
 
 
 @dataclass
@@ -104,12 +132,24 @@ class RunDiff:
     tensors: list[str]
 
 
-def diff_runs(a: Snapshots, b: Snapshots) -> tuple[RunDiff | None, int]:
-    """First (step, rank) where run B differs from run A, and how many (rank, step) pairs were compared."""
+def diff_runs(a: Snapshots, b: Snapshots, ra: Roots | None = None, rb: Roots | None = None) \
+        -> tuple[RunDiff | None, int]:
+    """First (step, rank) where run B differs from run A, and how many (rank, step) pairs were compared; a
+    step one of them thinned is compared by its digest (``ra``, ``rb``: the runs' roots)."""
     compared = 0
-    for step in sorted(set(steps_of(a)) & set(steps_of(b))):
+    ra, rb = ra or {}, rb or {}
+    steps = (set(steps_of(a)) | set().union(*map(set, ra.values()))) & \
+        (set(steps_of(b)) | set().union(*map(set, rb.values())))
+    for step in sorted(steps):
         for rank in sorted(set(a) & set(b)):
             if step not in a[rank] or step not in b[rank]:
+                da = _digest(a, ra, rank, step)
+                db = _digest(b, rb, rank, step)
+                if da is None or db is None:
+                    continue
+                compared += 1
+                if da != db:
+                    return RunDiff(step, rank, [THINNED]), compared
                 continue
             compared += 1
             (na, va), (nb, vb) = a[rank][step], b[rank][step]
@@ -121,35 +161,52 @@ def diff_runs(a: Snapshots, b: Snapshots) -> tuple[RunDiff | None, int]:
     return None, compared
 
 
+def _digest(snaps: Snapshots, roots: Roots, rank: int, step: int) -> tuple[tuple[str, ...], int] | None:
+    """A rank's step as (names, digest of all its fingerprints), whole or thinned; None when not kept."""
+    if step in snaps.get(rank, {}):
+        from distdebug.fingerprint.snapshots import root
+
+        names, values = snaps[rank][step]
+        return tuple(names), root(np.ascontiguousarray(values).tobytes())
+    return roots.get(rank, {}).get(step)
+
+
 # ---------------------------------------------------------------- distdebug diff
 def rank_result(run_dir: Path, step: int | None, nodes: list[Path] | None = None) -> dict[str, Any]:
     """``nodes``: the other run directories of the same job (each node wrote its own; checked to be one job)."""
-    snaps = load_snapshots(run_dir)
+    roots: Roots = {}
+    snaps = load_snapshots(run_dir, roots)
     if nodes:
         from distdebug.artifacts.reader import load_runs
 
         load_runs([run_dir, *nodes])  # one line, and nothing compared, when they are not one job's
         for node in nodes:
-            snaps.update(load_snapshots(node))
-    steps = steps_of(snaps)
+            snaps.update(load_snapshots(node, roots))
+    whole = steps_of(snaps)
+    thinned = sorted(set().union(*(set(r) for r in roots.values())) - set(whole))
+    steps = sorted(set(whole) | set(thinned))
     if step is not None:
         if step not in steps:
             raise UserError(f"step {step} was not checked in {run_dir}; checked steps: {_span(steps)}")
-        diffs = diff_step(snaps, step)
+        diffs = diff_step(snaps, step) or diff_thinned(roots, step, snaps)
         found_step = step if diffs else None
     else:
-        first = first_divergent_step(snaps)
+        first = first_divergent_step(snaps, roots)
         found_step, diffs = first if first else (None, [])
+    at = step if step is not None else found_step
     return {
         "mode": "ranks", "run": str(run_dir), "ranks": sorted(snaps), "checked_steps": _span(steps),
-        "step": step if step is not None else found_step, "identical": not diffs,
+        "thinned_steps": _span(thinned), "step": at, "identical": not diffs,
+        "thinned": at is not None and any(at in r for r in roots.values()),
         "tensors": [d.to_dict() for d in diffs],
     }
 
 
 def runs_result(a: Path, b: Path) -> dict[str, Any]:
-    sa, sb = load_snapshots(a), load_snapshots(b)
-    found, compared = diff_runs(sa, sb)
+    ra: Roots = {}
+    rb: Roots = {}
+    sa, sb = load_snapshots(a, ra), load_snapshots(b, rb)
+    found, compared = diff_runs(sa, sb, ra, rb)
     if compared == 0:
         raise UserError(f"{a} and {b} share no checked (rank, step): nothing to compare")
     return {

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout, schema
+from distdebug.artifacts.reader import Follow
 from distdebug.findings import Severity
 
 SEVERITIES = {s.value for s in Severity}
@@ -89,8 +90,7 @@ class Follower:
         self.run_dirs = run_dirs
         self.only = set(ranks) if ranks is not None else None
         self.ranks: dict[int, RankLive] = {}
-        self._offsets: dict[Path, int] = {}
-        self._partial: dict[Path, bytes] = {}
+        self._follow: dict[Path, Follow] = {}
 
     def _files(self) -> list[tuple[int, Path]]:
         out = []
@@ -100,27 +100,14 @@ class Follower:
         return sorted(out)
 
     def poll(self) -> dict[int, RankLive]:
-        """Read what each file gained since the last poll; the ranks as they are now."""
+        """Read what each rank's stream gained since the last poll (across its rotations); the ranks now."""
         for rank, path in self._files():
             live = self.ranks.setdefault(rank, RankLive(rank))
-            try:
-                with path.open("rb") as f:
-                    f.seek(self._offsets.get(path, 0))
-                    data = f.read()
-            except OSError:
-                continue
-            self._offsets[path] = self._offsets.get(path, 0) + len(data)
-            data = self._partial.pop(path, b"") + data
-            lines = data.split(b"\n")
-            if lines[-1]:
-                self._partial[path] = lines[-1]  # a record still being written
-            for raw in lines[:-1]:
-                try:
-                    rec = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict):
-                    live.feed(rec)
+            follow = self._follow.get(path)
+            if follow is None:
+                follow = self._follow[path] = Follow(path)
+            for rec in follow.read():
+                live.feed(rec)
         return dict(sorted(self.ranks.items()))
 
 

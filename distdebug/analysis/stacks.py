@@ -28,7 +28,7 @@ from typing import Any
 
 from distdebug.analysis.hang import user_frame
 from distdebug.artifacts import layout, schema
-from distdebug.artifacts.reader import read_events
+from distdebug.artifacts.reader import read_stream
 from distdebug.artifacts.writer import write_json_atomic
 from distdebug.errors import UserError
 from distdebug.findings import ranks_text
@@ -64,7 +64,7 @@ def running_ranks(run_dir: Path) -> dict[int, dict[str, Any]]:
     killed before they could write one)."""
     out: dict[int, dict[str, Any]] = {}
     for rank, _ in layout.rank_dirs(run_dir):
-        records, _ = read_events(layout.events_path(run_dir, rank))
+        records, _ = read_stream(layout.events_path(run_dir, rank))
         start = None
         for r in records:
             if r.get("kind") == schema.START:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from distdebug.analysis import cost, overhead
@@ -15,7 +16,7 @@ from distdebug.analysis.errors import error_findings
 from distdebug.analysis.incidents import Incident
 from distdebug.analysis.incidents import group as group_incidents
 from distdebug.analysis.traces import analyze_run
-from distdebug.artifacts import schema
+from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Run
 from distdebug.findings import Finding, Severity, ranks_text
 
@@ -65,6 +66,9 @@ class RunSummary:
     windows: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """Damage in the run directory (unreadable manifest, skipped lines)."""
+    thinned: list[str] = field(default_factory=list)
+    """What the run-directory budget thinned (artifacts.retention), one line per group of ranks alike:
+    ``ranks 0-1: steps 1,000-119,999 (119,000 steps): summaries per 1,000 steps; ...``."""
     harness_cost: dict[str, Any] | None = None
     """What the harness cost each rank per step (analysis.cost.summarize_cost), from its own accounting."""
     overhead: dict[str, Any] | None = None
@@ -105,8 +109,12 @@ def summarize(run: Run) -> RunSummary:
     per_rank_layout: dict[int, dict[str, Any]] = {}
     costs: dict[int, dict[str, Any]] = {}
     blocks: dict[int, list[dict[str, Any]]] = {}
+    thinned: dict[str, list[int]] = {}
     for rank, stream in sorted(run.ranks.items()):
         records = stream.last_attempt()
+        said = thinned_text(stream.records, layout.rank_dir(run.dir_of(rank), rank))
+        if said:
+            thinned.setdefault(said, []).append(rank)
         start = next((r for r in records if r.get("kind") == schema.START), {})
         world_size = world_size or start.get("world_size")
         steps = [r for r in records if r.get("kind") == schema.STEP]
@@ -196,9 +204,38 @@ def summarize(run: Run) -> RunSummary:
         incidents=group_incidents(merged),
         discovery=_with_layouts(discovery, per_rank_layout),
         warnings=list(run.warnings),
+        thinned=[f"{ranks_text(r)}: {text}" for text, r in thinned.items()],
         harness_cost=cost.summarize_cost(costs),
         overhead=overhead.summarize_ab(blocks),
     )
+
+
+def thinned_text(records: list[dict[str, Any]], rank_dir: Path) -> str | None:
+    """What the run-directory budget thinned on one rank: the steps summarised (and by how many steps a
+    summary) and the steps whose fingerprints were kept as one digest; None when nothing was."""
+    windows = [r for r in records if r.get("kind") == schema.STEPS_THINNED and r.get("steps")]
+    parts = []
+    if windows:
+        n = sum(int(r.get("steps") or 0) for r in windows)
+        sizes = sorted({int(r.get("steps") or 0) for r in windows})
+        per = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
+        parts.append(f"steps {windows[0].get('first'):,}-{windows[-1].get('last'):,}: {n:,} of them kept as "
+                     f"{len(windows):,} summaries of {per} steps (loss, step time: min/median/max), the "
+                     "steps around each finding whole")
+    size = layout.FINGERPRINT_ROOT_BYTES
+    try:  # the first and last digest's steps: two reads, however many steps (a thousand ranks' report)
+        with open(rank_dir / layout.FINGERPRINT_ROOTS, "rb") as f:
+            first = f.read(8)
+            n = f.seek(0, 2) // size
+            f.seek((n - 1) * size)
+            last = f.read(8)
+    except (OSError, ValueError):
+        n = 0
+    if n:
+        a, b = int.from_bytes(first, "little", signed=True), int.from_bytes(last, "little", signed=True)
+        parts.append(f"fingerprints of steps {a:,}-{b:,}: {n:,} of them kept as one digest each (diff tells whether "
+                     "ranks agreed there, not on which tensor)")
+    return "; ".join(parts) or None
 
 
 def _with_layouts(discovery: dict[str, Any] | None, per_rank: dict[int, dict[str, Any]]) -> dict[str, Any] | None:

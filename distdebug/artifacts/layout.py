@@ -20,6 +20,12 @@ RUN_FINDINGS = "findings.jsonl"
 INFLIGHT = "inflight"
 FINGERPRINTS = "fingerprints.bin"
 FINGERPRINT_NAMES = "fingerprint-names.json"
+FINGERPRINT_ROOTS = "fingerprint-roots.bin"
+FINGERPRINT_ROOT_BYTES = 24
+"""One record of FINGERPRINT_ROOTS: int64 step | int32 names id | int32 tensors | uint64 digest."""
+SEGMENT_TEMPLATE = "{stem}.{n:06d}{suffix}"
+"""A rotated segment of an append-only stream (artifacts.retention): ``events.000003.jsonl``."""
+THINNED_TEMPLATE = "{stem}.thinned{suffix}"
 CRASH = "crash.txt"
 CHECKPOINTS = "checkpoints.jsonl"
 DOCTOR = "doctor.json"
@@ -55,6 +61,18 @@ FILES: tuple[tuple[str, str], ...] = (
     (f"{RANK_DIR_TEMPLATE}/{FINGERPRINTS}", "per checked step, a fingerprint per replicated tensor (binary, "
                                             "append-only; read by distdebug diff)"),
     (f"{RANK_DIR_TEMPLATE}/{FINGERPRINT_NAMES}", "the tensor names those fingerprints refer to"),
+    (f"{RANK_DIR_TEMPLATE}/events.{{n:06d}}.jsonl",
+     "rotated segments of events.jsonl once it reaches its part of --run-dir-budget (artifacts.retention): "
+     "segment 0 (the first steps) and the newest 3 kept whole"),
+    (f"{RANK_DIR_TEMPLATE}/events.thinned.jsonl", "the segments that left the ring: every record but the "
+                                                  "per-step ones, the steps around each finding, and one "
+                                                  "steps_thinned summary per window of steps"),
+    (f"{RANK_DIR_TEMPLATE}/fingerprints.{{n:06d}}.bin", "rotated segments of fingerprints.bin (as events)"),
+    (f"{RANK_DIR_TEMPLATE}/fingerprints.thinned.bin", "the steps around each finding, from segments that left "
+                                                      "the ring (same format as fingerprints.bin)"),
+    (f"{RANK_DIR_TEMPLATE}/{FINGERPRINT_ROOTS}", "the other thinned steps: one digest of all tensors a step "
+                                                 "(int64 step | uint64 digest): diff tells agreement, not the "
+                                                 "tensor"),
     (f"{RANK_DIR_TEMPLATE}/{CHECKPOINTS}", "fingerprints of every checkpoint the rank saved (path, step, file stamp), "
                                            "append-only"),
 )
@@ -64,6 +82,40 @@ FILES: tuple[tuple[str, str], ...] = (
 def reserve_path(path: Path) -> Path:
     """The space an append-only file's writer holds back beside it (``.NAME.reserve``)."""
     return path.with_name(f".{path.name}.reserve")
+
+
+def segment_path(live: Path, n: int) -> Path:
+    """Segment ``n`` of the stream whose live file is ``live`` (``events.jsonl`` -> ``events.000003.jsonl``)."""
+    return live.with_name(SEGMENT_TEMPLATE.format(stem=live.stem, n=n, suffix=live.suffix))
+
+
+def thinned_path(live: Path) -> Path:
+    return live.with_name(THINNED_TEMPLATE.format(stem=live.stem, suffix=live.suffix))
+
+
+def segments(live: Path) -> list[tuple[int, Path]]:
+    """(n, path) of the stream's rotated segments, oldest first; none when it never rotated."""
+    prefix, suffix = f"{live.stem}.", live.suffix
+    try:
+        children = list(live.parent.iterdir())
+    except OSError:
+        return []
+    out = []
+    for c in children:
+        digits = c.name[len(prefix):len(c.name) - len(suffix)] if c.name.endswith(suffix) else ""
+        if c.name.startswith(prefix) and len(digits) == 6 and digits.isdigit():
+            out.append((int(digits), c))
+    return sorted(out)
+
+
+def stream_files(live: Path) -> list[Path]:
+    """Every file of a rotated stream in the order its records were written: the head (segment 0), the
+    thinned file (what left the ring), the ring's segments, the live file. Only the live file for a stream
+    that never rotated."""
+    segs = segments(live)
+    head = [p for n, p in segs if n == 0]
+    thinned = thinned_path(live)
+    return head + ([thinned] if thinned.exists() else []) + [p for n, p in segs if n > 0] + [live]
 
 
 def manifest_path(run_dir: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,106 @@ def read_events(path: Path) -> tuple[list[dict], int]:
     return records, damaged
 
 
+def read_stream(live: Path) -> tuple[list[dict], int]:
+    """Every record of a rotated stream (artifacts.retention) in the order written: its head, thinned part,
+    ring and live file; the live file alone for a stream that never rotated."""
+    records: list[dict] = []
+    damaged = 0
+    for path in layout.stream_files(live):
+        got, bad = read_events(path)
+        records += got
+        damaged += bad
+    return records, damaged
+
+
+class Follow:
+    """The new whole records of a rotated stream since the last ``read``, across its rotations: the first read
+    returns what the stream holds already (its segments too). Nothing stays open between reads (``top`` follows
+    thousands of ranks). Rotations are told by segment numbers, not inodes (a deleted segment's inode is
+    reused): the file being read became segment ``next`` at the first rotation since, and every later segment
+    is read whole. A segment thinned before it was read (more than ``retention.RING`` rotations between two
+    reads: a tiny budget and a fast loop) is a gap: its findings and stalls are in the thinned file."""
+
+    def __init__(self, live: Path) -> None:
+        self.live = live
+        self.offset = 0
+        self.partial = b""
+        self.next: int | None = None
+        """The number the file being read will have once rotated; None before the first read."""
+        self.gaps = 0
+
+    def read(self) -> list[dict]:
+        for _ in range(3):  # a rotation between opening the live file and listing the segments: again
+            try:
+                f = open(self.live, "rb")  # noqa: SIM115 (closed below)
+            except OSError:
+                return self._first([]) if self.next is None else []
+            with f:
+                segs = layout.segments(self.live)
+                try:
+                    same = os.fstat(f.fileno()).st_ino == self.live.stat().st_ino
+                except OSError:
+                    same = False
+                if not same:
+                    continue
+                out: list[dict] = []
+                done = segs[-1][0] + 1 if segs else 0
+                if self.next is None:
+                    out = self._first(segs)
+                elif done > self.next:  # rotated since the last read
+                    out = self._rotated(segs)
+                    self.offset, self.partial = 0, b""
+                self.next = done
+                f.seek(self.offset)
+                data = f.read()
+            self.offset += len(data)
+            return out + self._lines(data)
+        return []
+
+    def _first(self, segs: list[tuple[int, Path]]) -> list[dict]:
+        out: list[dict] = []
+        files = [p for n, p in segs if n == 0] + [layout.thinned_path(self.live)] + [p for n, p in segs if n > 0]
+        for path in files:
+            out += read_events(path)[0]
+        self.next = segs[-1][0] + 1 if segs else 0
+        return out
+
+    def _rotated(self, segs: list[tuple[int, Path]]) -> list[dict]:
+        """The rest of the file last read (now segment ``next``) and every segment rotated after it, whole."""
+        assert self.next is not None
+        out: list[dict] = []
+        have = dict(segs)
+        for n in range(self.next, segs[-1][0] + 1):
+            path = have.get(n)
+            if path is None:
+                self.gaps += 1  # thinned before we read it
+                continue
+            try:
+                with open(path, "rb") as f:
+                    if n == self.next:
+                        f.seek(self.offset)
+                        out += self._lines(f.read())
+                        self.partial = b""  # a line the disk cut at the end of the old file: readers skip it
+                    else:
+                        out += read_events(path)[0]
+            except OSError:
+                self.gaps += 1
+        return out
+
+    def _lines(self, data: bytes) -> list[dict]:
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+
 def read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
@@ -93,7 +194,7 @@ def load_run(run_dir: Path) -> Run:
     """Load everything a run directory holds; missing pieces are simply absent."""
     ranks: dict[int, RankStream] = {}
     for rank, child in layout.rank_dirs(run_dir):
-        records, damaged = read_events(child / layout.EVENTS)
+        records, damaged = read_stream(child / layout.EVENTS)
         ranks[rank] = RankStream(rank, records, damaged)
     nodes: dict[int, dict] = {}
     for _, f in layout.node_files(run_dir):

@@ -29,8 +29,11 @@ TRACE = "trace"            # a profiler window written: steps [A, B], path of th
 HARNESS_COST = "harness_cost"  # cumulative: steps, training-thread ms per detector, threads' CPU ms, host reads
 OVERHEAD_BLOCK = "overhead_block"  # attach --measure-overhead: block, on (detectors running), step_times_s
 WRITE_FAILED = "write_failed"  # the rank's writes failed (a full disk, EIO, read-only): error, the record lost
+STEPS_THINNED = "steps_thinned"  # a window of steps past the run-directory budget's ring: first, last, steps,
+#                                  loss/step_time_s/backward_calls/collectives as [min, median, max] (retention)
 KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED, NOT_ACTED,
-         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK, PROBE, WRITE_FAILED)
+         STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK, PROBE, WRITE_FAILED,
+         STEPS_THINNED)
 ESSENTIAL = frozenset({START, FINDING, SCRIPT_ERROR, END, STALL, STALL_CLEARED, INJECTED, NOT_ACTED, WRITE_FAILED})
 """What a rank keeps writing once its writes have failed (artifacts.writer): who it was, what was found, a stall
 (the hang verdict reads it), how it ended; the per-step records, the bulk, are dropped."""

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from distdebug.artifacts import layout, schema
+from distdebug.artifacts import layout, retention, schema
 from distdebug.artifacts.redact import Redactor
 
 RESERVE = 64 * 1024
@@ -41,12 +41,26 @@ class EventWriter:
     record, and from then on writes only the essential records (``schema.ESSENTIAL``: findings, stalls,
     the end), each taking a little of the reserve if the disk is still full. What was written stays
     readable: a cut line is skipped by every reader.
+
+    With a ``share`` of the run-directory budget the stream is kept in tiers (artifacts.retention): the live
+    file is renamed to a segment when it reaches ``share.segment`` bytes, and a segment leaving the ring is
+    thinned (its steps summarised but those around a finding) on the writing thread: one rename a segment,
+    and a small read and append when one leaves the ring.
     """
 
-    def __init__(self, path: Path, reserve: int = 0, label: str = "") -> None:
+    def __init__(self, path: Path, reserve: int = 0, label: str = "",
+                 share: retention.Share | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._fd).st_size
+        self.share = share
+        self.pins = retention.Pins()
+        """Each finding's neighbourhood: kept whole when its segment is thinned."""
+        self._rotation: retention.Rotation | None = None
+        if share is not None:
+            self._rotation = retention.Rotation(path)
+            self._recover_pins()
         self._lock = threading.Lock()
         self.failed_writes = 0
         self.degraded = False
@@ -75,6 +89,10 @@ class EventWriter:
             if error is None:
                 if isinstance(record.get("step"), int):
                     self._last_step = record["step"]
+                    if record.get("kind") == schema.FINDING:
+                        self.pins.add(record["step"])
+                if self.share is not None and self._size > self.share.segment:
+                    self._rotate()
                 return
             if not self.degraded:
                 self._degrade(error, record)
@@ -93,11 +111,79 @@ class EventWriter:
             n = os.write(self._fd, line)
         except OSError as e:
             return e
+        self._size += n
         if n >= len(line) - 1:  # whole (a record cut just before its newline is whole too: never written twice)
             self._cut = n < len(line)
             return None
         self._cut = n > 0 or self._cut
         return OSError(errno.ENOSPC, "short write (the file system is full)")
+
+    def _rotate(self) -> None:
+        """Under the lock: the live file becomes the next segment and a new one begins; the segments leaving
+        the ring are thinned. A rename or open that fails leaves the writer on the file it has (rotation off:
+        the disk's trouble is the writes' to say)."""
+        assert self._rotation is not None and self._fd is not None
+        if self._cut:  # the disk cut the last record before its newline: end it, or readers drop it
+            try:
+                os.write(self._fd, b"\n")
+            except OSError:
+                pass
+        try:
+            self._rotation.rotate()  # renaming an open file: this descriptor follows it until closed
+        except OSError:
+            self._rotation = self.share = None
+            return
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            self._rotation = self.share = None  # go on writing into the segment: nothing is lost
+            return
+        old, self._fd, self._size, self._cut = self._fd, fd, 0, False
+        try:
+            os.close(old)
+        except OSError:  # a deferred write error (NFS): the segment keeps what reached it
+            pass
+        self._thin()
+
+    def _thin(self) -> None:
+        """Each segment past the ring into the thinned file, then deleted; the thinned file brought under its
+        cap. A failed append is undone (cut back to the size before it) and the segment left where it is,
+        thinned at the next rotation: a segment is never thinned twice."""
+        from distdebug.artifacts.reader import read_events
+
+        assert self._rotation is not None and self.share is not None
+        thinned = layout.thinned_path(self.path)
+        for seg in self._rotation.leaving_ring():
+            try:
+                records, _ = read_events(seg)
+                data = b"".join(_line(r) for r in retention.thin_events(records, self.pins.covers))
+                append_whole(thinned, data)
+            except OSError:
+                return
+            try:
+                if thinned.stat().st_size > self.share.thinned:
+                    kept, _ = read_events(thinned)
+                    _replace(thinned, b"".join(_line(r) for r in retention.fit_thinned(kept, self.share.thinned)))
+            except OSError:
+                pass  # over its cap until the next thinning: nothing lost, nothing twice
+            try:
+                seg.unlink()
+            except OSError:
+                return
+
+    def _recover_pins(self) -> None:
+        """A restarted rank's pins: the findings in the segments not yet thinned and in the live file."""
+        for _, seg in [*layout.segments(self.path), (0, self.path)]:
+            try:
+                data = seg.read_bytes()
+            except OSError:
+                continue
+            for raw in data.split(b"\n"):
+                if b'"kind":"finding"' in raw:
+                    try:
+                        self.pins.add_from([json.loads(raw)])
+                    except ValueError:
+                        pass
 
     def _degrade(self, error: OSError, lost: dict) -> None:
         """The first failure: say it once, give back the reserve, record what happened (essential)."""
@@ -141,6 +227,39 @@ class EventWriter:
                 os.close(self._fd)
                 self._fd = None
             self._give_back(0)
+
+
+def _line(record: dict) -> bytes:
+    return (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+
+
+def append_whole(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` whole or not at all: a short or failed write is cut back to the size before."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write (the file system is full)")
+        except OSError:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` now, whole or not at all (written aside and renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def append_run_findings(run_dir: Path, findings: list) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import xxhash
 
+from distdebug.artifacts import retention
 from distdebug.artifacts.writer import os_error_text
 from distdebug.config import ReplicaDivergenceConfig
 from distdebug.context import ExchangeChannel, RankContext, StepEvent
@@ -91,7 +92,8 @@ class ReplicaDivergence(ExchangeUser, Detector):
         self.replicas = ReplicaSet(ctx.models, ctx.optimizers, ctx.layout or Layout(rank=ctx.rank, world=world))
         if ctx.rank_dir is not None:
             try:
-                self.snapshots = SnapshotWriter(ctx.rank_dir)
+                self.snapshots = SnapshotWriter(ctx.rank_dir, share=retention.rank_shares()[1])
+                ctx.finding_listeners.append(self._pin)
             except OSError as e:  # a full or read-only run directory: no snapshots; the online check goes on
                 self._snapshots_lost(1, os_error_text(e))
         if world > 1:
@@ -105,6 +107,11 @@ class ReplicaDivergence(ExchangeUser, Detector):
             # Registered after the framework's unshard/gather hook, so it sees gathered parameters.
             self.hook(module, "forward_pre", self._forward_hook(prefix, names))
         self.armed = False  # on_step arms the checked steps
+
+    def _pin(self, finding: Finding) -> None:
+        """Every finding of the rank keeps its neighbourhood's fingerprints whole (artifacts.retention)."""
+        if self.snapshots is not None and isinstance(finding.step, int):
+            self.snapshots.pins.add(finding.step)
 
     def _forward_hook(self, prefix: str, names: list[str]) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:

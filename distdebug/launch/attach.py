@@ -104,6 +104,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
     os.environ[envvars.NODE_RANK] = str(cfg.node_rank)
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
     os.environ[envvars.STARTUP_TIMEOUT] = repr(float(cfg.startup_allowance))
+    os.environ[envvars.RUN_DIR_BUDGET] = str(cfg.run_dir_budget)
     os.environ[envvars.DETERMINISTIC] = "1" if cfg.deterministic else "0"
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism

@@ -17,7 +17,6 @@ job on such a stall too.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout, schema
+from distdebug.artifacts.reader import Follow
 from distdebug.artifacts.writer import append_run_findings, os_error_text
 from distdebug.findings import Finding
 from distdebug.report.fmt import format_finding
@@ -92,33 +92,6 @@ def verdict_decision(*, busy: bool, every: bool, on_stall: str, on_hang: str) ->
     return END_JOB if on_hang == "abort" else REPORT
 
 
-class _Tail:
-    """New complete lines of an append-only file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
-
-    def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
-
-
 class Supervisor:
     def __init__(self, run_dir: Path, *, stall_timeout: float, on_hang: str, node_rank: int, expected_nodes: int,
                  interval: float = 0.5, on_stall: str = "warn", startup_timeout: float | None = None) -> None:
@@ -133,7 +106,7 @@ class Supervisor:
         self.interval = interval
         self.started = time.monotonic()
         self.verdict: list[Finding] | None = None
-        self._tails: dict[int, _Tail] = {}
+        self._tails: dict[int, Follow] = {}
         self._pids: dict[int, int] = {}
         self._host: dict[int, str] = {}
         self._stalled: dict[int, float] = {}
@@ -167,7 +140,7 @@ class Supervisor:
     def _scan(self) -> None:
         for rank, _ in layout.rank_dirs(self.run_dir):
             if rank not in self._tails:
-                self._tails[rank] = _Tail(layout.events_path(self.run_dir, rank))
+                self._tails[rank] = Follow(layout.events_path(self.run_dir, rank))
         for rank, tail in self._tails.items():
             for rec in tail.read():
                 self._heard[rank] = time.monotonic()

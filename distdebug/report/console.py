@@ -91,6 +91,8 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
                       memory_mb(r.memory_peak), str(r.findings),
                       f"{style}{status}" if style else status)
     console.print(table)
+    for line in summary.thinned:
+        console.print(f"[dim]thinned by the run-directory budget[/dim]: {esc(line)}")
     _cost(console, summary.harness_cost)
     if summary.overhead:
         console.print(esc(describe_overhead(summary.overhead)))

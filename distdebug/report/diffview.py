@@ -24,6 +24,17 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
         where = f"at step {result['step']}" if result["step"] is not None else f"at every checked step " \
                 f"({result['checked_steps']})"
         console.print(f"[green]replicas identical[/green] {where} across ranks {result['ranks']}")
+        if result.get("thinned"):
+            console.print("  (a thinned step: the digests of all its tensors agree; each tensor's fingerprint was "
+                          "not kept past the run-directory budget's ring)")
+        return
+    if result.get("thinned"):
+        t = result["tensors"][0]
+        console.print(f"[bold red]Replicas differ at step {result['step']}[/bold red], a step thinned past the "
+                      "run-directory budget's ring: only the digest of all its tensors was kept, so which tensor "
+                      "differs is not known.\n  ranks grouped by equal digest: "
+                      + "  ".join("{" + ",".join(map(str, g)) + "}" for g in t["groups"])
+                      + (f"; odd rank(s): {','.join(map(str, t['ranks']))}" if t["by_majority"] else ""))
         return
     table = Table(title=f"Replicas differ at step {result['step']} ({len(result['tensors'])} tensors)")
     for col in ("tensor", "odd rank(s)", "ranks grouped by equal fingerprint"):

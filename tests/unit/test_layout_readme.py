@@ -9,7 +9,7 @@ from pathlib import Path
 from distdebug.artifacts import layout, schema
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = {"node": 0, "rank": 0, "start": 4, "end": 6}
+EXAMPLE = {"node": 0, "rank": 0, "start": 4, "end": 6, "n": 1}
 
 
 def section() -> str:
@@ -36,7 +36,7 @@ def matches_layout(relative: str) -> bool:
     """Whether a path relative to a run directory is one of layout.FILES' templates."""
     for template, _ in layout.FILES:
         pattern = re.escape(template)
-        for field in ("node", "rank", "start", "end"):
+        for field in ("node", "rank", "start", "end", "n"):
             pattern = re.sub(r"\\\{" + field + r"(:0\d+d)?\\\}", r"\\d+", pattern)
         if re.fullmatch(pattern, relative):
             return True
@@ -60,6 +60,7 @@ def test_every_record_kind_is_in_the_readme():
 def test_layout_matcher_tells_layout_files_from_others():
     assert matches_layout("rank-00003/events.jsonl") and matches_layout("nodes/node-001.json")
     assert matches_layout("traces/steps-12-15/rank-00001.pt.trace.json.gz")
+    assert matches_layout("rank-00003/events.000012.jsonl") and matches_layout("rank-00003/events.thinned.jsonl")
     assert not matches_layout("rank-00003/notes.txt") and not matches_layout("report.html")
 
 
