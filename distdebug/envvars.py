@@ -32,6 +32,10 @@ STARTUP_TIMEOUT = "DISTDEBUG_STARTUP_TIMEOUT"
 """Seconds without progress allowed to a rank before its first step finishes (``--startup-timeout``;
 default: the launcher's start-up allowance for its stall timeout)."""
 
+WAKE_DIR = "DISTDEBUG_WAKE_DIR"
+"""A node-local folder (the launcher's temporary directory) where each rank keeps the pipe its watchdog waits
+on; the launcher's relay writes to it when ``distdebug stacks`` asks (runtime.wake). Unset: ranks poll."""
+
 RUN_DIR_BUDGET = "DISTDEBUG_RUN_DIR_BUDGET"
 """Bytes of the run directory each rank may fill (``--run-dir-budget``); ``0`` or unset: unbounded."""
 

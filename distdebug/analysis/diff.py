@@ -115,7 +115,7 @@ def diff_thinned(roots: Roots, step: int, snaps: Snapshots | None = None) -> lis
     by_names: dict[tuple[str, ...], dict[int, int]] = {}
     for rank, (names, digest) in rows.items():
         by_names.setdefault(names, {})[rank] = digest
-    for values in by_names.values():
+    for values in sorted(by_names.values(), key=len, reverse=True):
         if len(set(values.values())) > 1:
             odd, majority = odd_ones_out(values)
             groups: dict[int, list[int]] = {}
@@ -161,6 +161,20 @@ def diff_runs(a: Snapshots, b: Snapshots, ra: Roots | None = None, rb: Roots | N
     return None, compared
 
 
+def _other_names(snaps: Snapshots, roots: Roots, step: int) -> list[list[int]]:
+    """At a thinned step, the groups of ranks that digested different tensors (a replica group's own, or a
+    tensor missing on some rank): their digests cannot be compared; the largest group is the one compared."""
+    if not any(step in r for r in roots.values()):
+        return []
+    by_names: dict[tuple[str, ...], list[int]] = {}
+    for rank in sorted(set(roots) | set(snaps)):
+        d = _digest(snaps, roots, rank, step)
+        if d is not None:
+            by_names.setdefault(d[0], []).append(rank)
+    groups = sorted(by_names.values(), key=len, reverse=True)
+    return groups[1:] if len(groups) > 1 else []
+
+
 def _digest(snaps: Snapshots, roots: Roots, rank: int, step: int) -> tuple[tuple[str, ...], int] | None:
     """A rank's step as (names, digest of all its fingerprints), whole or thinned; None when not kept."""
     if step in snaps.get(rank, {}):
@@ -198,6 +212,7 @@ def rank_result(run_dir: Path, step: int | None, nodes: list[Path] | None = None
         "mode": "ranks", "run": str(run_dir), "ranks": sorted(snaps), "checked_steps": _span(steps),
         "thinned_steps": _span(thinned), "step": at, "identical": not diffs,
         "thinned": at is not None and any(at in r for r in roots.values()),
+        "not_compared": _other_names(snaps, roots, at) if at is not None else [],
         "tensors": [d.to_dict() for d in diffs],
     }
 

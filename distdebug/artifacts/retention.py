@@ -7,7 +7,8 @@ tiers, the way log rotation works, with nothing rewritten on the training thread
 - the live file (``events.jsonl``) takes every record; at ``Share.segment`` bytes it is renamed to the next
   segment (``events.000001.jsonl``) and a new live file begins: one rename, no copy;
 - segment 0, the job's first steps, is kept whole (the head);
-- the newest ``RING`` segments are kept whole (the ring: the last steps at full resolution);
+- the newest ``Share.ring`` segments are kept whole (the ring: the last steps at full resolution; 3 but for
+  a budget so large that its segments would be over ``MOST_SEGMENT``);
 - a segment leaving the ring is thinned into the stream's thinned file and deleted: every finding, stall and
   start is kept as written, so is every step within ``PIN_BEFORE``/``PIN_AFTER`` of a finding (the pins), and
   the other steps become one summary per window of ``WINDOW`` steps (min/median/max of the loss, the step
@@ -37,7 +38,10 @@ from distdebug import envvars
 from distdebug.artifacts import layout, schema
 
 RING = 3
-"""Rotated segments kept whole besides the live file: the newest steps at full resolution."""
+"""The fewest rotated segments kept whole besides the live file (the newest steps at full resolution); a
+large budget keeps more (``Share.ring``), its segments never over ``MOST_SEGMENT``."""
+MOST_SEGMENT = 64 << 20
+"""The largest segment: the thinner reads a whole segment into memory, whatever the budget."""
 WINDOW = 1000
 """Steps per summary when a segment is thinned (before summaries merge under the thinned file's cap)."""
 PIN_BEFORE = 20
@@ -59,14 +63,19 @@ BULK = frozenset({schema.STEP, schema.MEMORY, schema.HARNESS_COST, schema.STRAGG
 @dataclass(frozen=True)
 class Share:
     """One stream's bytes: the live file and each segment up to ``segment`` (one record more at most), the
-    head and ``RING`` segments whole, the thinned file up to ``thinned``, the roots up to ``roots``:
-    (1 + 1 + RING) / 8 + 2 / 8 + 1 / 8 of ``total`` with RING = 3."""
+    head and ``ring`` segments whole, one segment more while it waits to be thinned (in the background), the
+    thinned file up to ``thinned``, the roots up to ``roots``: 3 segments + 3/10 + 1/4 + 1/8 of ``total``,
+    at most 97.5 % of it (a segment is at most a tenth)."""
 
     total: int
 
     @property
     def segment(self) -> int:
-        return max(4096, self.total // 8)
+        return min(MOST_SEGMENT, max(4096, self.total // 10))
+
+    @property
+    def ring(self) -> int:
+        return max(RING, int(self.total * 0.3) // self.segment)
 
     @property
     def thinned(self) -> int:
@@ -156,12 +165,80 @@ class Pins:
                 self.add(r["step"])
 
 
+def recover_pins(pins: Pins, events: Path) -> None:
+    """A restarted rank's pins (an elastic restart's new process): every finding its event stream holds, in
+    every file of it (a finding in the thinned file still pins steps of the segments after it)."""
+    for path in layout.stream_files(events):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        for raw in data.split(b"\n"):
+            if b'"kind":"finding"' in raw:
+                try:
+                    pins.add_from([json.loads(raw)])
+                except ValueError:
+                    pass
+
+
+class Thinner:
+    """A writer's thinning, off the thread that writes: a segment leaving the ring is read, summarised and
+    appended by one daemon thread, so that a rotation costs the writing thread (the training's) one rename.
+    ``kick`` after each rotation; ``settle`` waits for the work in hand (a writer's close, a test)."""
+
+    def __init__(self, work: Callable[[], None], name: str) -> None:
+        self._work = work
+        self._name = name
+        self._wanted = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._running = threading.Lock()  # one thinning at a time: the thread's or the writer's own
+        self._thread: threading.Thread | None = None
+
+    def after_rotation(self, rotation: Rotation) -> None:
+        """After the writer's rotation: the thread thins what left the ring; but when a segment is still
+        waiting from the rotation before (records come faster than they are summarised), the writer thins
+        itself, now: the bound on a stream's size holds whatever the rate (one segment waits at most)."""
+        if len(rotation.leaving_ring()) > 1:
+            with self._running:
+                try:
+                    self._work()
+                except Exception:
+                    pass
+        else:
+            self.kick()
+
+    def kick(self) -> None:
+        self._idle.clear()
+        self._wanted.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+
+    def settle(self, timeout: float = 10.0) -> bool:
+        """Wait until no thinning is pending (``timeout`` seconds at most); whether it is done."""
+        return self._idle.wait(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            with self._running:
+                try:
+                    self._work()
+                except Exception:  # the writer's thinning never ends the rank; the segment is thinned next time
+                    pass
+            if not self._wanted.is_set():
+                self._idle.set()
+
+
 class Rotation:
     """The segment files of one stream whose live file is ``live``: renaming the live file to the next
     segment, and which segments have left the ring."""
 
-    def __init__(self, live: Path) -> None:
+    def __init__(self, live: Path, ring: int = RING) -> None:
         self.live = live
+        self.ring = ring
         done = layout.segments(live)
         self.next = done[-1][0] + 1 if done else 0
 
@@ -173,9 +250,9 @@ class Rotation:
         return path
 
     def leaving_ring(self) -> list[Path]:
-        """Segments past the newest RING (never segment 0, the head), oldest first."""
+        """Segments past the newest ``ring`` (never segment 0, the head), oldest first."""
         ring = [(n, p) for n, p in layout.segments(self.live) if n > 0]
-        return [p for _, p in ring[:-RING]] if len(ring) > RING else []
+        return [p for _, p in ring[:-self.ring]] if len(ring) > self.ring else []
 
 
 # ---------------------------------------------------------------- events: thinning (pure)

@@ -58,9 +58,11 @@ class EventWriter:
         self.pins = retention.Pins()
         """Each finding's neighbourhood: kept whole when its segment is thinned."""
         self._rotation: retention.Rotation | None = None
+        self.thinner: retention.Thinner | None = None
         if share is not None:
-            self._rotation = retention.Rotation(path)
-            self._recover_pins()
+            self._rotation = retention.Rotation(path, share.ring)
+            self.thinner = retention.Thinner(lambda: self._thin(share), f"distdebug-thin-{path.parent.name}")
+            retention.recover_pins(self.pins, path)
         self._lock = threading.Lock()
         self.failed_writes = 0
         self.degraded = False
@@ -143,17 +145,17 @@ class EventWriter:
             os.close(old)
         except OSError:  # a deferred write error (NFS): the segment keeps what reached it
             pass
-        self._thin()
+        if self.thinner is not None:
+            self.thinner.after_rotation(self._rotation)
 
-    def _thin(self) -> None:
-        """Each segment past the ring into the thinned file, then deleted; the thinned file brought under its
-        cap. A failed append is undone (cut back to the size before it) and the segment left where it is,
-        thinned at the next rotation: a segment is never thinned twice."""
+    def _thin(self, share: retention.Share) -> None:
+        """On the thinner's thread: each segment past the ring into the thinned file, then deleted; the thinned
+        file brought under its cap. A failed append is undone (cut back to the size before it) and the segment
+        left where it is, thinned at the next rotation: a segment is never thinned twice."""
         from distdebug.artifacts.reader import read_events
 
-        assert self._rotation is not None and self.share is not None
         thinned = layout.thinned_path(self.path)
-        for seg in self._rotation.leaving_ring():
+        for seg in retention.Rotation(self.path, share.ring).leaving_ring():
             try:
                 records, _ = read_events(seg)
                 data = b"".join(_line(r) for r in retention.thin_events(records, self.pins.covers))
@@ -161,29 +163,15 @@ class EventWriter:
             except OSError:
                 return
             try:
-                if thinned.stat().st_size > self.share.thinned:
+                if thinned.stat().st_size > share.thinned:
                     kept, _ = read_events(thinned)
-                    _replace(thinned, b"".join(_line(r) for r in retention.fit_thinned(kept, self.share.thinned)))
+                    _replace(thinned, b"".join(_line(r) for r in retention.fit_thinned(kept, share.thinned)))
             except OSError:
                 pass  # over its cap until the next thinning: nothing lost, nothing twice
             try:
                 seg.unlink()
             except OSError:
                 return
-
-    def _recover_pins(self) -> None:
-        """A restarted rank's pins: the findings in the segments not yet thinned and in the live file."""
-        for _, seg in [*layout.segments(self.path), (0, self.path)]:
-            try:
-                data = seg.read_bytes()
-            except OSError:
-                continue
-            for raw in data.split(b"\n"):
-                if b'"kind":"finding"' in raw:
-                    try:
-                        self.pins.add_from([json.loads(raw)])
-                    except ValueError:
-                        pass
 
     def _degrade(self, error: OSError, lost: dict) -> None:
         """The first failure: say it once, give back the reserve, record what happened (essential)."""
@@ -227,6 +215,8 @@ class EventWriter:
                 os.close(self._fd)
                 self._fd = None
             self._give_back(0)
+        if self.thinner is not None:
+            self.thinner.settle(5.0)  # a rank's end waits for the thinning in hand, a few seconds at most
 
 
 def _line(record: dict) -> bytes:

@@ -50,7 +50,11 @@ class SnapshotWriter:
         self._ids: dict[tuple[str, ...], int] = {tuple(n): i for i, n in enumerate(self._lists)}
         self.share = share
         self.pins = retention.Pins()
-        self._rotation = retention.Rotation(self.path) if share is not None else None
+        if share is not None:  # a restarted rank: the findings of its earlier attempts still pin their steps
+            retention.recover_pins(self.pins, rank_dir / layout.EVENTS)
+        self._rotation = retention.Rotation(self.path, share.ring) if share is not None else None
+        self.thinner = retention.Thinner(lambda: self._thin(share), "distdebug-thin-fingerprints") \
+            if share is not None else None
         self.stopped: tuple[int, str] | None = None
         """(the first step not written, why) once a write failed."""
 
@@ -65,7 +69,7 @@ class SnapshotWriter:
                 os.ftruncate(self._fd, self._size)  # a cut record would misalign every later read
             except OSError:
                 pass  # parse_records drops a record cut at the end
-            self.close()
+            self.close(settle=False)  # on the training thread: never wait for the thinner here
 
     def _write(self, step: int, fps: dict[str, int]) -> None:
         names = tuple(fps)
@@ -97,12 +101,17 @@ class SnapshotWriter:
             os.close(old)
         except OSError:
             pass
+        if self.thinner is not None:
+            self.thinner.after_rotation(self._rotation)
+
+    def _thin(self, share: retention.Share) -> None:
+        """On the thinner's thread: each segment past the ring to its pinned records and its steps' digests."""
         thinned, roots = layout.thinned_path(self.path), self.path.parent / layout.FINGERPRINT_ROOTS
-        for seg in self._rotation.leaving_ring():
+        for seg in retention.Rotation(self.path, share.ring).leaving_ring():
             try:
                 data = seg.read_bytes()
                 kept, digests = [], []
-                room = self.share.thinned - (thinned.stat().st_size if thinned.exists() else 0)
+                room = share.thinned - (thinned.stat().st_size if thinned.exists() else 0)
                 for step, nid, count, start, end in _spans(data):
                     if self.pins.covers(step) and end - start <= room:
                         kept.append(data[start:end])
@@ -119,7 +128,7 @@ class SnapshotWriter:
             except OSError:
                 return
             try:
-                if roots.stat().st_size > self.share.roots:
+                if roots.stat().st_size > share.roots:
                     _replace(roots, halve(read_roots_file(roots)).tobytes())
             except OSError:
                 pass
@@ -128,10 +137,12 @@ class SnapshotWriter:
             except OSError:
                 return
 
-    def close(self) -> None:
+    def close(self, settle: bool = True) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if settle and self.thinner is not None:
+            self.thinner.settle(5.0)  # the rank's end waits for the thinning in hand, a few seconds at most
 
 
 def root(values: bytes) -> int:

@@ -190,6 +190,10 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     _write_or_say(node_file, node_info)
 
     _worker_env(cfg, run_dir, detectors)
+    from distdebug.launch.relay import StacksRelay
+
+    relay = StacksRelay(run_dir)  # before the ranks start: they find their wake-up folder in the environment
+    relay.start()
     supervisor = supervisor_mod.Supervisor(
         run_dir, stall_timeout=cfg.stall_timeout, startup_timeout=cfg.startup_allowance, on_hang=cfg.on_hang,
         node_rank=cfg.node_rank,
@@ -219,6 +223,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         if status is not None:
             status.stop()
         supervisor.stop()
+        relay.stop()
     end.exit_code = code
     end.hang_named = supervisor.verdict is not None and code != 0
     result = analyse(run_dir, end)  # every run-level verdict, from the run loaded once

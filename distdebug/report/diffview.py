@@ -27,6 +27,10 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
         if result.get("thinned"):
             console.print("  (a thinned step: the digests of all its tensors agree; each tensor's fingerprint was "
                           "not kept past the run-directory budget's ring)")
+            for ranks in result.get("not_compared") or []:
+                console.print(f"  [yellow]not compared[/yellow]: ranks {ranks} digested other tensors than the "
+                              "rest (a replica group's own, or a tensor missing there): a thinned step cannot "
+                              "say which")
         return
     if result.get("thinned"):
         t = result["tensors"][0]

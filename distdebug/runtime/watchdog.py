@@ -17,10 +17,13 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distdebug import envvars
 from distdebug.artifacts import layout, schema
 from distdebug.findings import Severity
+from distdebug.runtime.wake import WakePipe
 
 if TYPE_CHECKING:
     from distdebug.runtime.progress import Progress
@@ -132,25 +135,47 @@ class RankWatchdog:
         self.parent = os.getppid()
         self.clock = StallClock(stall_timeout, startup_timeout)
         self._request_seen: int | None = None  # the stacks request last answered (its file's mtime)
+        self.request_checks = 0
+        """How many times this rank looked at the run directory's request file: once at start and once a
+        request with its launcher's relay (runtime.wake); twice a second without."""
+        self._wake: WakePipe | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        folder = envvars.get(envvars.WAKE_DIR)
+        if folder:
+            try:
+                self._wake = WakePipe(Path(folder), self.session.identity.rank)
+            except OSError:  # no pipe: the rank polls the request file
+                self._wake = None
         self._thread = threading.Thread(target=self._loop, name="distdebug-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """After the script: no thread of ours is left running into interpreter teardown."""
         self._stop.set()
+        if self._wake is not None:
+            self._wake.poke()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
+        if self._wake is not None and (self._thread is None or not self._thread.is_alive()):
+            self._wake.close()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.answer_stacks()
-            except Exception:  # a request it could not answer: distdebug stacks says the rank did not answer
-                pass
+        asked = True  # a request made before this rank's pipe existed is looked for once
+        while not self._stop.is_set():
+            if asked or self._wake is None:
+                try:
+                    self.answer_stacks()
+                except Exception:  # a request it could not answer: distdebug stacks says the rank did not answer
+                    pass
+            if self._wake is not None:
+                asked = self._wake.wait(self.interval)
+            elif self._stop.wait(self.interval):
+                break
+            if self._stop.is_set():
+                break
             try:
                 self.check()
             except Exception as e:  # the watchdog must never take the rank down; it keeps watching
@@ -187,6 +212,7 @@ class RankWatchdog:
         if run_dir is None:
             return
         request = layout.stacks_request_path(run_dir)
+        self.request_checks += 1
         try:
             stamp = request.stat().st_mtime_ns
         except OSError:
@@ -207,7 +233,8 @@ class RankWatchdog:
                    for ident, name, main, stack in other_threads()]
         answer = {"request": asked, "rank": s.identity.rank, "host": s.identity.host, "pid": s.identity.pid,
                   "time": time.time(), "step": p.step, "phase": p.phase, "in_collective": _in_collective(p),
-                  "idle_s": round(time.monotonic() - p.last, 3), "threads": threads}
+                  "idle_s": round(time.monotonic() - p.last, 3), "threads": threads,
+                  "request_checks": self.request_checks, "woken": self._wake is not None}
         write_json_atomic(layout.stacks_answer_path(run_dir, s.identity.rank), answer)  # secrets redacted
 
     def record_stall(self, idle: float) -> None:

@@ -7,6 +7,7 @@ of 8 s a step on rank 1, so that the stacks are asked while it sleeps (the other
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -37,8 +38,10 @@ def test_stacks_of_a_running_job_name_the_sleeping_rank_and_the_others_in_the_co
         assert all(kinds(run, r, "step") for r in range(3)), "the ranks did not finish step 1"
         # rank 1 asleep after step 1; ranks 0 and 2 into step 2's all_reduce (asked again, within rank 1's
         # 8 s, while a loaded machine has not yet brought them there)
+        asked = 0
         for _ in range(10):
             time.sleep(0.5)
+            asked += 1
             r = distdebug("stacks", str(run), "--timeout", "5")
             assert r.returncode == 0, r.output
             head = r.stdout.splitlines()[0]
@@ -51,6 +54,11 @@ def test_stacks_of_a_running_job_name_the_sleeping_rank_and_the_others_in_the_co
         assert groups["ranks 0, 2"].startswith("in all_reduce (torch.distributed) at handwritten_allreduce.py:"), head
         assert "dist.all_reduce(prm.grad)" in groups["ranks 0, 2"], head
         assert "inside all_reduce" in r.stdout  # the collective each waiting rank is in, from its progress record
+        # Woken by their node's relay (runtime.wake): a rank looked at the request file once at its start and once
+        # a request, never in between (O(nodes) file system operations a second, not O(ranks)).
+        for rank in range(3):
+            answer = json.loads(layout.stacks_answer_path(run, rank).read_text())
+            assert answer["woken"] and answer["request_checks"] <= 1 + asked, answer["request_checks"]
         if shutil.which("py-spy") is None:
             assert "native frames: py-spy is not installed" in r.stdout
         else:  # a test extra: the C++ wait the collective sits in, and the sleep's

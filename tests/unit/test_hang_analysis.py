@@ -134,6 +134,26 @@ def test_one_rank_waiting_for_a_busy_one_names_the_busy_one(tmp_path):
     assert (f.severity, f.ranks, f.subject) == (Severity.CRITICAL, [1], "all_reduce #3")
 
 
+@pytest.mark.parametrize("entered_at_stall,hang", [(2, False), (3, True)])
+def test_a_rank_that_entered_its_collective_after_its_stall_record_is_not_waiting_yet(tmp_path, entered_at_stall,
+                                                                                      hang):
+    """Both ranks evaluated past the stall timeout (stall records, no collective); rank 0 came out of it first
+    and has just entered all_reduce #3 while rank 1 is a moment behind: not a hang (the verdict that ended a
+    healthy job under load). Its twin: rank 0's stall record says it was already inside #3 (it entered 3
+    collectives), and rank 1 never came: rank 1 is named."""
+    write(tmp_path, 0, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training", main_stack=[USER],
+                                                      collectives_entered=entered_at_stall)], world=2)
+    InflightSlot(layout.inflight_path(tmp_path, 0)).enter({"op": "all_reduce", "seq": 3, "step": 3, "shapes": [[8]]})
+    write(tmp_path, 1, steps([1, 1]) + [schema.record(schema.STALL, step=2, phase="training", main_stack=[USER],
+                                                      collectives_entered=2)], world=2)
+    findings = diagnose(load_run(tmp_path))
+    if hang:
+        (f,) = findings
+        assert (f.severity, f.ranks, f.subject) == (Severity.CRITICAL, [1], "all_reduce #3")
+    else:
+        assert all(f.severity != Severity.CRITICAL for f in findings), findings
+
+
 def test_a_crash_dump_cut_short_is_placed_by_the_in_flight_record(tmp_path):
     # Rank 0 died by a fatal signal inside all_reduce #3, and the launcher stopped it before its
     # faulthandler dump reached the main thread: the call site comes from the in-flight record.

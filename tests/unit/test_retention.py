@@ -20,7 +20,13 @@ from distdebug.fingerprint.snapshots import read_stream as read_fps
 
 
 def stream_bytes(live: Path) -> int:
-    return sum(p.stat().st_size for p in layout.stream_files(live) if p.exists())
+    total = 0
+    for p in layout.stream_files(live):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:  # thinned and deleted (by the thinner's thread) since the listing
+            pass
+    return total
 
 
 def step(rank: int, n: int, loss: float | None = None, attempt: int = 0) -> dict:
@@ -118,6 +124,7 @@ def test_event_writer_stays_in_its_share_and_keeps_head_ring_and_pins(tmp_path):
     sizes = []
     for block in range(10):
         write_steps(w, 0, range(block * 10_000 + 1, (block + 1) * 10_000 + 1), findings=(25_000, 61_000))
+        assert w.thinner is not None and w.thinner.settle()  # thinned in the background: its work in hand done
         sizes.append(stream_bytes(live))
     w.write(schema.record(schema.END, rank=0, exit_code=0))
     w.close()
@@ -167,6 +174,8 @@ def test_a_restarted_writer_continues_the_segments_and_keeps_the_old_pins(tmp_pa
     assert after[0] == 0 and after[-1] > before[-1][0]
     whole = {r["step"] for r in read_stream(live)[0] if r["kind"] == schema.STEP}
     assert set(range(570, 611)) <= whole
+    # The fingerprint writer of the restarted rank reads the same pins from the event stream.
+    assert SnapshotWriter(tmp_path, share=share).pins.covers(590)
 
 
 def test_follow_sees_every_record_once_across_rotations(tmp_path):
@@ -258,6 +267,7 @@ def test_follow_across_more_rotations_than_the_ring_counts_the_gap_and_never_rep
     seen: list[int] = []
     for block in range(20):
         write_steps(w, 0, range(block * 400 + 1, (block + 1) * 400 + 1))
+        assert w.thinner is not None and w.thinner.settle()
         seen += [r["step"] for r in follow.read() if r["kind"] == schema.STEP]
     w.close()
     assert follow.gaps > 0
@@ -287,3 +297,64 @@ def test_halving_keeps_the_same_steps_on_every_rank():
     ka, kb = halve(a), halve(b)
     assert len(ka) <= 500 and len(kb) <= len(b) // 2
     assert set(kb["step"].tolist()) <= set(ka["step"].tolist()) or set(ka["step"].tolist()) <= set(kb["step"].tolist())
+
+
+def test_thinning_runs_off_the_writing_thread_and_the_writer_takes_it_over_only_when_it_falls_behind(
+        tmp_path, monkeypatch):
+    """A rotation costs the writing thread (the training's) a rename: the segment leaving the ring is read and
+    summarised on the writer's thinner thread. Records that come faster than they are summarised (a segment
+    still waiting at the next rotation) are thinned by the writer itself: the stream stays in its share."""
+    import threading
+
+    threads: list[str] = []
+    real = retention.thin_events
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(retention, "thin_events", spy)
+    share = retention.Share(64 << 10)  # the events' share of the smallest budget, 512K
+    w = EventWriter(tmp_path / "paced" / layout.EVENTS, share=share)
+    for n in range(1, 2001, 5):  # a step's pace: the thinner done before the next rotation
+        write_steps(w, 0, range(n, n + 5))
+        assert w.thinner is not None and w.thinner.settle()
+    w.close()
+    assert threads and all(name.startswith("distdebug-thin-") for name in threads), set(threads)
+    threads.clear()
+    live = tmp_path / "flood" / layout.EVENTS
+    w = EventWriter(live, share=share)
+    sizes = []
+    for n in range(1, 20001, 100):  # as fast as it can
+        write_steps(w, 0, range(n, n + 100))
+        sizes.append(stream_bytes(live))
+    w.close()
+    assert max(sizes) <= share.total, max(sizes)
+    assert threading.current_thread().name in threads  # it took the thinning over when it fell behind
+def test_a_thinned_step_says_which_ranks_it_could_not_compare(tmp_path):
+    """Rank 2 fingerprints a tensor the others do not have: at a whole step diff names it; at a thinned step
+    only digests of different tensor sets are left, so rank 2 is said not compared, never called identical."""
+    share = retention.Share(1 << 20)
+    for rank in (0, 1, 2):
+        w = SnapshotWriter(layout.rank_dir(tmp_path, rank), share=share)
+        for n in range(1, 5001):
+            values = fps(n)
+            if rank == 2:
+                values["extra.weight"] = n
+            w.write(n, values)
+        w.close()
+    result = diff.rank_result(tmp_path, 1000)
+    assert result["thinned"] and result["identical"] and result["not_compared"] == [[2]]
+    assert diff.rank_result(tmp_path, 4990)["not_compared"] == []  # a whole step: compared tensor by tensor
+
+
+def test_shares_fit_their_total_and_a_large_budget_keeps_segments_small():
+    """The worst case of a stream (head, ring, live, one segment waiting for the thinner, the thinned file and
+    the roots at their caps) fits its share; a large budget keeps more segments, not larger ones (the
+    thinner reads a segment whole)."""
+    for budget in (512 << 10, 256 << 20, 4 << 30, 100 << 30):
+        for share in retention.shares(budget):
+            worst = (share.ring + 3) * share.segment + share.thinned + share.roots
+            assert worst <= share.total, (budget, share)
+            assert share.segment <= retention.MOST_SEGMENT and share.ring >= retention.RING
+    assert retention.shares(100 << 30)[1].ring > 300

@@ -385,7 +385,8 @@ def _missing(states: dict[int, RankState], inflight: dict[int, dict[str, Any]], 
     odd = odd_ranks_out(count_diff, states)
     ended = [s for s in states.values()
              if s.status in (Status.RAISED, Status.CRASHED, Status.EXITED, Status.ABSENT) or s.killed_by]
-    inside = any(st.inflight_state == SLOT_INSIDE for st in states.values())  # even one not yet stalled
+    # even one not yet stalled, but not one that entered it a moment ago, out of its own long work (moved_on)
+    inside = any(st.inflight_state == SLOT_INSIDE and not st.moved_on for st in states.values())
     if not waiting and not inside and not (fr and fr.get("missing_ranks")) and not odd and not ended:
         return [_busy_stall(states)]
     op: str

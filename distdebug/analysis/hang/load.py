@@ -46,6 +46,9 @@ class RankState:
     pg_init: str | None = None
     inflight_state: str = SLOT_EMPTY
     inflight: dict[str, Any] | None = None
+    moved_on: bool = False
+    """It entered the collective it is in after its last stall record (which was outside it): it came out of
+    its own long work a moment ago, and is not waiting in that collective long enough to be a waiter."""
     stack: list[dict[str, Any]] = field(default_factory=list)
     exit_code: int | None = None
     exception: str | None = None
@@ -112,6 +115,7 @@ def rank_state(rank: int, records: list[dict[str, Any]], inflight: tuple[str, di
                crash: str) -> RankState:
     """One rank's state from its last attempt's records, its in-flight slot and its crash dump ("" if none)."""
     st = RankState(rank=rank, status=Status.RUNNING)
+    stall_entered: int | None = None  # the collectives the rank had entered when it recorded its last stall
     incomplete = False  # its writes failed (a full disk): step records stop there, the stall says where it is
     for r in records:
         kind = r.get("kind")
@@ -127,6 +131,7 @@ def rank_state(rank: int, records: list[dict[str, Any]], inflight: tuple[str, di
                 st.step = max(st.step, r["step"])
             if r.get("collectives_entered") is not None and not incomplete:
                 st.entered_total = int(r["collectives_entered"])
+            stall_entered = r.get("collectives_entered") if isinstance(r.get("collectives_entered"), int) else None
         elif kind == schema.WRITE_FAILED:
             # The per-step counts stop here: what the rank entered since cannot be split into steps.
             incomplete, st.entered_total = True, None
@@ -140,6 +145,14 @@ def rank_state(rank: int, records: list[dict[str, Any]], inflight: tuple[str, di
         elif kind == schema.END and st.status != Status.RAISED:
             st.status, st.exit_code = Status.EXITED, r.get("exit_code")
     st.inflight_state, st.inflight = inflight
+    seq = (st.inflight or {}).get("seq")
+    if (st.status == Status.STALLED and st.inflight_state == SLOT_INSIDE and stall_entered is not None
+            and isinstance(seq, int) and "peer" not in (st.inflight or {}) and seq > stall_entered):
+        # Its stall record is older than the collective it is in now: it stalled in its own work (an
+        # evaluation longer than the stall timeout) and has since moved on into the next collective. Waiting
+        # there since a moment ago is not a hang (the peers may be a second behind it out of the same work):
+        # it is running until a stall record of its own says it is stuck in this collective.
+        st.status, st.moved_on = Status.RUNNING, True
     if crash.strip():
         st.crash_stack = crash
         if st.status in (Status.RUNNING, Status.STALLED):
