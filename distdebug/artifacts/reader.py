@@ -92,7 +92,10 @@ class Follow:
                 return self._first([]) if self.next is None else []
             with f:
                 st = os.fstat(f.fileno())
-                if self.next is not None and st.st_ino == self._ino and st.st_size >= self.offset:
+                if (self.next is not None and st.st_ino == self._ino and st.st_size >= self.offset
+                        and not layout.segment_path(self.live, self.next).exists()):
+                    # (no segment ``next`` yet: the file is the one last read, not a new one that took its
+                    # inode after several rotations deleted it)
                     f.seek(self.offset)  # the same file as last time: no listing (the supervisor's every poll)
                     data = f.read()
                     self.offset += len(data)

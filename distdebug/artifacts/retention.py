@@ -79,7 +79,8 @@ class Share:
 
     @property
     def thinned(self) -> int:
-        return max(4096, self.total // 4)
+        # fit_thinned parses the whole file: never more than a few segments' worth, whatever the budget
+        return min(4 * MOST_SEGMENT, max(4096, self.total // 4))
 
     @property
     def roots(self) -> int:
@@ -184,14 +185,16 @@ def recover_pins(pins: Pins, events: Path) -> None:
 class Thinner:
     """A writer's thinning, off the thread that writes: a segment leaving the ring is read, summarised and
     appended by one daemon thread, so that a rotation costs the writing thread (the training's) one rename.
-    ``kick`` after each rotation; ``settle`` waits for the work in hand (a writer's close, a test)."""
+    ``kick`` after each rotation; ``settle`` waits for the work asked so far (a test); ``stop`` at the
+    writer's close waits a little for the work in hand and ends the thread (none runs into teardown)."""
 
     def __init__(self, work: Callable[[], None], name: str) -> None:
         self._work = work
         self._name = name
-        self._wanted = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._cond = threading.Condition()
+        self._asked = 0  # kicks so far
+        self._done = 0  # kicks the thread has answered (a run after a kick answers every kick before it)
+        self._stopping = False
         self._running = threading.Lock()  # one thinning at a time: the thread's or the writer's own
         self._thread: threading.Thread | None = None
 
@@ -199,37 +202,60 @@ class Thinner:
         """After the writer's rotation: the thread thins what left the ring; but when a segment is still
         waiting from the rotation before (records come faster than they are summarised), the writer thins
         itself, now: the bound on a stream's size holds whatever the rate (one segment waits at most)."""
-        if len(rotation.leaving_ring()) > 1:
-            with self._running:
-                try:
-                    self._work()
-                except Exception:
-                    pass
-        else:
-            self.kick()
+        if len(rotation.leaving_ring()) > 1 or not self.kick():
+            self._run()
 
-    def kick(self) -> None:
-        self._idle.clear()
-        self._wanted.set()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-            self._thread.start()
+    def _run(self) -> None:
+        with self._running:
+            try:
+                self._work()
+            except Exception:  # the writer's thinning never ends the rank; the segment is thinned next time
+                pass
+
+    def kick(self) -> bool:
+        """Ask the thread to thin; False when there is no thread (it could not start: the caller thins)."""
+        with self._cond:
+            if self._stopping:
+                return False
+            if self._thread is None:
+                thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had (a process or thread limit): never the training's
+                    return False
+                self._thread = thread
+            self._asked += 1
+            self._cond.notify_all()
+            return True
 
     def settle(self, timeout: float = 10.0) -> bool:
-        """Wait until no thinning is pending (``timeout`` seconds at most); whether it is done."""
-        return self._idle.wait(timeout)
+        """Wait until every kick so far is answered (``timeout`` seconds at most); whether it is."""
+        with self._cond:
+            asked = self._asked
+            return self._cond.wait_for(lambda: self._done >= asked or self._thread is None, timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """The writer's close: the work asked so far, ``timeout`` seconds at most, then the thread ends (a
+        segment left unthinned is thinned by the next attempt's writer, at its first rotation)."""
+        self.settle(timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=0.5)
 
     def _loop(self) -> None:
         while True:
-            self._wanted.wait()
-            self._wanted.clear()
-            with self._running:
-                try:
-                    self._work()
-                except Exception:  # the writer's thinning never ends the rank; the segment is thinned next time
-                    pass
-            if not self._wanted.is_set():
-                self._idle.set()
+            with self._cond:
+                self._cond.wait_for(lambda: self._asked > self._done or self._stopping)
+                if self._stopping and self._asked <= self._done:
+                    return
+                asked = self._asked
+            self._run()
+            with self._cond:
+                self._done = asked
+                self._cond.notify_all()
 
 
 class Rotation:

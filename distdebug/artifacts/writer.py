@@ -216,7 +216,7 @@ class EventWriter:
                 self._fd = None
             self._give_back(0)
         if self.thinner is not None:
-            self.thinner.settle(5.0)  # a rank's end waits for the thinning in hand, a few seconds at most
+            self.thinner.stop(5.0)  # a rank's end waits for the thinning in hand, a few seconds at most
 
 
 def _line(record: dict) -> bytes:

@@ -142,7 +142,7 @@ class SnapshotWriter:
             os.close(self._fd)
             self._fd = -1
         if settle and self.thinner is not None:
-            self.thinner.settle(5.0)  # the rank's end waits for the thinning in hand, a few seconds at most
+            self.thinner.stop(5.0)  # the rank's end waits for the thinning in hand, a few seconds at most
 
 
 def root(values: bytes) -> int:

@@ -190,10 +190,6 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     _write_or_say(node_file, node_info)
 
     _worker_env(cfg, run_dir, detectors)
-    from distdebug.launch.relay import StacksRelay
-
-    relay = StacksRelay(run_dir)  # before the ranks start: they find their wake-up folder in the environment
-    relay.start()
     supervisor = supervisor_mod.Supervisor(
         run_dir, stall_timeout=cfg.stall_timeout, startup_timeout=cfg.startup_allowance, on_hang=cfg.on_hang,
         node_rank=cfg.node_rank,
@@ -207,7 +203,11 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         status.start()
     code, message = 0, None
     end = JobEnd(exit_code=0, primary=cfg.node_rank == 0)
+    from distdebug.launch.relay import StacksRelay
+
+    relay = StacksRelay(run_dir)  # before the ranks start: they find their wake-up folder in the environment
     try:
+        relay.start()
         torchrun.run(args)
     except ChildFailedError as e:
         code, message = _failure_message(e)

@@ -28,9 +28,9 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
             console.print("  (a thinned step: the digests of all its tensors agree; each tensor's fingerprint was "
                           "not kept past the run-directory budget's ring)")
             for ranks in result.get("not_compared") or []:
-                console.print(f"  [yellow]not compared[/yellow]: ranks {ranks} digested other tensors than the "
-                              "rest (a replica group's own, or a tensor missing there): a thinned step cannot "
-                              "say which")
+                console.print(f"  [yellow]compared only among themselves[/yellow]: ranks {ranks} digested other "
+                              "tensors than the largest group (a replica group's own, or a tensor missing there): "
+                              "a thinned step cannot compare across such groups")
         return
     if result.get("thinned"):
         t = result["tensors"][0]

@@ -58,13 +58,19 @@ class WakePipe:
             pass
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd < 0:
+            return
         try:
-            self.path.unlink()
+            mine = os.fstat(self.fd).st_ino == self.path.stat().st_ino
         except OSError:
-            pass
+            mine = False
+        os.close(self.fd)
+        self.fd = -1
+        if mine:  # not the pipe a restarted attempt of this rank made in its place
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
 
 
 def wake_all(folder: Path) -> int:

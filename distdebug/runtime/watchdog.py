@@ -171,7 +171,11 @@ class RankWatchdog:
                 except Exception:  # a request it could not answer: distdebug stacks says the rank did not answer
                     pass
             if self._wake is not None:
-                asked = self._wake.wait(self.interval)
+                try:
+                    asked = self._wake.wait(self.interval)
+                except Exception:  # a broken pipe never ends the stall checks: back to polling
+                    self._wake = None
+                    asked = True
             elif self._stop.wait(self.interval):
                 break
             if self._stop.is_set():

@@ -154,6 +154,19 @@ def test_a_rank_that_entered_its_collective_after_its_stall_record_is_not_waitin
         assert all(f.severity != Severity.CRITICAL for f in findings), findings
 
 
+@pytest.mark.parametrize("op", ["batch_isend_irecv", "send", "irecv"])
+def test_a_rank_stuck_in_a_point_to_point_operation_stays_stalled_whatever_its_number(op):
+    """Point-to-point operations are numbered on their own counter (a pipeline issues many more of them than
+    collectives): their number says nothing against the stall record's collectives_entered, and a stage stuck
+    in one must stay a waiter (it would never be judged otherwise)."""
+    from distdebug.analysis.hang.load import rank_state
+
+    stall = schema.record(schema.STALL, step=2, phase="training", main_stack=[USER], collectives_entered=2)
+    info = {"op": op, "seq": 24, "step": 3, "waiting": True, **({"peer": 1} if op != "batch_isend_irecv" else {})}
+    st = rank_state(0, steps([1, 1]) + [stall], (SLOT_INSIDE, info), "")
+    assert st.status == Status.STALLED and not st.moved_on
+
+
 def test_a_crash_dump_cut_short_is_placed_by_the_in_flight_record(tmp_path):
     # Rank 0 died by a fatal signal inside all_reduce #3, and the launcher stopped it before its
     # faulthandler dump reached the main thread: the call site comes from the in-flight record.

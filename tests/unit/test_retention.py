@@ -358,3 +358,25 @@ def test_shares_fit_their_total_and_a_large_budget_keeps_segments_small():
             assert worst <= share.total, (budget, share)
             assert share.segment <= retention.MOST_SEGMENT and share.ring >= retention.RING
     assert retention.shares(100 << 30)[1].ring > 300
+
+
+def test_no_thread_to_be_had_thins_on_the_writer_and_close_leaves_no_thread(tmp_path, monkeypatch):
+    """A process at its thread limit (Thread.start raises): the writer thins itself, nothing reaches the
+    training; and a writer's close ends its thinner thread (none runs into interpreter teardown)."""
+    import threading
+
+    share = retention.Share(64 << 10)
+    w = EventWriter(tmp_path / "ok" / layout.EVENTS, share=share)
+    write_steps(w, 0, range(1, 3001))
+    w.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("distdebug-thin-")]
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    live = tmp_path / "limit" / layout.EVENTS
+    w = EventWriter(live, share=share)
+    write_steps(w, 0, range(1, 3001))  # never raises
+    w.close()
+    assert stream_bytes(live) <= share.total and layout.thinned_path(live).exists()

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from distdebug.analysis.hang.load import HangFacts, RankState, Status
+from distdebug.analysis.hang.load import P2P_OPS, HangFacts, RankState, Status
 from distdebug.analysis.teardown import how
 from distdebug.artifacts.inflight import SLOT_FAILED, SLOT_INSIDE
 from distdebug.findings import Finding, Severity
@@ -75,7 +75,6 @@ def is_connection_error(exception: str | None, message: str | None) -> bool:
 
 
 
-P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 def _p2p_text(info: dict[str, Any], named: bool = False) -> str:

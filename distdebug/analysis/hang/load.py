@@ -37,6 +37,10 @@ class Status(str, enum.Enum):
     """No records at all: it never started."""
 
 
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+"""Point-to-point operations: numbered apart from the collectives (their own counter, runtime.patches)."""
+
+
 @dataclass
 class RankState:
     rank: int
@@ -147,7 +151,10 @@ def rank_state(rank: int, records: list[dict[str, Any]], inflight: tuple[str, di
     st.inflight_state, st.inflight = inflight
     seq = (st.inflight or {}).get("seq")
     if (st.status == Status.STALLED and st.inflight_state == SLOT_INSIDE and stall_entered is not None
-            and isinstance(seq, int) and "peer" not in (st.inflight or {}) and seq > stall_entered):
+            and isinstance(seq, int) and (st.inflight or {}).get("op") not in P2P_OPS
+            and "peer" not in (st.inflight or {}) and seq > stall_entered):
+        # Collectives only: a point-to-point operation's number counts sends and receives, which the stall
+        # record's collectives_entered does not (a pipeline issues many more of them: never comparable).
         # Its stall record is older than the collective it is in now: it stalled in its own work (an
         # evaluation longer than the stall timeout) and has since moved on into the next collective. Waiting
         # there since a moment ago is not a hang (the peers may be a second behind it out of the same work):
