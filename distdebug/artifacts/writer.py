@@ -165,7 +165,7 @@ class EventWriter:
             try:
                 if thinned.stat().st_size > share.thinned:
                     kept, _ = read_events(thinned)
-                    _replace(thinned, b"".join(_line(r) for r in retention.fit_thinned(kept, share.thinned)))
+                    replace_whole(thinned, b"".join(_line(r) for r in retention.fit_thinned(kept, share.thinned)))
             except OSError:
                 pass  # over its cap until the next thinning: nothing lost, nothing twice
             try:
@@ -241,7 +241,7 @@ def append_whole(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _replace(path: Path, data: bytes) -> None:
+def replace_whole(path: Path, data: bytes) -> None:
     """``path`` holds ``data`` now, whole or not at all (written aside and renamed)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

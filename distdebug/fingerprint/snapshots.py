@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from distdebug.artifacts import layout, retention
-from distdebug.artifacts.writer import append_whole, os_error_text
+from distdebug.artifacts.writer import append_whole, os_error_text, replace_whole
 
 _HEAD = struct.Struct("<qii")
 _ROOT = np.dtype([("step", "<i8"), ("names", "<i4"), ("count", "<i4"), ("root", "<u8")])
@@ -129,7 +129,7 @@ class SnapshotWriter:
                 return
             try:
                 if roots.stat().st_size > share.roots:
-                    _replace(roots, halve(read_roots_file(roots)).tobytes())
+                    replace_whole(roots, halve(read_roots_file(roots)).tobytes())
             except OSError:
                 pass
             try:
@@ -173,16 +173,6 @@ def _spans(data: bytes) -> list[tuple[int, int, int, int, int]]:
         out.append((step, nid, count, pos, end))
         pos = end
     return out
-
-
-def _replace(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _read_lists(rank_dir: Path) -> list[list[str]]:
