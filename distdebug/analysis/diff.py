@@ -18,7 +18,7 @@ import numpy as np
 from distdebug.artifacts import layout
 from distdebug.errors import UserError
 from distdebug.fingerprint.compare import compare, odd_ones_out, split_group
-from distdebug.fingerprint.snapshots import read_roots, read_stream
+from distdebug.fingerprint.snapshots import read_roots, read_stream, root
 
 Snapshots = dict[int, dict[int, tuple[list[str], np.ndarray]]]  # rank -> step -> (names, values)
 Roots = dict[int, dict[int, tuple[tuple[str, ...], int]]]  # rank -> thinned step -> (names, digest of them all)
@@ -178,8 +178,6 @@ def _other_names(snaps: Snapshots, roots: Roots, step: int) -> list[list[int]]:
 def _digest(snaps: Snapshots, roots: Roots, rank: int, step: int) -> tuple[tuple[str, ...], int] | None:
     """A rank's step as (names, digest of all its fingerprints), whole or thinned; None when not kept."""
     if step in snaps.get(rank, {}):
-        from distdebug.fingerprint.snapshots import root
-
         names, values = snaps[rank][step]
         return tuple(names), root(np.ascontiguousarray(values).tobytes())
     return roots.get(rank, {}).get(step)

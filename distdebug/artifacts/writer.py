@@ -186,8 +186,7 @@ class EventWriter:
         step = lost.get("step") if isinstance(lost.get("step"), int) else self._last_step
         rec = schema.record(schema.WRITE_FAILED, rank=lost.get("rank"), step=step, error=reason,
                             lost=lost.get("kind"), time=time.time())
-        line = (json.dumps(rec, separators=(",", ":"), default=str) + "\n").encode()
-        if self._write(line) is not None:
+        if self._write(_line(rec)) is not None:
             self.failed_writes += 1
 
     def _give_back(self, size: int, floor: int = 0) -> bool:

@@ -215,15 +215,10 @@ def read_stream(rank_dir: Path, lists: list[list[str]]) -> dict[int, tuple[list[
 def parse_records(data: bytes, lists: list[list[str]]) -> dict[int, tuple[list[str], np.ndarray]]:
     """step -> (names, uint64 fingerprints) from a fingerprints.bin; a record cut short by a kill is dropped."""
     out: dict[int, tuple[list[str], np.ndarray]] = {}
-    pos = 0
-    while pos + _HEAD.size <= len(data):
-        step, nid, count = _HEAD.unpack_from(data, pos)
-        pos += _HEAD.size
-        end = pos + 8 * count
-        if end > len(data) or nid >= len(lists):
+    for step, nid, count, start, _ in _spans(data):
+        if nid >= len(lists):
             break
-        out[step] = (lists[nid], np.frombuffer(data, dtype=np.uint64, count=count, offset=pos))
-        pos = end
+        out[step] = (lists[nid], np.frombuffer(data, dtype=np.uint64, count=count, offset=start + _HEAD.size))
     return out
 
 
