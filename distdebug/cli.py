@@ -15,6 +15,7 @@ import click
 from distdebug import envvars
 from distdebug.artifacts.retention import parse_size, size_text
 from distdebug.config import (
+    EXPECTED_HOURS,
     ON_HANG,
     ON_STALL,
     RUN_DIR_BUDGET,
@@ -149,6 +150,11 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
               help="Disk each rank may fill in the run directory, however long the job (e.g. 64M, 1G; 0: no "
                    "budget). Past it the oldest steps are thinned to summaries; the first and last steps and "
                    "every finding's neighbourhood stay whole.")
+@click.option("--expected-hours", type=float, default=None,
+              show_default=f"Slurm's end time, else {EXPECTED_HOURS:g}",
+              help="How long the job is expected to run: attach warns when a file system it writes to (the run "
+                   "directory, the output file, NCCL's or torchrun's logs) would fill before then, at the rate "
+                   "measured over its first minute of steps.")
 @click.option("--on-hang", type=click.Choice(ON_HANG), default=option_default(AttachConfig, "on_hang"),
               show_default=True,
               help="After a hang verdict: end the job (exit code 124), or only report and keep waiting.")

@@ -38,6 +38,15 @@ its first and last thousands of steps and every finding's neighbourhood at full 
 RUN_DIR_BUDGET_MIN = 512 << 10
 """The smallest budget: below it the held-back reserve and the first steps leave no room for a ring."""
 
+EXPECTED_HOURS = 24.0
+"""Hours a job is expected to run when neither ``--expected-hours`` nor Slurm's end time says: the log-volume
+guard warns when a file system the job writes to fills before then (launch.volume)."""
+VOLUME_WINDOW_S = 60.0
+"""Seconds over which the log-volume guard measures what the job writes, after every local rank's second
+step (start-up's one-off lines apart); ``DISTDEBUG_VOLUME_WINDOW_S`` shortens it (tests, short jobs)."""
+VOLUME_RECHECK_S = 600.0
+"""Seconds between the log-volume guard's later looks (a rate that rises later in the job)."""
+
 ON_HANG = ("abort", "report")
 ON_STALL = ("warn", "abort")
 
@@ -114,6 +123,9 @@ class AttachConfig:
     run_dir_budget: int = RUN_DIR_BUDGET
     """Bytes of the run directory per rank (events and fingerprints kept in tiers: artifacts.retention);
     0: unbounded, every record kept whole."""
+    expected_hours: float | None = None
+    """How long the job is expected to run, for the log-volume guard (launch.volume); None: Slurm's end time for
+    the job where Slurm gives one, else ``EXPECTED_HOURS``."""
     measure_overhead: int = 0
     """Steps per block of the in-job A/B (runtime.overhead): the detectors are switched off and on in
     alternating blocks of this many steps, the same steps on every rank; 0: off."""
@@ -122,6 +134,9 @@ class AttachConfig:
         if self.run_dir_budget and self.run_dir_budget < RUN_DIR_BUDGET_MIN:
             raise UserError(f"--run-dir-budget {self.run_dir_budget} B is too small: give 512K or more (or 0 for "
                             "no budget)", 2)
+        if self.expected_hours is not None and not self.expected_hours > 0:
+            raise UserError(f"--expected-hours {self.expected_hours}: give the job's expected length in hours "
+                            "(more than 0)", 2)
         if self.measure_overhead < 0 or self.measure_overhead == 1:
             raise UserError(f"--overhead-block {self.measure_overhead}: give 2 steps or more per block", 2)
         if self.replica_groups is not None:

@@ -39,6 +39,10 @@ on; the launcher's relay writes to it when ``distdebug stacks`` asks (runtime.wa
 RUN_DIR_BUDGET = "DISTDEBUG_RUN_DIR_BUDGET"
 """Bytes of the run directory each rank may fill (``--run-dir-budget``); ``0`` or unset: unbounded."""
 
+VOLUME_WINDOW = "DISTDEBUG_VOLUME_WINDOW_S"
+"""Seconds over which the launcher's log-volume guard measures what the job writes (default
+``config.VOLUME_WINDOW_S``); read by the launcher only."""
+
 DETERMINISTIC = "DISTDEBUG_DETERMINISTIC"
 """``1``: seed every generator and turn on torch's deterministic algorithms before the script."""
 

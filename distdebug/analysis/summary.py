@@ -18,6 +18,7 @@ from distdebug.analysis.incidents import group as group_incidents
 from distdebug.analysis.traces import analyze_run
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Run
+from distdebug.doctor.volume import summary_text as volume_summary
 from distdebug.findings import Finding, Severity, ranks_text
 
 
@@ -69,6 +70,9 @@ class RunSummary:
     thinned: list[str] = field(default_factory=list)
     """What the run-directory budget thinned (artifacts.retention), one line per group of ranks alike:
     ``ranks 0-1: steps 1,000-119,999 (119,000 steps): summaries per 1,000 steps; ...``."""
+    disk: list[str] = field(default_factory=list)
+    """Per node, what the log-volume guard predicted each destination would write an hour beside what was then
+    written, and when each file system would fill (launch.volume, doctor.volume.summary_text)."""
     harness_cost: dict[str, Any] | None = None
     """What the harness cost each rank per step (analysis.cost.summarize_cost), from its own accounting."""
     overhead: dict[str, Any] | None = None
@@ -205,6 +209,8 @@ def summarize(run: Run) -> RunSummary:
         discovery=_with_layouts(discovery, per_rank_layout),
         warnings=list(run.warnings),
         thinned=[f"{ranks_text(r)}: {text}" for text, r in thinned.items()],
+        disk=[f"node {k}: {t}" for k, node in sorted(run.nodes.items())
+              if (t := volume_summary(node.get("volume"))) is not None],
         harness_cost=cost.summarize_cost(costs),
         overhead=overhead.summarize_ab(blocks),
     )

@@ -41,9 +41,10 @@ LATEST_LINK = "latest"
 FILES: tuple[tuple[str, str], ...] = (
     (MANIFEST, "command, launcher options, versions (python, torch, deepspeed, CUDA, NCCL, cuDNN), host, "
                "environment with secrets redacted; after the job the world size and rank -> node/host/pid"),
-    (NODE_TEMPLATE, "per launcher agent: host, start/end, exit code, first failure"),
+    (NODE_TEMPLATE, "per launcher agent: host, start/end, exit code, first failure, the log-volume guard's "
+                    "prediction beside what was then written"),
     (RUN_FINDINGS, "run-level verdicts (hangs, failed collectives, a killed rank, the offline replica check, "
-                   "teardown, dangerous environment), append-only"),
+                   "teardown, dangerous environment, a file system that would fill), append-only"),
     (DOCTOR, "distdebug doctor's results (rank 0 writes them): environment, differences, bandwidth, link matrix"),
     (f"{TRACES}/{TRACE_WINDOW_TEMPLATE}/{TRACE_FILE_TEMPLATE}",
      "a profiler window of each rank: torch's gzip Chrome trace (--profile-steps, --profile-on-finding)"),

@@ -245,6 +245,26 @@ def variable_checks(env: dict[str, str] | None = None) -> list[Check]:
     return check_variables(env, interfaces, has_ib) + check_master(env, check_port_free=False)
 
 
+ASSUMED_RANKS = 8
+"""Ranks a node runs, for the volume check when no launcher says (a node of eight GPUs)."""
+
+
+def check_volume(env: dict[str, str]) -> Check:
+    """The log-volume guard's static part (doctor.volume): the run directory's bound against its file system's
+    free space, and the logging the environment turns on. Inside a launch its run directory, budget and ranks
+    per node; bare, the default runs folder, the default budget and ``ASSUMED_RANKS``."""
+    from distdebug import envvars
+    from distdebug.artifacts.runs import runs_root
+    from distdebug.config import RUN_DIR_BUDGET
+    from distdebug.doctor.volume import static_lines
+
+    run_dir = env.get(envvars.RUN_DIR) or str(runs_root())
+    budget = int(env.get(envvars.RUN_DIR_BUDGET) or RUN_DIR_BUDGET)
+    ranks = int(env.get("LOCAL_WORLD_SIZE") or ASSUMED_RANKS)
+    warn, lines, fixes = static_lines(env, run_dir=run_dir, budget=budget, ranks=ranks)
+    return Check("log volume", WARN if warn else PASS, "; ".join(lines), "; ".join(fixes))
+
+
 def local_checks(env: dict[str, str] | None = None) -> list[Check]:
     """Every check of this host, for ``distdebug doctor``."""
     env = dict(os.environ) if env is None else env
@@ -258,4 +278,5 @@ def local_checks(env: dict[str, str] | None = None) -> list[Check]:
     out += check_variables(env, interfaces, has_ib)
     out += check_master(env, check_port_free=True)
     out += check_limits(shm, nofile)
+    out.append(check_volume(env))
     return out

@@ -190,10 +190,18 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     _write_or_say(node_file, node_info)
 
     _worker_env(cfg, run_dir, detectors)
+    from distdebug.launch.volume import VolumeGuard
+
+    guard: VolumeGuard | None = None
+    try:
+        guard = VolumeGuard(run_dir, budget=cfg.run_dir_budget, expected=cfg.expected_hours,
+                            torchrun_args=cfg.torchrun_args, node_rank=cfg.node_rank)
+    except Exception as e:  # the guard is never worth a job
+        print(f"distdebug: log-volume guard off ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     supervisor = supervisor_mod.Supervisor(
         run_dir, stall_timeout=cfg.stall_timeout, startup_timeout=cfg.startup_allowance, on_hang=cfg.on_hang,
         node_rank=cfg.node_rank,
-        expected_nodes=parse_nnodes(cfg.nnodes)[0], on_stall=cfg.on_stall,
+        expected_nodes=parse_nnodes(cfg.nnodes)[0], on_stall=cfg.on_stall, guard=guard,
     )
     supervisor.start()
     from distdebug.launch.status import StatusLine
@@ -237,7 +245,8 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         message = teardown_summary([f for f in result.findings if f.detector == "teardown"])
     elif code == 0 and result.never_acted:
         code, message = EXIT_NEVER_ACTED, never_acted_message(result.never_acted, result.why_not)
-    node_info.update(ended=time.time(), exit_code=code, message=message)
+    node_info.update(ended=time.time(), exit_code=code, message=message,
+                     volume=guard.summary() if guard is not None else None)
     _write_or_say(node_file, node_info)
     if cfg.node_rank == 0:
         data = read_json(layout.manifest_path(run_dir)) or {}

@@ -25,13 +25,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Follow
 from distdebug.artifacts.writer import append_run_findings, os_error_text
 from distdebug.findings import Finding
 from distdebug.report.fmt import format_finding
+
+if TYPE_CHECKING:
+    from distdebug.launch.volume import VolumeGuard
 
 GRACE_S = 5.0
 """After the first stall record, how long to wait for the other ranks' dumps before diagnosing."""
@@ -94,7 +97,8 @@ def verdict_decision(*, busy: bool, every: bool, on_stall: str, on_hang: str) ->
 
 class Supervisor:
     def __init__(self, run_dir: Path, *, stall_timeout: float, on_hang: str, node_rank: int, expected_nodes: int,
-                 interval: float = 0.5, on_stall: str = "warn", startup_timeout: float | None = None) -> None:
+                 interval: float = 0.5, on_stall: str = "warn", startup_timeout: float | None = None,
+                 guard: VolumeGuard | None = None) -> None:
         self.run_dir = run_dir
         self.stall_timeout = stall_timeout
         self.startup_timeout = startup_timeout or stall_timeout
@@ -116,11 +120,13 @@ class Supervisor:
         """rank -> when its last record arrived (a step, a finding, anything: the rank is alive)."""
         self._reported = False
         self._retry_at = 0.0  # after a diagnosis that had to wait for more stall records
+        self.guard = guard
+        """The log-volume guard (launch.volume): fed the records read here, looks from this thread."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="distdebug-supervisor", daemon=True)
 
     def start(self) -> None:
-        if self.stall_timeout > 0:
+        if self.stall_timeout > 0 or self.guard is not None:
             self._thread.start()
 
     def stop(self) -> None:
@@ -130,11 +136,23 @@ class Supervisor:
 
     # ------------------------------------------------------------------ polling
     def _loop(self) -> None:
+        watching = self.stall_timeout > 0
         while not self._stop.wait(self.interval):
-            try:
-                self.poll()
-            except Exception as e:  # the supervisor must never take the job down
-                print(f"distdebug: supervisor error (hang detection off): {type(e).__name__}: {e}", file=sys.stderr)
+            if watching:
+                try:
+                    self.poll()
+                except Exception as e:  # the supervisor must never take the job down
+                    print(f"distdebug: supervisor error (hang detection off): {type(e).__name__}: {e}",
+                          file=sys.stderr)
+                    watching = False
+            else:
+                try:
+                    self._scan()  # the guard's records still
+                except Exception:  # a read that failed: the guard goes without, the job goes on
+                    return
+            if self.guard is not None:
+                self._record(self.guard.poll(), say=True)  # its own errors turn only it off
+            if not watching and (self.guard is None or self.guard.off):
                 return
 
     def _scan(self) -> None:
@@ -144,6 +162,8 @@ class Supervisor:
         for rank, tail in self._tails.items():
             for rec in tail.read():
                 self._heard[rank] = time.monotonic()
+                if self.guard is not None:
+                    self.guard.feed(rank, rec)
                 kind = rec.get("kind")
                 if kind == schema.START:
                     self._pids[rank], self._host[rank] = int(rec["pid"]), str(rec.get("host"))
@@ -226,13 +246,19 @@ class Supervisor:
         for f in findings:
             print(format_finding(f), file=sys.stderr, flush=True)
 
-    def _record(self, findings: list[Finding]) -> None:
+    def _record(self, findings: list[Finding], say: bool = False) -> None:
         """Into the run's findings file; a full or read-only disk loses the file, never the verdict or the kill
-        that follows it (the findings are printed in any case)."""
+        that follows it (the findings are printed in any case). say: print them here too."""
+        if not findings:
+            return
+        if say:
+            for f in findings:
+                print(format_finding(f), file=sys.stderr, flush=True)
         try:
             append_run_findings(self.run_dir, findings)
         except OSError as e:
-            print(f"distdebug: could not write the hang verdict to the run directory ({os_error_text(e)})",
+            what = "the log-volume warning" if say else "the hang verdict"
+            print(f"distdebug: could not write {what} to the run directory ({os_error_text(e)})",
                   file=sys.stderr, flush=True)
 
     def _terminate_local_ranks(self) -> None:

@@ -93,6 +93,8 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
     console.print(table)
     for line in summary.thinned:
         console.print(f"[dim]thinned by the run-directory budget[/dim]: {esc(line)}")
+    for line in summary.disk:
+        console.print(f"[dim]disk[/dim]: {esc(line)}")
     _cost(console, summary.harness_cost)
     if summary.overhead:
         console.print(esc(describe_overhead(summary.overhead)))

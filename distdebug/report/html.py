@@ -122,7 +122,8 @@ def _ranks_table(summary: RunSummary) -> str:
                     f"<td class='num'>{r.findings}</td><td>{_e(r.status)}"
                     + (f" ({r.damaged_lines} damaged lines)" if r.damaged_lines else "") + "</td></tr>")
     table = head + "".join(rows) + "</table>" + "".join(
-        f"<p class='dim'>thinned by the run-directory budget: {_e(line)}</p>" for line in summary.thinned)
+        f"<p class='dim'>thinned by the run-directory budget: {_e(line)}</p>" for line in summary.thinned) + "".join(
+        f"<p class='dim'>disk: {_e(line)}</p>" for line in summary.disk)
     if len(rows) > MAX_RANK_ROWS:
         odd = sum(1 for r in summary.ranks if r.findings or r.status != "exit 0")
         return (f"<details><summary>{len(rows)} ranks ({odd} with findings or not finished): show all</summary>"

@@ -33,6 +33,7 @@ HANG = "job stuck until the collective timeout"
 ENVIRONMENT = "job fails to start, or runs slow, on some nodes only"
 CONFIG = "a configuration trap (runs, but wrong or slow)"
 REPRODUCE = "two runs of the same script do not match"
+DISK = "a disk fills in the middle of a long job"
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,12 @@ def advise(f: Finding, *, run_dir: str = "RUN", restored_before: int | None = No
         return Advice(CONFIG, "a DDP/FSDP/DeepSpeed setting that wastes time or silently changes training",
                       "distdebug lint SCRIPT (the same check on the source)",
                       "follow the finding's fix")
+    if d == "log_volume":
+        return Advice(DISK, "output nobody sized: the script's prints into the job's output file, NCCL_DEBUG's "
+                      "per-collective lines, torchrun's log folder, or a run-directory budget larger than its disk",
+                      "the finding's bytes an hour per destination; df -h on the file system it names; the report's "
+                      "disk: line (the prediction beside what was then written)",
+                      f.fix or "write less, or somewhere with room")
     if d == "teardown":
         return Advice("job failed after the last step", "a thread still running when the interpreter exited "
                       "(gloo/NCCL workers of a process group that was not destroyed, or another library's), "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import read_stream
-from tests.helpers import RECIPES, distdebug
+from tests.helpers import RECIPES, distdebug, make_env
 
 STEPS = 1500
 BUDGET = 512 << 10
@@ -51,7 +51,8 @@ def test_a_long_job_stays_within_its_run_directory_budget(tmp_path):
     watcher.start()
     try:
         r = distdebug("attach", "--run-dir", str(run_dir), "--run-dir-budget", "512K",
-                      str(RECIPES / "ddp_convnet.py"), "--steps", str(STEPS), timeout=300)
+                      str(RECIPES / "ddp_convnet.py"), "--steps", str(STEPS), timeout=300,
+                      env=make_env(DISTDEBUG_VOLUME_WINDOW_S="2"))
     finally:
         done.set()
         watcher.join()
@@ -68,9 +69,16 @@ def test_a_long_job_stays_within_its_run_directory_budget(tmp_path):
         assert whole[0] == 1 and whole[-1] == STEPS  # the first and the last steps
         assert len(whole) + sum(x["steps"] for x in thinned) == STEPS  # every step accounted for, once
         assert (layout.rank_dir(run_dir, rank) / layout.FINGERPRINT_ROOTS).stat().st_size
+    # the log-volume guard's clean twin (tests/e2e/test_volume.py): it measured, and a run directory bounded
+    # by its budget fills nothing however long the job (its output a pipe: nothing else to measure)
+    (node,) = [json.loads(p.read_text()) for _, p in layout.node_files(run_dir)]
+    assert node["volume"]["measured"] and node["volume"]["warned"] == [], node["volume"]
+    assert [d["key"] for d in node["volume"]["destinations"]] == ["run"]
+    assert all(fs["hours_to_fill"] is None for fs in node["volume"]["file_systems"].values())
     report = distdebug("report", "--json", str(run_dir))
     assert report.returncode == 0, report.output[-3000:]
     summary = json.loads(report.stdout)
+    assert not [f for f in summary["findings"] if f["detector"] == "log_volume"]
     assert [x["steps"] for x in summary["ranks"]] == [STEPS, STEPS]
     assert summary["thinned"] and all("summaries" in x and "one digest each" in x for x in summary["thinned"])
     said = summary["thinned"][0]
