@@ -9,10 +9,10 @@ parameters' own size (parameter and buffer copies per held step, each call's inp
 gradients).
 
 Time: one ``distdebug attach --measure-overhead --detectors rerun --rerun-on-anomaly`` run per
-recipe: only the rerun detector runs, switched off and on in alternating blocks of steps inside the
-job (the same steps on every rank), so the machine's noise hits both sides alike; printed: its
-overhead with the 95 % interval over block pairs (runtime.overhead), as bench/attach_overhead.py does
-for the default detectors.
+recipe: only the rerun detector runs, switched off and on inside the job in pairs of blocks of steps (one
+on, one off, the order drawn per pair; the same steps on every rank), so the machine's noise hits both
+sides alike; printed: its overhead with the 95 % interval over the pairs (runtime.overhead), as
+bench/attach_overhead.py does for the default detectors.
 """
 
 from __future__ import annotations

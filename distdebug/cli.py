@@ -18,6 +18,7 @@ from distdebug.config import (
     EXPECTED_HOURS,
     ON_HANG,
     ON_STALL,
+    OVERHEAD_AUTO,
     RUN_DIR_BUDGET,
     STARTUP_FLOOR_S,
     WATCH_MODES,
@@ -167,10 +168,13 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
               help="Cross-rank fingerprint check of replicated tensors every K optimizer steps "
                    "(replica_divergence.every).")
 @click.option("--measure-overhead", "measure_overhead", is_flag=True, default=False,
-              help="Measure what the harness costs this job: the detectors are switched off and on in alternating "
-                   "blocks of steps (the same steps on every rank) and the report compares the step times.")
-@click.option("--overhead-block", type=int, default=8, show_default=True,
-              help="Steps per block with --measure-overhead.")
+              help="Measure what the harness costs this job: the detectors are switched off and on inside the job, "
+                   "in pairs of steps (one with, one without, the order drawn per pair; the same steps on every "
+                   "rank), and the report compares their wall and CPU times with a 95% interval.")
+@click.option("--overhead-block", type=int, default=None, show_default="1 step; 8 where CUDA is available",
+              help="Steps per unit with --measure-overhead (each pair is a unit on and a unit off): 1 is the most "
+                   "precise; more where work lands a step late (a GPU's queue: a step that reads nothing from the "
+                   "device leaves its work to the next).")
 @click.option("--replica-groups", default=None, metavar="R,R;R,R",
               help="The data-parallel groups (ranks holding replicas of the same part of the model), e.g. 0,2;1,3, "
                    "for a layout distdebug cannot infer; every cross-rank check compares within them.")
@@ -231,10 +235,10 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
     torchrun_args = passed.argv({k[len(passed.PREFIX):]: launcher.pop(k) for k in list(launcher)
                                  if k.startswith(passed.PREFIX)})
     block, measure = launcher.pop("overhead_block"), launcher.pop("measure_overhead")
-    assert isinstance(block, int)  # click typed it
-    if measure and block < 2:
-        raise UserError(f"--overhead-block {block}: give 2 steps or more per block", 2)
-    launcher["measure_overhead"] = block if measure else 0
+    assert block is None or isinstance(block, int)  # click typed it
+    if measure and block is not None and block < 1:
+        raise UserError(f"--overhead-block {block}: give 1 step or more per unit", 2)
+    launcher["measure_overhead"] = (OVERHEAD_AUTO if block is None else block) if measure else 0
     options: dict[str, dict[str, object]] = {}
     for name, (det, key) in SHORTHANDS.items():
         value = launcher.pop(name)

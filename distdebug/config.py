@@ -47,6 +47,10 @@ step (start-up's one-off lines apart); ``DISTDEBUG_VOLUME_WINDOW_S`` shortens it
 VOLUME_RECHECK_S = 600.0
 """Seconds between the log-volume guard's later looks (a rate that rises later in the job)."""
 
+OVERHEAD_AUTO = -1
+"""``measure_overhead``'s default unit, decided in each rank: 1 step, or 8 when the job can use CUDA
+(runtime.overhead.default_unit)."""
+
 ON_HANG = ("abort", "report")
 ON_STALL = ("warn", "abort")
 
@@ -127,8 +131,9 @@ class AttachConfig:
     """How long the job is expected to run, for the log-volume guard (launch.volume); None: Slurm's end time for
     the job where Slurm gives one, else ``EXPECTED_HOURS``."""
     measure_overhead: int = 0
-    """Steps per block of the in-job A/B (runtime.overhead): the detectors are switched off and on in
-    alternating blocks of this many steps, the same steps on every rank; 0: off."""
+    """Steps per unit of the in-job A/B (runtime.overhead): the detectors are switched off and on in pairs of
+    units of this many steps (one on, one off, the order drawn per pair), the same steps on every rank; 0: off;
+    ``OVERHEAD_AUTO``: 1, or 8 where CUDA is available."""
 
     def __post_init__(self) -> None:
         if self.run_dir_budget and self.run_dir_budget < RUN_DIR_BUDGET_MIN:
@@ -137,8 +142,8 @@ class AttachConfig:
         if self.expected_hours is not None and not self.expected_hours > 0:
             raise UserError(f"--expected-hours {self.expected_hours}: give the job's expected length in hours "
                             "(more than 0)", 2)
-        if self.measure_overhead < 0 or self.measure_overhead == 1:
-            raise UserError(f"--overhead-block {self.measure_overhead}: give 2 steps or more per block", 2)
+        if self.measure_overhead < 0 and self.measure_overhead != OVERHEAD_AUTO:
+            raise UserError(f"--overhead-block {self.measure_overhead}: give 1 step or more per unit", 2)
         if self.replica_groups is not None:
             parse_replica_groups(self.replica_groups)  # a UserError now, before any rank starts
         if not self.target:

@@ -61,7 +61,7 @@ REPLICA_GROUPS = "DISTDEBUG_REPLICA_GROUPS"
 """``attach --replica-groups``: ``0,2;1,3``, the data-parallel groups, overriding the inferred layout."""
 
 MEASURE_OVERHEAD = "DISTDEBUG_MEASURE_OVERHEAD"
-"""``attach --measure-overhead``: steps per block of the in-job A/B (runtime.overhead); empty or 0: off."""
+"""``attach --measure-overhead``: steps per unit of the in-job A/B (runtime.overhead); empty or 0: off."""
 
 STATUS = "DISTDEBUG_STATUS"
 """``0``: no status line from ``attach`` even on a terminal (launch.status)."""

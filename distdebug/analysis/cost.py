@@ -1,6 +1,11 @@
 """The harness's cost per step, from each rank's own accounting (runtime.cost), against its median step.
 
-Pure over records: ``per_rank`` takes each rank's last ``harness_cost`` record and its step records.
+Pure over records: ``per_rank`` takes each rank's last ``harness_cost`` record, its step records and its
+profiler windows (``trace`` records). The per-step figures are the steady cost, what staying on costs a
+step; what was paid once is apart (``one_off``): start-up (until the end of step 1), each re-execution of a
+flagged step (runtime.cost.one_off), and each profiler window (the window's steps' time above the median
+step: the training's own slowdown under torch.profiler). ``whole_run_per_step_ms`` spreads them over the
+steps, as a whole-run figure would.
 What the report shows (``harness cost per step``) and what ``report --json`` carries under
 ``harness_cost``. Over BUDGET of the median step, the detector that costs most is named with the way
 to trade its coverage for time (``TRADE``).
@@ -11,7 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from distdebug.runtime.cost import SESSION  # the session's own part: not a detector, nothing to turn down
+from distdebug.runtime.cost import PROFILER_WINDOW, SESSION
 
 BUDGET = 0.03
 """The share of the median step the harness may take before the report says what to turn down."""
@@ -33,8 +38,30 @@ TRADE = {
 }
 
 
-def per_rank(cost: dict[str, Any] | None, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One rank's cost per step (ms) per owner, against its median step time. None without a record."""
+def profiler_windows(steps: list[dict[str, Any]], traces: list[dict[str, Any]],
+                     median_ms: float | None) -> list[dict[str, Any]]:
+    """Each profiler window's price: what its steps and the one after it took above the median step (ms,
+    summed; at least 0). The profiler starts at the boundary before the window's first step and stops, and
+    writes its trace, at the boundary after its last, and a step's time runs from boundary to boundary: the
+    start is in the first step's time, the stop and the export in the next step's."""
+    if median_ms is None:
+        return []
+    times = {int(r["step"]): float(r["step_time_s"]) * 1e3 for r in steps if r.get("step_time_s") and r.get("step")}
+    out = []
+    for t in traces:
+        window = t.get("steps") or []
+        if len(window) != 2:
+            continue
+        a, b = int(window[0]), int(window[1])
+        inside = [times[s] for s in range(a, b + 2) if s in times]
+        out.append({"steps": f"{a}-{b}", "extra_ms": round(max(0.0, sum(x - median_ms for x in inside)), 3)})
+    return out
+
+
+def per_rank(cost: dict[str, Any] | None, steps: list[dict[str, Any]],
+             traces: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """One rank's steady cost per step (ms) per owner, against its median step time, and what it paid once.
+    None without a record."""
     # Steps with the detectors paused (--measure-overhead's off blocks) cost them nothing: not counted.
     n = int((cost or {}).get("steps") or 0) - int((cost or {}).get("off_steps") or 0)
     if not cost or n <= 0:
@@ -45,6 +72,11 @@ def per_rank(cost: dict[str, Any] | None, steps: list[dict[str, Any]]) -> dict[s
     owners = {k: float(v) / n for k, v in (cost.get("training_thread_ms") or {}).items()}
     threads = {k: float(v) / n for k, v in (cost.get("threads_cpu_ms") or {}).items()}
     total = sum(owners.values())
+    startup = sum(float(v) for v in (cost.get("startup_ms") or {}).values())
+    once = [{"what": what, "ms": float(v[0]), "times": int(v[1])} for what, v in (cost.get("one_off_ms") or {}).items()
+            if what != PROFILER_WINDOW]  # held in each window's price (profiler_windows)
+    windows = profiler_windows(steps, traces or [], median_ms)
+    paid_once = startup + sum(x["ms"] for x in once) + sum(w["extra_ms"] for w in windows)
     return {
         "steps": n,
         "median_step_ms": round(median_ms, 4) if median_ms is not None else None,
@@ -53,7 +85,11 @@ def per_rank(cost: dict[str, Any] | None, steps: list[dict[str, Any]]) -> dict[s
         "fraction": round(total / median_ms, 5) if median_ms else None,
         "threads_cpu_per_step_ms": {k: round(v, 4) for k, v in threads.items()},
         "host_reads_per_step": round(int(cost.get("host_reads") or 0) / n, 3),
-        "startup_ms": round(sum(float(v) for v in (cost.get("startup_ms") or {}).values()), 3),
+        "startup_ms": round(startup, 3),
+        "one_off": once,
+        "profiler_windows": windows,
+        "whole_run_per_step_ms": round(total + paid_once / n, 4),
+        "whole_run_fraction": round((total + paid_once / n) / median_ms, 5) if median_ms else None,
     }
 
 

@@ -1,12 +1,14 @@
 """The in-job A/B's verdict (``attach --measure-overhead``): what the detectors cost this job, with an
 interval. Pure over ``overhead_block`` records (runtime.overhead).
 
-Each on block is paired with the off block that follows it: neighbours share the machine's state
-(other jobs, frequency, cache), so their difference is the harness's and the machine's noise cancels
-within a pair. The overhead is the mean of the pairs' relative differences of mean step time, with a
-95% t-interval over the pairs; the same is said of the medians and of the 95th percentiles (a cost
-that comes every 16th step must not hide behind a median), and the per-step cost is the difference
-of the mean step times. A fraction of the step time without the harness.
+Each pair holds one unit of steps with the detectors and one without, neighbours in time: they share the
+machine's state (other jobs, frequency, cache, the other ranks' pace), so their difference is the
+harness's and the machine's noise cancels within a pair. The overhead is the mean difference over the
+pairs divided by the mean step without the harness, with a 95% t-interval from the spread of the pairs'
+differences; it is said twice: of the wall time (what the job's steps took) and of the training
+thread's CPU time (what the harness's work on that thread added, without the waits for other ranks and
+for the OS: the precise figure). The medians and 95th percentiles of all on and all off steps are said
+too (a cost that comes every 16th step must not hide behind a mean that is diluted, nor behind a median).
 """
 
 from __future__ import annotations
@@ -39,31 +41,35 @@ def interval(diffs: list[float]) -> tuple[float, float, float]:
     return m, m - half, m + half
 
 
-def ab(blocks: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One rank's A/B from its blocks; None with no complete on/off pair."""
-    by_index = {int(b["block"]): b for b in blocks if b.get("step_times_s")}
-    pairs = [(by_index[i], by_index[i + 1]) for i in sorted(by_index)
-             if by_index[i].get("on") and i + 1 in by_index and not by_index[i + 1].get("on")]
+def _relative(pairs: list[dict[str, Any]], on_key: str, off_key: str) -> tuple[float, float, float, float]:
+    """(fraction, its 95% bounds, mean off step): the pairs' mean difference over the mean off step."""
+    diffs = [statistics.fmean(p[on_key]) - statistics.fmean(p[off_key]) for p in pairs]
+    base = statistics.fmean(statistics.fmean(p[off_key]) for p in pairs)
+    m, lo, hi = interval(diffs)
+    return m / base, lo / base, hi / base, base
+
+
+def ab(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One rank's A/B from its pairs; None without a complete pair."""
+    pairs = [r for r in records if r.get("on_s") and r.get("off_s")]
     if not pairs:
         return None
-    on = [t for a, _ in pairs for t in a["step_times_s"]]
-    off = [t for _, b in pairs for t in b["step_times_s"]]
-    rel = {
-        "mean": [statistics.fmean(a["step_times_s"]) / statistics.fmean(b["step_times_s"]) - 1 for a, b in pairs],
-        "median": [statistics.median(a["step_times_s"]) / statistics.median(b["step_times_s"]) - 1 for a, b in pairs],
-        "p95": [p95(a["step_times_s"]) / p95(b["step_times_s"]) - 1 for a, b in pairs],
-    }
-    frac, lo, hi = interval(rel["mean"])
-    med, med_lo, med_hi = interval(rel["median"])
-    tail, tail_lo, tail_hi = interval(rel["p95"])
-    return {
+    frac, lo, hi, off_mean = _relative(pairs, "on_s", "off_s")
+    on = [t for p in pairs for t in p["on_s"]]
+    off = [t for p in pairs for t in p["off_s"]]
+    out: dict[str, Any] = {
         "fraction": round(frac, 5), "ci": [round(lo, 5), round(hi, 5)],
-        "median_fraction": round(med, 5), "median_ci": [round(med_lo, 5), round(med_hi, 5)],
-        "p95_fraction": round(tail, 5), "p95_ci": [round(tail_lo, 5), round(tail_hi, 5)],
+        "median_fraction": round(statistics.median(on) / statistics.median(off) - 1, 5),
+        "p95_fraction": round(p95(on) / p95(off) - 1, 5),
         "per_step_ms": round((statistics.fmean(on) - statistics.fmean(off)) * 1e3, 4),
         "step_ms_off": round(statistics.fmean(off) * 1e3, 4), "step_ms_on": round(statistics.fmean(on) * 1e3, 4),
-        "steps": len(on) + len(off), "pairs": len(pairs),
+        "steps": len(on) + len(off), "pairs": len(pairs), "unit": len(pairs[0]["on_s"]),
     }
+    if all(p.get("on_cpu_s") and p.get("off_cpu_s") for p in pairs):
+        cfrac, clo, chi, cbase = _relative(pairs, "on_cpu_s", "off_cpu_s")
+        out.update(cpu_fraction=round(cfrac, 5), cpu_ci=[round(clo, 5), round(chi, 5)],
+                   cpu_per_step_ms=round(cfrac * cbase * 1e3, 4), cpu_step_ms_off=round(cbase * 1e3, 4))
+    return out
 
 
 def summarize_ab(per_rank: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
@@ -76,9 +82,16 @@ def summarize_ab(per_rank: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | 
 
 
 def describe(o: dict[str, Any]) -> str:
-    """``harness overhead +2.1% (95% CI 0.9..3.4%) over 200 steps, per-step cost 0.61 ms ...``"""
+    """``harness overhead +2.1% (95% CI 0.9..3.4%) of the wall time over 640 steps ...; training thread CPU ...``"""
     lo, hi = o["ci"]
-    return (f"harness overhead {o['fraction'] * 100:+.1f}% (95% CI {lo * 100:.1f}..{hi * 100:.1f}%) over {o['steps']} "
-            f"steps ({o['pairs']} on/off block pairs, rank {o['rank']}), per-step cost {o['per_step_ms']:.3f} ms "
-            f"(mean step {o['step_ms_off']:.2f} ms off, {o['step_ms_on']:.2f} ms on); median "
-            f"{o['median_fraction'] * 100:+.1f}%, 95th percentile {o['p95_fraction'] * 100:+.1f}%")
+    unit = o.get("unit", 1)
+    text = (f"harness overhead {o['fraction'] * 100:+.1f}% (95% CI {lo * 100:.1f}..{hi * 100:.1f}%) of the wall time "
+            f"over {o['steps']} steps ({o['pairs']} on/off pairs of {unit} step{'s' if unit != 1 else ''}, rank "
+            f"{o['rank']}), per-step cost {o['per_step_ms']:.3f} ms (mean step {o['step_ms_off']:.2f} ms off, "
+            f"{o['step_ms_on']:.2f} ms on)")
+    if "cpu_fraction" in o:
+        clo, chi = o["cpu_ci"]
+        text += (f"; the training thread's CPU time {o['cpu_fraction'] * 100:+.1f}% (95% CI {clo * 100:.1f}.."
+                 f"{chi * 100:.1f}%), {o['cpu_per_step_ms']:.3f} ms a step of {o['cpu_step_ms_off']:.2f} ms")
+    return text + (f"; median step {o['median_fraction'] * 100:+.1f}%, 95th percentile "
+                   f"{o['p95_fraction'] * 100:+.1f}%")

@@ -157,7 +157,8 @@ def summarize(run: Run) -> RunSummary:
         peak = peaks[-1] if peaks else (max(mems, key=lambda r: r.get("total", 0)) if mems else None)
         blocks[rank] = [r for r in records if r.get("kind") == schema.OVERHEAD_BLOCK]
         spent = [r for r in records if r.get("kind") == schema.HARNESS_COST]
-        rank_cost = cost.per_rank(spent[-1] if spent else None, steps)
+        rank_cost = cost.per_rank(spent[-1] if spent else None, steps,
+                                  [r for r in records if r.get("kind") == schema.TRACE])
         if rank_cost is not None:
             costs[rank] = rank_cost
         scored = [r for r in records if r.get("kind") == schema.STRAGGLER_SCORES]

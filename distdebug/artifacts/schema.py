@@ -27,7 +27,7 @@ MEMORY = "memory"          # bytes: parameters, gradients, optimizer_state, acti
 MEMORY_PEAK = "memory_peak"  # the step and breakdown with the largest total
 TRACE = "trace"            # a profiler window written: steps [A, B], path of this rank's gzip Chrome trace
 HARNESS_COST = "harness_cost"  # cumulative: steps, training-thread ms per detector, threads' CPU ms, host reads
-OVERHEAD_BLOCK = "overhead_block"  # attach --measure-overhead: block, on (detectors running), step_times_s
+OVERHEAD_BLOCK = "overhead_block"  # attach --measure-overhead: a pair (block), on_first, on_s/off_s, on/off_cpu_s
 WRITE_FAILED = "write_failed"  # the rank's writes failed (a full disk, EIO, read-only): error, the record lost
 STEPS_THINNED = "steps_thinned"  # a window of steps past the run-directory budget's ring: first, last, steps,
 #                                  loss/step_time_s/backward_calls/collectives as [min, median, max] (retention)

@@ -35,6 +35,7 @@ from distdebug.config import ProfilerConfig, parse_windows
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
+from distdebug.runtime.cost import PROFILER_WINDOW
 
 CHECK_EVERY = 8
 TRIGGERS = ("loss_spike", "nan_origin", "loss_nonfinite", "straggler")
@@ -99,6 +100,8 @@ class Profiler(Detector):
         self.fired = False  # this rank wrote a trigger
         self.seen = False  # a trigger was read from the store (by every rank, this one included)
         self.store: Any = None
+        self.next_look = CHECK_EVERY
+        """The first step whose boundary looks for a triggered window (every CHECK_EVERY steps)."""
 
     def attach(self, ctx: RankContext) -> None:
         self.ctx = ctx
@@ -132,11 +135,15 @@ class Profiler(Detector):
                 self._stop()
             else:
                 self.prof.step()
-        if self.store is not None and event.step % CHECK_EVERY == 0 and not self.seen:
+        if self.store is not None and event.step >= self.next_look and not self.seen:
+            self.next_look = (event.step // CHECK_EVERY + 1) * CHECK_EVERY
             self._look_for_trigger(event.step)
-        window = self.starts.pop(event.step, None)
-        if window is not None and self.prof is None:
-            self._start(window)
+        # A window whose boundary was an off step of --measure-overhead (no detector called) starts at the next
+        # boundary seen, for the steps it still covers.
+        for before in sorted(k for k in self.starts if k <= event.step):
+            a, b = self.starts.pop(before)
+            if self.prof is None and b > event.step:
+                self._start((max(a, event.step + 1), b))
         return ()
 
     def _look_for_trigger(self, step: int) -> None:
@@ -153,6 +160,14 @@ class Profiler(Detector):
             self.starts[start - 1] = (start, end)
 
     def _start(self, window: tuple[int, int]) -> None:
+        with self.one_off(PROFILER_WINDOW, count=False):  # a window's price, paid once: not the per-step cost
+            self._start_window(window)
+
+    def _stop(self) -> None:
+        with self.one_off(PROFILER_WINDOW):
+            self._stop_window()
+
+    def _start_window(self, window: tuple[int, int]) -> None:
         import torch
 
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -165,7 +180,7 @@ class Profiler(Detector):
             prof.start()
         self.prof, self.window = prof, window
 
-    def _stop(self) -> None:
+    def _stop_window(self) -> None:
         prof, planned = self.prof, self.window
         self.prof, self.window = None, None
         assert planned is not None

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.summary import RunSummary
-from distdebug.report.fmt import memory_mb, number, rank_list
+from distdebug.report.fmt import memory_mb, number, one_off_text, rank_list
 from distdebug.report.knowledge import advise_all, findings_with_advice, incidents_with_advice
 
 SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -111,12 +111,11 @@ def _cost(console: Console, cost: dict[str, Any] | None) -> None:
         and median else ""
     parts = ", ".join(f"{k} {v:.3f}" for k, v in r["per_step_ms"].items() if v >= 0.0005)
     threads = ", ".join(f"{k.removeprefix('distdebug-')} {v:.3f}" for k, v in r["threads_cpu_per_step_ms"].items())
-    console.print(f"harness cost per step (rank {cost['rank']}, over {r['steps']} steps): "
+    console.print(f"harness cost per step (rank {cost['rank']}, over {r['steps']} steps), steady: "
                   f"{r['total_per_step_ms']:.3f} ms on the training thread{esc(share)}"
                   + (f" [dim]({esc(parts)})[/dim]" if parts else "")
                   + (f"; background threads' CPU {esc(threads)} ms" if threads else "")
-                  + f"; host reads {r['host_reads_per_step']:g} per step; start-up (step 1, once) "
-                    f"{r.get('startup_ms', 0):.0f} ms")
+                  + f"; host reads {r['host_reads_per_step']:g} per step; " + esc(one_off_text(r)))
     if cost.get("advice"):
         console.print(f"[yellow]{esc(cost['advice'])}[/yellow]")
 

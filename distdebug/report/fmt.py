@@ -39,3 +39,17 @@ def format_finding(f: Any) -> str:
     ranks = f" rank(s) {','.join(map(str, f.ranks))}" if f.ranks else ""
     text = f"distdebug: {f.severity.value.upper()} {f.detector}{ranks}{step}: {f.subject}: {f.message}"
     return text + (f"\ndistdebug:   fix: {f.fix}" if f.fix else "")
+
+
+def one_off_text(r: dict[str, Any]) -> str:
+    """What a rank paid once (analysis.cost): start-up, re-executions, profiler windows, and the whole run's
+    figure with them spread over its steps."""
+    parts = [f"start-up (step 1) {r.get('startup_ms', 0):.0f} ms"]
+    parts += [f"{x['what']} {x['ms']:.0f} ms ({x['times']}x)" for x in r.get("one_off") or []]
+    parts += [f"profiler window steps {w['steps']} {w['extra_ms']:.0f} ms above the median step"
+              for w in r.get("profiler_windows") or []]
+    whole = r.get("whole_run_per_step_ms")
+    frac = r.get("whole_run_fraction")
+    return ("paid once: " + ", ".join(parts)
+            + (f"; with them, {whole:.3f} ms a step over the whole run" if whole is not None else "")
+            + (f" ({frac:.1%})" if frac is not None else ""))

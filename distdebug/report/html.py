@@ -23,7 +23,7 @@ from distdebug.analysis.plots import plot_data
 from distdebug.analysis.summary import RunSummary
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import Run, read_json
-from distdebug.report.fmt import memory_mb, number, rank_list
+from distdebug.report.fmt import memory_mb, number, one_off_text, rank_list
 from distdebug.report.knowledge import findings_with_advice, incidents_with_advice
 
 MAX_RANK_ROWS = 64
@@ -205,9 +205,10 @@ def _harness_cost(summary: RunSummary) -> str:
                     f"<td>{r['host_reads_per_step']:g}</td><td>{r.get('startup_ms', 0):.0f}</td></tr>")
 
         head = "".join(f"<th>{_e(k)}</th>" for k in owners)
-        parts.append(f"<table class='cost'><tr><th>rank</th><th>ms per step</th><th>of the median step</th>{head}"
-                     f"<th>host reads per step</th><th>start-up ms (once)</th></tr>"
-                     + "".join(row(rank, r) for rank, r in ranks.items()) + "</table>")
+        parts.append(f"<table class='cost'><tr><th>rank</th><th>steady ms per step</th><th>of the median step</th>"
+                     f"{head}<th>host reads per step</th><th>start-up ms (once)</th></tr>"
+                     + "".join(row(rank, r) for rank, r in ranks.items()) + "</table>"
+                     + f"<p>rank {cost['rank']}: {_e(one_off_text(ranks[str(cost['rank'])]))}</p>")
         if cost.get("advice"):
             parts.append(f"<p class='note'>{_e(cost['advice'])}</p>")
     if not parts:

@@ -13,18 +13,26 @@
 - **host synchronisations**: device-to-host reads made by the harness (the budget is one a step).
 
 What the first step costs (discovery, attach, the initial fingerprints) is start-up, paid once, and
-kept apart; the per-step counters start at the end of step 1. They are cumulative: a ``harness_cost``
+kept apart; the per-step counters start at the end of step 1. So is work done once when something is
+found (``one_off``: a step re-executed by rerun or nan_origin's on-demand watch): it is counted under
+its own name, not in any owner's per-step time, so the steady cost a user pays for staying on is read
+apart from what a finding cost once (a profiler window's cost is the training's own slowdown under the
+profiler: analysis.cost reads it from the step times). They are cumulative: a ``harness_cost``
 record carries them at the checked steps (2, 4, 8, then every 16) and at the end, so a killed run
 keeps its last one. Analysis divides by the steps and compares with the median step (``analysis.cost``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from time import perf_counter_ns
 from typing import Any
 
+PROFILER_WINDOW = "a profiler window (its start and its trace's export)"
+"""The one-off the profiler's windows are counted under; the report gives each window's whole price from its
+steps' times instead (analysis.cost.profiler_windows), which holds this."""
 SESSION = "session"
 """The owner of the session's own time (not a detector)."""
 
@@ -46,6 +54,29 @@ def timed(ledger: Ledger, owner: str, fn: Callable[..., Any], *args: Any) -> Any
         _claimed.ns = c0 + dt
 
 
+def claimed() -> int:
+    """Nanoseconds this thread's regions have claimed so far (``timed``, ``one_off``): a self-timed region (a
+    hook, a patch) takes the difference off its own time, as ``timed`` does."""
+    return getattr(_claimed, "ns", 0)
+
+
+@contextlib.contextmanager
+def one_off(what: str, ledger: Ledger | None = None, count: bool = True) -> Iterator[None]:
+    """A region of harness work done once, not every step: its time goes to ``what`` in the ledger's one-off
+    counts and is claimed, so the detector's timed region around it does not count it as per-step time.
+    count: this region is one more time of ``what`` (a window's start is not; its end is)."""
+    ledger = ledger or LEDGER
+    t0 = perf_counter_ns()
+    c0 = getattr(_claimed, "ns", 0)
+    try:
+        yield
+    finally:
+        dt = perf_counter_ns() - t0
+        inner = getattr(_claimed, "ns", 0) - c0  # what regions inside gave their owners (already counted)
+        ledger.once(what, dt - inner, count)
+        _claimed.ns = c0 + dt
+
+
 class Ledger:
     """Cumulative harness time of one rank, by owner (a detector's name, or ``session``)."""
 
@@ -60,6 +91,13 @@ class Ledger:
         self._last_step = 0
         self.off_steps = 0
         """Steps run with the detectors paused (--measure-overhead's off blocks): no detector cost."""
+        self.one_off_ns: dict[str, int] = {}
+        self.one_off_times: dict[str, int] = {}
+
+    def once(self, what: str, ns: int, count: bool = True) -> None:
+        """``ns`` of one-off work (``one_off``)."""
+        self.one_off_ns[what] = self.one_off_ns.get(what, 0) + ns
+        self.one_off_times[what] = self.one_off_times.get(what, 0) + int(count)
 
     def end_step(self, detectors: list[Any], step: int) -> None:
         """A step boundary is over: its totals are what the per-step figures are made of (what comes after
@@ -107,6 +145,8 @@ class Ledger:
             "threads_cpu_ms": {k: round(v * 1e3, 3) for k, v in sorted(self._thread_s.items())},
             "host_reads": last["reads"] - start["reads"],
             "startup_ms": {k: round(v / 1e6, 3) for k, v in sorted(start["ns"].items())},
+            "one_off_ms": {k: [round(v / 1e6, 3), self.one_off_times.get(k, 0)]
+                           for k, v in sorted(self.one_off_ns.items())},
         }
 
 

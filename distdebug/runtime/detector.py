@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 # distdebug.context); re-exported, with Detector, by distdebug.detectors.base: a plugin's import.
 from distdebug.context import RankContext, StepEvent
 from distdebug.findings import Finding, Severity
+from distdebug.runtime.cost import claimed
 
 __all__ = ["Detector", "Finding", "RankContext", "Severity", "StepEvent"]
 
@@ -88,6 +89,14 @@ class Detector:
     def before_destroy(self) -> None:
         """Called before the script destroys its process groups: release any group of your own."""
 
+    def one_off(self, what: str, count: bool = True) -> Any:
+        """A context for work done once, not every step (a profiler window's start and export, a re-execution):
+        its time is reported apart from the steady per-step cost (runtime.cost.one_off); count: one more time
+        of ``what`` (false for the first of two regions of one thing)."""
+        from distdebug.runtime.cost import one_off
+
+        return one_off(what, count=count)
+
     # ------------------------------------------------------------------ guarded hooks and patches
     off: bool = False
     """Switched off on this rank (one of its hooks or patches raised): every hook and patch passes."""
@@ -136,12 +145,13 @@ class Detector:
                 return fallback(*args, **kwargs) if fallback is not None else None
             if not det.off and not cls.paused:
                 t0 = perf_counter_ns()
+                c0 = claimed()
                 try:
                     return fn(*args, **kwargs)
                 except Exception as e:
                     det.fail(e, getattr(fn, "__qualname__", "a hook"))
-                finally:
-                    det.cost_ns += perf_counter_ns() - t0
+                finally:  # less what a one-off inside claimed (a re-execution started from a finding listener)
+                    det.cost_ns += perf_counter_ns() - t0 - (claimed() - c0)
                     det.cost_calls += 1
             return fallback(*args, **kwargs) if fallback is not None else None
 
@@ -202,6 +212,7 @@ class Detector:
             outer = getattr(local, "inner", 0)  # a patched call inside another (recursion): kept apart
             local.inner = 0
             t0 = perf_counter_ns()
+            c0 = claimed()
             try:
                 return replacement(*args, **kwargs)
             except Exception as e:
@@ -211,7 +222,7 @@ class Detector:
                 done = local.done
                 return done[0] if done is not None else original(*args, **kwargs)
             finally:
-                det.cost_ns += max(0, perf_counter_ns() - t0 - local.inner)
+                det.cost_ns += max(0, perf_counter_ns() - t0 - local.inner - (claimed() - c0))
                 det.cost_calls += 1
                 local.inner = outer
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from distdebug.runtime.cost import one_off
 from distdebug.runtime.detector import Detector
+
+REEXECUTION = "re-execution of a step"
 
 
 class Reexecution:
@@ -36,7 +39,8 @@ class Reexecution:
         self.replaying, self.replay_step = True, step
         self.replays += 1
         try:
-            yield
+            with one_off(REEXECUTION):  # a finding's price, paid once: not the per-step cost (runtime.cost)
+                yield
         finally:
             Detector.paused = paused
             self.replaying, self.replay_step = False, None

@@ -32,6 +32,7 @@ import torch
 
 from distdebug.artifacts import schema
 from distdebug.artifacts.writer import EventWriter
+from distdebug.config import OVERHEAD_AUTO
 from distdebug.context import RankContext, RankIdentity
 from distdebug.envvars import MEASURE_OVERHEAD
 from distdebug.envvars import get as env_get
@@ -96,7 +97,9 @@ class Session:
         """What tells a new training phase, and the detectors' change-over (runtime.phases)."""
         self._handles: list[Any] = []
         block = int(env_get(MEASURE_OVERHEAD) or 0)
-        self._ab = overhead.Blocks(block) if block else None  # attach --measure-overhead (runtime.overhead)
+        if block == OVERHEAD_AUTO:
+            block = overhead.default_unit(torch.cuda.is_available())
+        self._ab = overhead.Pairs(block) if block else None  # attach --measure-overhead (runtime.overhead)
         self.progress = Progress()
         """What the rank is doing, for the watchdog thread (runtime.progress)."""
         self.inflight: Any = None  # artifacts.inflight.InflightSlot when there is a run directory
@@ -307,10 +310,11 @@ class Session:
     def _next_block(self) -> None:
         """``--measure-overhead``: this step's time into its block; the detectors on or off for the next."""
         assert self._ab is not None
-        done = self._ab.step_done(self.step, time.perf_counter())
+        cpu = None if torch.cuda.is_initialized() else time.thread_time()  # see overhead.Pairs.step_done
+        done = self._ab.step_done(self.step, time.perf_counter(), cpu)
         if done is not None:
             self.emit(schema.record(schema.OVERHEAD_BLOCK, rank=self.identity.rank, time=time.time(), **done))
-        Detector.paused = not overhead.harness_on(self.step + 1, self._ab.block)
+        Detector.paused = not overhead.harness_on(self.step + 1, self._ab.unit)
 
     def _boundary(self, skipped: bool, loss_scale: float | None) -> None:
         off = Detector.paused  # --measure-overhead's off block: nothing read, no detector called

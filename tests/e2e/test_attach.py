@@ -412,3 +412,5 @@ def test_rerun_on_anomaly_is_bitwise_on_a_clean_run_and_re_executes_nothing(tmp_
     assert len(read_digests(tmp_path / "bare")) == 2
     assert [f for rank in (0, 1) for f in kinds(tmp_path / "run", rank, "finding")] == []
     assert "rerun" in json.loads((tmp_path / "run" / "manifest.json").read_text())["detectors"]
+    costs = [kinds(tmp_path / "run", rank, "harness_cost")[-1] for rank in (0, 1)]
+    assert [c["one_off_ms"] for c in costs] == [{}, {}]  # nothing paid once but start-up: nothing re-executed

@@ -45,6 +45,13 @@ def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
     text = distdebug("report", str(tmp_path)).stdout
     assert "fault injected on purpose: nan_grad on rank 1 at step 4 (param 4.weight)" in text
     assert "never acted" not in text
+    # the step re-executed to name the module (nan_origin's on-demand watch) is paid once, apart from the
+    # steady cost per step (issue 48, item 7; its clean twin: test_attach's rerun run re-executes nothing)
+    cost = json.loads(distdebug("report", "--json", str(tmp_path)).stdout)["harness_cost"]["ranks"]["1"]
+    (once,) = cost["one_off"]
+    assert (once["what"], once["times"]) == ("re-execution of a step", 1) and once["ms"] > 0
+    assert cost["whole_run_per_step_ms"] > cost["total_per_step_ms"]
+    assert "re-execution of a step" in text and "a step over the whole run" in " ".join(text.split())
 
 
 def test_a_fault_that_never_acted_is_said_in_the_report(tmp_path):

@@ -11,6 +11,7 @@ import gzip
 import json
 import re
 
+from tests.e2e.test_attach import kinds
 from tests.helpers import RECIPES, distdebug
 
 
@@ -42,6 +43,18 @@ def test_windows_hold_exactly_the_requested_steps_on_every_rank_and_are_analysed
         assert 0 < a["comm_share"] < 1 and 0 <= a["overlap_ratio"] <= 1 and 0 < a["data_share"] < 0.5
         assert a["top_ops"] and all(s["compute_us"] > 0 for s in a["steps"])
     assert "Profiler windows" in distdebug("report", str(tmp_path)).stdout
+    # the windows are paid once (their start, their steps under the profiler, their trace's export: what
+    # those steps and the one after each took above the median step), apart from the steady cost per step
+    # (issue 48, item 7): the profiler's own steady part is a set lookup a step
+    for rank in ("0", "1"):
+        cost = rep["harness_cost"]["ranks"][rank]
+        assert cost["one_off"] == []  # the window's start and export are in its price, not said twice
+        assert [w["steps"] for w in cost["profiler_windows"]] == ["3-5", "8-8"]
+        assert all(w["extra_ms"] > 0 for w in cost["profiler_windows"])
+        assert cost["per_step_ms"].get("profiler", 0.0) < 0.2
+        record = kinds(tmp_path, int(rank), "harness_cost")[-1]
+        (spent, times), = record["one_off_ms"].values()  # counted once a window, claimed from the profiler
+        assert times == 2 and spent > 0
     assert "USDT:" not in r.stderr and "profiler_start" not in r.stderr  # torch's profiler chatter stays ours
 
 

@@ -17,7 +17,7 @@ from distdebug.analysis import cost as cost_analysis
 from distdebug.analysis import overhead as ab
 from distdebug.detectors.base import Detector
 from distdebug.runtime import cost
-from distdebug.runtime.overhead import WARM, Blocks, block_index, harness_on
+from distdebug.runtime.overhead import WARM, Pairs, harness_on, on_first, unit_of
 
 
 def busy(seconds: float) -> None:
@@ -115,42 +115,53 @@ def test_startup_is_kept_apart_and_per_step_figures_count_from_the_end_of_step_1
     assert cost_analysis.summarize_cost({0: cheap})["advice"] is None  # 2% of the step: within budget
 
 
-def test_the_ab_schedule_is_decided_by_the_step_number_alone():
-    modes = [harness_on(s, 4) for s in range(1, 20)]
-    assert modes[:WARM] == [True, True]
-    assert modes[WARM:] == [True] * 4 + [False] * 4 + [True] * 4 + [False] * 4 + [True]
-    assert [block_index(s, 4) for s in (1, 2, 3, 6, 7, 11)] == [-1, -1, 0, 0, 1, 2]
+def test_the_ab_schedule_is_drawn_per_pair_from_the_step_number_alone():
+    assert [harness_on(s, 1) for s in range(1, WARM + 1)] == [True, True]
+    for unit in (1, 4):
+        modes = [harness_on(s, unit) for s in range(WARM + 1, WARM + 1 + 2 * unit * 200)]
+        units = [modes[i:i + unit] for i in range(0, len(modes), unit)]
+        assert all(len(set(u)) == 1 for u in units)  # a unit is all on or all off
+        pairs = [(units[i][0], units[i + 1][0]) for i in range(0, len(units), 2)]
+        assert all(a != b for a, b in pairs)  # one unit on, one off, in every pair
+        firsts = [a for a, _ in pairs]
+        assert 80 < sum(firsts) < 120  # the order drawn, about half each way: no period can line up with it
+        assert [on_first(k) for k in range(200)] == firsts  # the same on every rank: the pair's number alone
     assert all(harness_on(s, 0) for s in range(1, 50))
-    blocks = Blocks(4)
-    done = [blocks.step_done(s, 0.01 * s) for s in range(1, 12)]
-    # steps 3-6 are block 0 (on), 7-10 block 1 (off): each block's record comes with its last step
-    assert [d["block"] if d else None for d in done] == [None] * 5 + [0] + [None] * 3 + [1] + [None]
-    assert done[5]["on"] and not done[9]["on"] and len(done[9]["step_times_s"]) == 4
+    assert [unit_of(s, 4) for s in (3, 6, 7, 11, 19)] == [(0, 0), (0, 0), (0, 1), (1, 0), (2, 0)]
+    pairs = Pairs(1)
+    done = [pairs.step_done(s, 0.01 * s * s, 0.002 * s) for s in range(1, 9)]
+    # steps 3-4 are pair 0, 5-6 pair 1, 7-8 pair 2: each pair's record comes with its last step
+    assert [d["block"] if d else None for d in done] == [None, None, None, 0, None, 1, None, 2]
+    first = done[3]
+    on_step = 3 if on_first(0) else 4
+    assert first["on_first"] == on_first(0) and first["last_step"] == 4
+    assert first["on_s"] == [round(0.01 * (on_step ** 2 - (on_step - 1) ** 2), 7)]
+    assert first["on_cpu_s"] == [0.002] and first["off_cpu_s"] == [0.002]
 
 
-def test_the_ab_interval_holds_a_known_cost_and_the_tail_is_not_hidden():
+def test_the_ab_interval_holds_a_known_cost_in_wall_and_cpu_time():
     rng = random.Random(1)
-    blocks = []
-    drift = 1.0
-    for i in range(40):
-        if i % 2 == 0:
-            drift = 1 + 0.3 * rng.random()  # the machine changes speed between pairs, not within a pair
-        on = i % 2 == 0
-        times = [0.010 * drift * (1.10 if on else 1.0) * (1 + rng.gauss(0, 0.02)) for _ in range(8)]
-        blocks.append({"block": i, "on": on, "step_times_s": times})
-    o = ab.ab(blocks)
-    assert o is not None and o["pairs"] == 20 and o["steps"] == 320
-    assert o["ci"][0] < 0.10 < o["ci"][1] and o["ci"][1] - o["ci"][0] < 0.03
-    assert abs(o["median_fraction"] - 0.10) < 0.02
-    # a cost every 8th step (one step of each on block is 3x): the mean and the 95th percentile say it
-    spiky = [{**b, "step_times_s": [t / (1.10 if b["on"] else 1.0) for t in b["step_times_s"]]} for b in blocks]
-    for b in spiky:
-        if b["on"]:
-            b["step_times_s"][3] *= 3
+    pairs = []
+    for k in range(300):
+        machine = 1 + 0.3 * rng.random()  # the machine's speed changes between pairs, not within one
+        wait = [rng.expovariate(1 / 0.004) for _ in range(2)]  # the other rank's pace: wall time only
+        cpu = [0.010 * machine * (1 + rng.gauss(0, 0.01)) for _ in range(2)]
+        on_cpu, off_cpu = cpu[0] + 0.0005, cpu[1]  # the harness: 0.5 ms of the training thread's CPU
+        pairs.append({"block": k, "on_first": True, "on_s": [on_cpu + wait[0]], "off_s": [off_cpu + wait[1]],
+                      "on_cpu_s": [on_cpu], "off_cpu_s": [off_cpu]})
+    o = ab.ab(pairs)
+    assert o is not None and o["pairs"] == 300 and o["steps"] == 600 and o["unit"] == 1
+    assert o["cpu_ci"][0] < 0.5 / 11.5 < o["cpu_ci"][1] and o["cpu_ci"][1] - o["cpu_ci"][0] < 0.004
+    assert abs(o["cpu_per_step_ms"] - 0.5) < 0.03
+    assert o["ci"][0] < 0.5 / 15.5 < o["ci"][1]  # the wall time: the same cost, a wider interval
+    assert o["ci"][1] - o["ci"][0] > o["cpu_ci"][1] - o["cpu_ci"][0]
+    # a cost every 16th step (one on step in 8 is 3x): the mean and the 95th percentile say it
+    spiky = [{**p, "on_s": [p["off_s"][0] * (3 if k % 8 == 0 else 1)]} for k, p in enumerate(pairs)]
     o = ab.ab(spiky)
-    assert abs(o["median_fraction"]) < 0.02 and o["fraction"] > 0.15 and o["p95_fraction"] > 1.0
-    assert "harness overhead +" in ab.describe({**o, "rank": 0})
-    assert ab.ab([{"block": 0, "on": True, "step_times_s": [0.01]}]) is None  # no pair, no verdict
+    assert o["median_fraction"] < 0.1 and o["fraction"] > 0.2 and o["p95_fraction"] > 0.5
+    text = ab.describe({**o, "rank": 0})
+    assert "harness overhead +" in text and "of the wall time" in text and "the training thread's CPU time" in text
+    assert ab.ab([{"block": 0, "on": True, "step_times_s": [0.01]}]) is None  # an older run's blocks: no verdict
 
 
 def test_a_paused_detector_reads_nothing_at_the_boundary():
@@ -176,3 +187,68 @@ def test_a_paused_detector_reads_nothing_at_the_boundary():
     finally:
         Detector.paused = False
     assert made == [0]
+
+
+def test_one_off_work_is_kept_apart_from_the_steady_cost():
+    from distdebug.runtime.reexecution import REEXECUTION, Reexecution
+
+    ledger = cost.Ledger()
+    saved, cost.LEDGER = cost.LEDGER, ledger
+    try:
+        det = Probe()
+        ledger.end_step([det], 1)
+
+        def on_step_with_a_replay():
+            busy(0.002)
+            with Reexecution().replay(7):  # rerun's and nan_origin's re-execution of a flagged step
+                busy(0.2)
+
+        for step in range(2, 6):
+            cost.timed(ledger, "rerun", on_step_with_a_replay if step == 4 else lambda: busy(0.002))
+            ledger.end_step([det], step)
+    finally:
+        cost.LEDGER = saved
+    snap = ledger.snapshot()
+    # 4 x 2 ms a step: the 200 ms replay is not in it (bounds wide enough for a loaded machine's preemptions)
+    assert 7.0 <= snap["training_thread_ms"]["rerun"] < 100.0
+    (ms, times), = [snap["one_off_ms"][REEXECUTION]]
+    assert ms >= 199.0 and times == 1
+    steps = [{"step": s, "step_time_s": 0.010} for s in range(1, 6)] + [{"step": 6, "step_time_s": 0.050}]
+    rank = cost_analysis.per_rank(snap, steps, [{"steps": [6, 6]}])
+    assert rank is not None and rank["one_off"] == [{"what": REEXECUTION, "ms": ms, "times": 1}]
+    assert rank["profiler_windows"] == [{"steps": "6-6", "extra_ms": 40.0}]  # its step above the median
+    steady = rank["total_per_step_ms"]
+    assert rank["whole_run_per_step_ms"] == round(steady + (ms + 40.0 + rank["startup_ms"]) / 4, 4)
+    from distdebug.report.fmt import one_off_text
+
+    text = one_off_text(rank)
+    assert f"re-execution of a step {ms:.0f} ms (1x)" in text and "profiler window steps 6-6 40 ms" in text
+
+
+def test_a_one_off_inside_a_hook_is_not_the_hooks_steady_time():
+    # a re-execution started from a finding listener runs inside a guarded hook (Detector.guarded)
+    det = Probe()
+    ledger = cost.Ledger()
+
+    def listener(*_):
+        busy(0.002)
+        with cost.one_off("re-execution of a step", ledger):
+            busy(0.2)
+
+    det.guarded(listener)(None, None)
+    assert 0.0015e9 <= det.cost_ns < 0.1e9  # its own 2 ms, not the 200 ms re-execution
+    assert ledger.one_off_ns["re-execution of a step"] >= 0.199e9
+
+
+def test_a_pair_with_a_step_jump_is_dropped_and_cuda_has_no_cpu_figure():
+    pairs = Pairs(1)
+    done = [pairs.step_done(s, float(s), 0.5 * s) for s in (1, 2, 3, 4, 5, 7, 8, 9, 10)]  # 6 never ended
+    # pair 0 (3-4) whole; pair 1 (5-6) lost its second step: dropped, never merged with pair 2 (7-8), which
+    # starts after the jump (its first step's time would run from step 5's end): dropped; pair 3 (9-10) whole
+    assert [d["block"] for d in done if d] == [0, 3]
+    cuda = Pairs(1)
+    out = [cuda.step_done(s, float(s), None) for s in range(1, 5)][-1]
+    assert out is not None and "on_cpu_s" not in out and len(out["on_s"]) == 1  # wall only
+    from distdebug.runtime.overhead import default_unit
+
+    assert (default_unit(False), default_unit(True)) == (1, 8)

@@ -122,8 +122,8 @@ class Replay(NanOriginState):
         Named so; re-executing the forward would only show every module after them non-finite."""
         rec = self._recorder
         cap = rec.last(event.step) if rec is not None else None
-        if cap is None:
-            return None
+        if cap is None or not getattr(self, "_previous_checked", True):
+            return None  # the previous step unchecked (--measure-overhead's off step): its update may have done it
         bad = [n for n, t in zip(rec.param_names, cap.params, strict=True)  # the rare path: read here
                if t.numel() and not bool(t.isfinite().all())]
         if not bad:

@@ -26,9 +26,15 @@ from distdebug.fingerprint.hashing import local_view
 class Verdict(Replay, StateChecks):
     """``on_step``: whether the step is a finding, and which one."""
 
+    _checked_step = 0
+    _previous_checked = True
+
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         if self.ctx is None:
             return ()
+        # Whether the step before this one was checked: it is not when --measure-overhead ran it without the
+        # detectors, and then parameters found non-finite now may have been written by its update.
+        self._previous_checked, self._checked_step = self._checked_step == event.step - 1, event.step
         fwd, local = self._step_records
         self._step_records = ([], [])
         comm_in, comm_out, stage_input, shards, gathered = self._forward_records
