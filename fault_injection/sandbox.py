@@ -261,6 +261,8 @@ class Saved:
     was there was cut short)."""
     backup: Path | None = None
     """The copy of what was there; with ``existed`` None, a copy cut short: never put back, only kept."""
+    failed: str | None = None
+    """Why no copy was kept of a file that was there (the disk's error): it cannot be put back."""
 
 
 def before_save(path: str, backups: str | None, opened: bool = False) -> bool | None:
@@ -282,15 +284,21 @@ def before_save(path: str, backups: str | None, opened: bool = False) -> bool | 
         _wait_done(slot, CLAIM_WAIT_S)
         return existed
     _write_entry(slot, real, None)  # first the path: a copy cut short leaves it known, as not restorable
+    failed = None
     if existed:
-        shutil.copy2(real, slot / "original")
-    _write_entry(slot, real, existed, done=True)
+        try:
+            shutil.copy2(real, slot / "original")
+        except OSError as e:  # a full or failing disk: no copy, said at restore; the other ranks do not wait
+            failed = f"{e.strerror or e}"
+            with contextlib.suppress(OSError):
+                (slot / "original").unlink()
+    _write_entry(slot, real, existed, done=True, failed=failed)
     return existed
 
 
-def _write_entry(slot: Path, path: str, existed: bool | None, done: bool = False) -> None:
+def _write_entry(slot: Path, path: str, existed: bool | None, done: bool = False, failed: str | None = None) -> None:
     tmp = slot / f"entry.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"path": path, "existed": existed, "done": done}))
+    tmp.write_text(json.dumps({"path": path, "existed": existed, "done": done, "failed": failed}))
     os.replace(tmp, slot / "entry.json")
 
 
@@ -320,7 +328,7 @@ def saved_outside(backups: Path) -> list[Saved]:
         existed = entry.get("existed")
         original = slot / "original"
         kept = original if existed is not False and original.is_file() else None  # None: perhaps cut short
-        out.append(Saved(str(entry["path"]), existed, kept))
+        out.append(Saved(str(entry["path"]), existed, kept, entry.get("failed")))
     return sorted(out, key=lambda s: s.path)
 
 
@@ -336,6 +344,9 @@ def restore(saved: list[Saved]) -> list[str]:
             elif s.existed and s.backup is not None:
                 os.makedirs(os.path.dirname(s.path), exist_ok=True)
                 shutil.copy2(s.backup, s.path)
+            elif s.existed and s.failed:
+                problems.append(f"could not put back {s.path}: no copy of it could be kept before the clean run "
+                                f"saved over it ({s.failed})")
         except OSError as e:
             problems.append(f"could not put back {s.path}: {e.strerror or e}")
     return problems

@@ -47,6 +47,17 @@ CHATTER = (b"USDT:", b"STAGE:")
 whatever KINETO_LOG_LEVEL says: not the script's output, so they do not reach its stderr."""
 
 
+def _spool() -> Any:
+    """Where fd 2 goes for a moment: a file in memory (memfd) where Linux has it, so that a full or failing
+    $TMPDIR never turns the script's own writes to stderr in that moment into an error; else a temporary file."""
+    if hasattr(os, "memfd_create"):
+        try:
+            return os.fdopen(os.memfd_create("distdebug-profiler-stderr"), "w+b")
+        except OSError:
+            pass
+    return tempfile.TemporaryFile()
+
+
 @contextlib.contextmanager
 def _without_profiler_chatter() -> Iterator[None]:
     """Fd 2 goes to a file while torch's profiler starts or stops; then everything written there,
@@ -55,7 +66,7 @@ def _without_profiler_chatter() -> Iterator[None]:
     try:
         sys.stderr.flush()
         saved = os.dup(2)
-        spool = tempfile.TemporaryFile()
+        spool = _spool()
         os.dup2(spool.fileno(), 2)
     except Exception:  # no fd 2 to borrow: the chatter shows, nothing else changes
         yield

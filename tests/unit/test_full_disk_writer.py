@@ -102,3 +102,26 @@ def test_many_findings_never_use_up_the_room_of_a_stall_and_the_end(tmp_path):
         records, _ = read_events(path)
         kinds = [r["kind"] for r in records]
         assert kinds[-2:] == [schema.STALL, schema.END] and 20 < kinds.count(schema.FINDING) < 400
+
+
+def test_the_profilers_stderr_spool_needs_no_temporary_folder(tmp_path, capfd, monkeypatch):
+    # While torch's profiler starts or stops, fd 2 goes to a spool; with $TMPDIR full (a real tmpfs, filled),
+    # the script's own writes to stderr in that moment must still succeed and reach the real stderr.
+    import os
+    import tempfile
+
+    from distdebug.detectors import profiler
+    from tests.helpers import fill, small_fs
+
+    with small_fs(tmp_path / "tmp", 64) as full:
+        fill(full, leave_kb=0)
+
+        class FullTmp:
+            @staticmethod
+            def TemporaryFile():  # noqa: N802 (tempfile's name)
+                return tempfile.TemporaryFile(dir=full)
+
+        monkeypatch.setattr(profiler, "tempfile", FullTmp)
+        with profiler._without_profiler_chatter():
+            os.write(2, b"the script's own line, " + b"x" * 8192 + b"\n")
+    assert "the script's own line" in capfd.readouterr().err

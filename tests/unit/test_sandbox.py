@@ -343,3 +343,31 @@ def test_the_run_dirs_of_cells_whose_fault_did_not_act_are_kept(tmp_path):
     _prune(cells, keep=False)
     assert [(c.status, bool(c.run_dir), (tmp_path / c.status).exists()) for c in cells] == [
         ("caught-localised", False, False), ("did-not-act", True, True), ("miss", True, True)]
+
+
+def test_a_backup_the_disk_refuses_is_said_at_restore_and_no_rank_waits_for_it(tmp_path):
+    # The replay's work dir (where the backups go) on a file system too small for the checkpoint: the copy
+    # fails with ENOSPC; the claim still ends (the other ranks' saves do not wait out CLAIM_WAIT_S), and the
+    # restore says the path cannot be put back instead of leaving it silently overwritten.
+    import time
+
+    from tests.helpers import small_fs
+
+    outside = tmp_path / "ckpt"
+    outside.mkdir()
+    (outside / "big.pt").write_bytes(b"x" * (512 << 10))
+    with small_fs(tmp_path / "fs", 256) as fs:
+        work = fs / "distdebug-runs" / "w"
+        backups = str(work / BACKUP_FOLDER)
+        assert before_save(str(outside / "big.pt"), backups) is True
+        t0 = time.monotonic()
+        assert before_save(str(outside / "big.pt"), backups) is True  # rank 1: the claim is over at once
+        assert time.monotonic() - t0 < 5
+        (saved,) = saved_outside(Path(backups))
+        assert saved.existed and saved.backup is None and "space" in (saved.failed or "")
+        (problem,) = restore([saved])
+        assert problem.startswith(f"could not put back {outside / 'big.pt'}: no copy of it could be kept")
+    twin = tmp_path / "twin" / "distdebug-runs" / "w" / BACKUP_FOLDER  # the same on a disk with room
+    assert before_save(str(outside / "big.pt"), str(twin)) is True
+    (kept,) = saved_outside(twin)
+    assert kept.backup is not None and kept.failed is None and restore([kept]) == []
