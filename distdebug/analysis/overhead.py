@@ -51,7 +51,8 @@ def _relative(pairs: list[dict[str, Any]], on_key: str, off_key: str) -> tuple[f
 
 def ab(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """One rank's A/B from its pairs; None without a complete pair."""
-    pairs = [r for r in records if r.get("on_s") and r.get("off_s")]
+    complete = [r for r in records if r.get("on_s") and r.get("off_s")]
+    pairs = [r for r in complete if not r.get("one_off")]  # the steady cost: one-offs are counted apart
     if not pairs:
         return None
     frac, lo, hi, off_mean = _relative(pairs, "on_s", "off_s")
@@ -64,6 +65,7 @@ def ab(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         "per_step_ms": round((statistics.fmean(on) - statistics.fmean(off)) * 1e3, 4),
         "step_ms_off": round(statistics.fmean(off) * 1e3, 4), "step_ms_on": round(statistics.fmean(on) * 1e3, 4),
         "steps": len(on) + len(off), "pairs": len(pairs), "unit": len(pairs[0]["on_s"]),
+        "left_out": len(complete) - len(pairs),
     }
     if all(p.get("on_cpu_s") and p.get("off_cpu_s") for p in pairs):
         cfrac, clo, chi, cbase = _relative(pairs, "on_cpu_s", "off_cpu_s")
@@ -87,7 +89,10 @@ def describe(o: dict[str, Any]) -> str:
     unit = o.get("unit", 1)
     text = (f"harness overhead {o['fraction'] * 100:+.1f}% (95% CI {lo * 100:.1f}..{hi * 100:.1f}%) of the wall time "
             f"over {o['steps']} steps ({o['pairs']} on/off pairs of {unit} step{'s' if unit != 1 else ''}, rank "
-            f"{o['rank']}), per-step cost {o['per_step_ms']:.3f} ms (mean step {o['step_ms_off']:.2f} ms off, "
+            f"{o['rank']}"
+            + (f"; {o['left_out']} pair{'s' if o['left_out'] != 1 else ''} with one-off work left out"
+               if o.get("left_out") else "")
+            + f"), per-step cost {o['per_step_ms']:.3f} ms (mean step {o['step_ms_off']:.2f} ms off, "
             f"{o['step_ms_on']:.2f} ms on)")
     if "cpu_fraction" in o:
         clo, chi = o["cpu_ci"]

@@ -171,11 +171,11 @@ class Profiler(Detector):
             self.starts[start - 1] = (start, end)
 
     def _start(self, window: tuple[int, int]) -> None:
-        with self.one_off(PROFILER_WINDOW, count=False):  # a window's price, paid once: not the per-step cost
+        with self.one_off(PROFILER_WINDOW, count=False, opens=1):  # a window's price, paid once: not the per-step cost
             self._start_window(window)
 
     def _stop(self) -> None:
-        with self.one_off(PROFILER_WINDOW):
+        with self.one_off(PROFILER_WINDOW, opens=-1):
             self._stop_window()
 
     def _start_window(self, window: tuple[int, int]) -> None:

@@ -61,11 +61,14 @@ def claimed() -> int:
 
 
 @contextlib.contextmanager
-def one_off(what: str, ledger: Ledger | None = None, count: bool = True) -> Iterator[None]:
+def one_off(what: str, ledger: Ledger | None = None, count: bool = True, opens: int = 0) -> Iterator[None]:
     """A region of harness work done once, not every step: its time goes to ``what`` in the ledger's one-off
     counts and is claimed, so the detector's timed region around it does not count it as per-step time.
-    count: this region is one more time of ``what`` (a window's start is not; its end is)."""
+    count: this region is one more time of ``what`` (a window's start is not; its end is). opens: +1 when the
+    region opens something that lasts over steps (a profiler window), -1 when it closes it: the in-job A/B
+    leaves those steps out (runtime.overhead)."""
     ledger = ledger or LEDGER
+    ledger.windows_open += opens
     t0 = perf_counter_ns()
     c0 = getattr(_claimed, "ns", 0)
     try:
@@ -93,11 +96,16 @@ class Ledger:
         """Steps run with the detectors paused (--measure-overhead's off blocks): no detector cost."""
         self.one_off_ns: dict[str, int] = {}
         self.one_off_times: dict[str, int] = {}
+        self.one_off_regions = 0
+        """One-off regions so far: a step in which it grows did work once (the in-job A/B leaves it out)."""
+        self.windows_open = 0
+        """One-off work lasting over steps, open now (a profiler window)."""
 
     def once(self, what: str, ns: int, count: bool = True) -> None:
         """``ns`` of one-off work (``one_off``)."""
         self.one_off_ns[what] = self.one_off_ns.get(what, 0) + ns
         self.one_off_times[what] = self.one_off_times.get(what, 0) + int(count)
+        self.one_off_regions += 1
 
     def end_step(self, detectors: list[Any], step: int) -> None:
         """A step boundary is over: its totals are what the per-step figures are made of (what comes after

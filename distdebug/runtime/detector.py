@@ -89,13 +89,14 @@ class Detector:
     def before_destroy(self) -> None:
         """Called before the script destroys its process groups: release any group of your own."""
 
-    def one_off(self, what: str, count: bool = True) -> Any:
+    def one_off(self, what: str, count: bool = True, opens: int = 0) -> Any:
         """A context for work done once, not every step (a profiler window's start and export, a re-execution):
         its time is reported apart from the steady per-step cost (runtime.cost.one_off); count: one more time
-        of ``what`` (false for the first of two regions of one thing)."""
+        of ``what`` (false for the first of two regions of one thing); opens: +1 opening, -1 closing, something
+        that lasts over steps (the in-job A/B leaves those steps out)."""
         from distdebug.runtime.cost import one_off
 
-        return one_off(what, count=count)
+        return one_off(what, count=count, opens=opens)
 
     # ------------------------------------------------------------------ guarded hooks and patches
     off: bool = False

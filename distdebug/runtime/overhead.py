@@ -72,11 +72,14 @@ class Pairs:
         self.times: dict[bool, tuple[list[float], list[float | None]]] = {True: ([], []), False: ([], [])}
         self.t_end: tuple[float, float | None] | None = None
         self.last_step = 0
+        self.once = False
+        """A step of the pair being run did work once (a re-execution, a profiler window): the pair is said so,
+        and left out of the comparison (the steady cost is what it measures; one-offs are counted apart)."""
         self.in_pair = False
         """The steps since the last pair's start were all seen, in order (a step count that jumps, a new
         training phase, drops the pair it fell in)."""
 
-    def step_done(self, step: int, now: float, cpu: float | None) -> dict | None:
+    def step_done(self, step: int, now: float, cpu: float | None, once: bool = False) -> dict | None:
         """``step``'s boundary is over at ``now`` (perf_counter) with the training thread at ``cpu``
         (thread_time; None on a CUDA job, whose backward hooks run on autograd's device threads and whose
         device waits may spin: not this thread's cost); its times are kept; returns the pair's record fields
@@ -88,8 +91,10 @@ class Pairs:
         if (step - WARM - 1) % (2 * self.unit) == 0:  # a pair's first step: its time from a boundary in order
             self.in_pair = follows
             self.times = {True: ([], []), False: ([], [])}
+            self.once = False
         elif not follows:
             self.in_pair = False
+        self.once = self.once or once
         if not self.in_pair:
             return None
         wall, used = self.times[harness_on(step, self.unit)]
@@ -100,7 +105,10 @@ class Pairs:
         pair, _ = unit_of(step, self.unit)
         (on_s, on_cpu), (off_s, off_cpu) = self.times[True], self.times[False]
         self.times = {True: ([], []), False: ([], [])}
-        out = {"block": pair, "on_first": on_first(pair), "last_step": step, "on_s": _r(on_s), "off_s": _r(off_s)}
+        out: dict = {"block": pair, "on_first": on_first(pair), "last_step": step, "on_s": _r(on_s),
+                     "off_s": _r(off_s)}
+        if self.once:
+            out["one_off"] = True
         if None not in on_cpu and None not in off_cpu:
             out.update(on_cpu_s=_r(on_cpu), off_cpu_s=_r(off_cpu))  # type: ignore[arg-type]
         return out

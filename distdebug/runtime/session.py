@@ -100,6 +100,7 @@ class Session:
         if block == OVERHEAD_AUTO:
             block = overhead.default_unit(torch.cuda.is_available())
         self._ab = overhead.Pairs(block) if block else None  # attach --measure-overhead (runtime.overhead)
+        self._ab_seen_regions = 0  # the ledger's one-off regions at the last boundary (a step that did work once)
         self.progress = Progress()
         """What the rank is doing, for the watchdog thread (runtime.progress)."""
         self.inflight: Any = None  # artifacts.inflight.InflightSlot when there is a run directory
@@ -311,7 +312,10 @@ class Session:
         """``--measure-overhead``: this step's time into its block; the detectors on or off for the next."""
         assert self._ab is not None
         cpu = None if torch.cuda.is_initialized() else time.thread_time()  # see overhead.Pairs.step_done
-        done = self._ab.step_done(self.step, time.perf_counter(), cpu)
+        regions = self.ledger.one_off_regions
+        once = regions != self._ab_seen_regions or self.ledger.windows_open > 0
+        self._ab_seen_regions = regions
+        done = self._ab.step_done(self.step, time.perf_counter(), cpu, once)
         if done is not None:
             self.emit(schema.record(schema.OVERHEAD_BLOCK, rank=self.identity.rank, time=time.time(), **done))
         Detector.paused = not overhead.harness_on(self.step + 1, self._ab.unit)

@@ -252,3 +252,22 @@ def test_a_pair_with_a_step_jump_is_dropped_and_cuda_has_no_cpu_figure():
     from distdebug.runtime.overhead import default_unit
 
     assert (default_unit(False), default_unit(True)) == (1, 8)
+
+
+def test_a_pair_with_one_off_work_is_left_out_of_the_comparison():
+    # a profiler window's export or a re-execution in one step of a pair: hundreds of ms in one step, which
+    # would widen the interval and move the mean; counted apart (one_off), left out of the steady A/B
+    pairs = Pairs(1)
+    done = [pairs.step_done(s, 0.1 * s + (0.8 if s == 5 else 0.0), None, once=s == 5) for s in range(1, 9)]
+    records = [d for d in done if d]
+    assert [r.get("one_off", False) for r in records] == [False, True, False]
+    o = ab.ab(records)
+    assert o is not None and (o["pairs"], o["left_out"]) == (2, 1)
+    assert "1 pair with one-off work left out" in ab.describe({**o, "rank": 0})
+    ledger = cost.Ledger()
+    with cost.one_off("a window", ledger, count=False, opens=1):
+        pass
+    assert (ledger.one_off_regions, ledger.windows_open) == (1, 1)
+    with cost.one_off("a window", ledger, opens=-1):
+        pass
+    assert (ledger.one_off_regions, ledger.windows_open, ledger.one_off_times["a window"]) == (2, 0, 1)

@@ -108,6 +108,14 @@ def _guard(tmp_path: Path, *, expected: float, env: dict[str, str] | None = None
     return run, clock, guard
 
 
+def _stdout_guard(tmp_path: Path, expected: float) -> tuple[Path, Clock, VolumeGuard]:
+    """A guard whose launcher's stdout is a file (a batch job's output file)."""
+    out = tmp_path / "slurm.out"
+    _, clock, guard = _guard(tmp_path, expected=expected,
+                             streams=[Destination("stdout", "stdout", str(out), [str(out)])])
+    return out, clock, guard
+
+
 def _steps(guard: VolumeGuard, step: int, collectives: int = 0) -> None:
     for rank in (0, 1):
         guard.feed(rank, {"kind": schema.STEP, "step": step, "collectives": collectives})
@@ -148,9 +156,7 @@ def test_the_guard_measures_after_the_second_step_and_warns_once(tmp_path):
 
 
 def test_its_clean_twin_a_job_that_fits_says_nothing(tmp_path):
-    out = tmp_path / "slurm.out"
-    run, clock, guard = _guard(tmp_path, expected=1.0,
-                               streams=[Destination("stdout", "stdout", str(out), [str(out)])])
+    out, clock, guard = _stdout_guard(tmp_path, expected=1.0)
     _steps(guard, 2)
     guard.poll()
     _grow(out, 6000)
@@ -245,9 +251,7 @@ def _mount(path: Path) -> Path:
 
 
 def test_a_restarted_attempt_keeps_the_guard_on(tmp_path):
-    out = tmp_path / "slurm.out"
-    run, clock, guard = _guard(tmp_path, expected=1e9,
-                               streams=[Destination("stdout", "stdout", str(out), [str(out)])])
+    out, clock, guard = _stdout_guard(tmp_path, expected=1e9)
     _steps(guard, 1)
     guard.feed(0, {"kind": schema.SCRIPT_ERROR})  # the first attempt fails at step 1 (--max-restarts)
     guard.poll()
@@ -265,9 +269,7 @@ def test_a_restarted_attempt_keeps_the_guard_on(tmp_path):
 
 
 def test_a_later_look_averages_since_the_window(tmp_path):
-    out = tmp_path / "slurm.out"
-    run, clock, guard = _guard(tmp_path, expected=24.0,
-                               streams=[Destination("stdout", "stdout", str(out), [str(out)])])
+    out, clock, guard = _stdout_guard(tmp_path, expected=24.0)
     _steps(guard, 2)
     guard.poll()
     clock.now += 60
