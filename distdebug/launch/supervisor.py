@@ -151,7 +151,10 @@ class Supervisor:
                 except Exception:  # a read that failed: the guard goes without, the job goes on
                     return
             if self.guard is not None:
-                self._record(self.guard.poll(), say=True)  # its own errors turn only it off
+                try:
+                    self._record(self.guard.poll(), say=True)  # its own errors turn only it off
+                except Exception:  # writing its warning failed oddly: the warning was printed; hang detection goes on
+                    pass
             if not watching and (self.guard is None or self.guard.off):
                 return
 
