@@ -246,7 +246,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     elif code == 0 and result.never_acted:
         code, message = EXIT_NEVER_ACTED, never_acted_message(result.never_acted, result.why_not)
     node_info.update(ended=time.time(), exit_code=code, message=message,
-                     volume=guard.summary() if guard is not None else None)
+                     volume=guard.summary_within(10.0) if guard is not None else None)
     _write_or_say(node_file, node_info)
     if cfg.node_rank == 0:
         data = read_json(layout.manifest_path(run_dir)) or {}

@@ -124,15 +124,20 @@ class Supervisor:
         """The log-volume guard (launch.volume): fed the records read here, looks from this thread."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="distdebug-supervisor", daemon=True)
+        self._guard_thread = threading.Thread(target=self._guard_loop, name="distdebug-volume", daemon=True)
 
     def start(self) -> None:
         if self.stall_timeout > 0 or self.guard is not None:
             self._thread.start()
+        if self.guard is not None:
+            self._guard_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if self._guard_thread.is_alive():
+            self._guard_thread.join(timeout=2)  # a look stuck on a hung file system is left behind (a daemon)
 
     # ------------------------------------------------------------------ polling
     def _loop(self) -> None:
@@ -150,13 +155,17 @@ class Supervisor:
                     self._scan()  # the guard's records still
                 except Exception:  # a read that failed: the guard goes without, the job goes on
                     return
-            if self.guard is not None:
-                try:
-                    self._record(self.guard.poll(), say=True)  # its own errors turn only it off
-                except Exception:  # writing its warning failed oddly: the warning was printed; hang detection goes on
-                    pass
             if not watching and (self.guard is None or self.guard.off):
                 return
+
+    def _guard_loop(self) -> None:
+        """The log-volume guard's looks, on their own thread: a stat that hangs stops the guard alone."""
+        assert self.guard is not None
+        while not self._stop.wait(self.interval) and not self.guard.off:
+            try:
+                self._record(self.guard.poll(), say=True)  # its own errors turn only it off
+            except Exception:  # writing its warning failed oddly: the warning was printed
+                pass
 
     def _scan(self) -> None:
         for rank, _ in layout.rank_dirs(self.run_dir):

@@ -16,7 +16,9 @@ prediction is not checked is a guess.
 
 Cost: a stat of each local rank's files (about 14 a rank) and of each log destination, three times in
 the first minutes and once every ten minutes; records are fed by the supervisor's reads, nothing is
-read twice. Runs on the supervisor's thread; any error of its own turns it off, never the job.
+read twice. Its looks run on a thread of their own (``distdebug-volume``): a destination on a file system
+that hangs (an NFS server gone) stops the guard, never the supervisor's hang detection. Any error of its
+own turns it off, never the job.
 """
 
 from __future__ import annotations
@@ -173,7 +175,9 @@ class VolumeGuard:
         self.is_local = is_local or _descendant
         self.clock = clock
         self.started = clock()
-        self.local: set[int] = set()
+        self.local: frozenset[int] = frozenset()
+        """This launcher's ranks; replaced whole, never changed in place: ``feed`` runs on the supervisor's thread
+        and the looks on the guard's own, which iterates it."""
         self.last_step: dict[int, int] = {}
         self.collectives = 0
         """Collectives the local ranks entered in steps finished since the window started."""
@@ -224,7 +228,7 @@ class VolumeGuard:
         kind = rec.get("kind")
         if kind == schema.START:
             if rank in self.local or self.is_local(rec):
-                self.local.add(rank)
+                self.local = self.local | {rank}
                 self.last_step[rank] = 0
                 if self.ending is not None:  # a restarted attempt (--max-restarts): the job goes on
                     self.ending = self.final = None
@@ -356,6 +360,17 @@ class VolumeGuard:
         return out
 
     # ------------------------------------------------------------------ the end
+    def summary_within(self, seconds: float) -> dict[str, Any] | None:
+        """``summary()``, or a line saying why not when a destination does not answer within ``seconds`` (a
+        hung file system must not keep attach from returning the job's exit code)."""
+        import threading
+
+        out: list[dict[str, Any] | None] = []
+        worker = threading.Thread(target=lambda: out.append(self.summary()), name="distdebug-volume-end", daemon=True)
+        worker.start()
+        worker.join(seconds)
+        return out[0] if out else {"measured": False, "why": f"a destination did not answer within {seconds:g} s"}
+
     def summary(self) -> dict[str, Any] | None:
         """For the node's file: the prediction beside what was written since it (None: no window ended)."""
         if self.t1 is None:

@@ -323,3 +323,56 @@ def test_a_bad_window_variable_never_stops_a_launch(tmp_path):
     guard = VolumeGuard(tmp_path, budget=0, expected=1.0, torchrun_args=[], env={"DISTDEBUG_VOLUME_WINDOW_S": "3s"},
                         streams=[])
     assert guard.window_s == 60.0
+
+
+def test_a_look_that_hangs_stops_the_guard_alone(tmp_path):
+    # a destination on a file system that hangs (an NFS server gone): the guard's looks run on their own
+    # thread, so the supervisor goes on reading the ranks' records (its hang detection), and attach still
+    # gets its summary line in time to return the job's exit code
+    import json
+    import threading
+    import time
+
+    from distdebug.launch.supervisor import Supervisor
+
+    hung = threading.Event()
+    fed: list[dict] = []
+
+    class HungGuard:
+        off = None
+
+        def feed(self, rank, rec):
+            fed.append(rec)
+
+        def poll(self):
+            hung.wait(30)  # a stat that does not return
+            return []
+
+    events = layout.events_path(tmp_path, 0)
+    events.parent.mkdir(parents=True)
+    events.write_text(json.dumps(schema.record(schema.START, rank=0, pid=1, host=HOST)) + "\n")
+    sup = Supervisor(tmp_path, stall_timeout=60, on_hang="report", node_rank=0, expected_nodes=1, interval=0.05,
+                     guard=HungGuard())  # type: ignore[arg-type]
+    try:
+        sup.start()
+        deadline = time.monotonic() + 10
+        while not fed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(events, "a") as f:
+            f.write(json.dumps(schema.record(schema.STEP, rank=0, step=1)) + "\n")
+        while len(fed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r["kind"] for r in fed] == [schema.START, schema.STEP]  # read while the guard's look hangs
+        t0 = time.monotonic()
+        sup.stop()
+        assert time.monotonic() - t0 < 8
+    finally:
+        hung.set()
+
+    _, _, guard = _guard(tmp_path / "g", expected=1.0)
+    stuck = threading.Event()
+    guard.summary = lambda: stuck.wait(30) and None  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    assert guard.summary_within(0.2) == {"measured": False, "why": "a destination did not answer within 0.2 s"}
+    assert time.monotonic() - t0 < 5
+    stuck.set()
