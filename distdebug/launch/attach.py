@@ -195,7 +195,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     guard: VolumeGuard | None = None
     try:
         guard = VolumeGuard(run_dir, budget=cfg.run_dir_budget, expected=cfg.expected_hours,
-                            torchrun_args=cfg.torchrun_args, node_rank=cfg.node_rank)
+                            log_dir=getattr(args, "log_dir", None), node_rank=cfg.node_rank)
     except Exception as e:  # the guard is never worth a job
         print(f"distdebug: log-volume guard off ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     supervisor = supervisor_mod.Supervisor(

@@ -141,23 +141,14 @@ def _same(a: int, b: int) -> bool:
         return False
 
 
-def log_dir_of(torchrun_args: list[str]) -> str | None:
-    for i, a in enumerate(torchrun_args):
-        for name in ("--log-dir", "--log_dir"):
-            if a == name and i + 1 < len(torchrun_args):
-                return torchrun_args[i + 1]
-            if a.startswith(name + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
 class VolumeGuard:
-    def __init__(self, run_dir: Path, *, budget: int, expected: float | None, torchrun_args: list[str],
+    def __init__(self, run_dir: Path, *, budget: int, expected: float | None, log_dir: str | None,
                  env: dict[str, str] | None = None, window_s: float | None = None, recheck_s: float | None = None,
                  host: str | None = None, clock: Any = time.monotonic,
                  streams: list[Destination] | None = None, node_rank: int = 0,
                  is_local: Any = None) -> None:
-        """streams: the launcher's own output files (None: ``std_streams()``; tests give their own). is_local:
+        """log_dir: torchrun's --log-dir as torch's launcher parsed it. streams: the launcher's own output files
+        (None: ``std_streams()``; tests give their own). is_local:
         whether a rank's START record is one of this agent's ranks (None: its pid is a descendant of this
         process; by host name it would take another agent's ranks on the same host for its own)."""
         from distdebug import envvars
@@ -182,7 +173,7 @@ class VolumeGuard:
         self.collectives = 0
         """Collectives the local ranks entered in steps finished since the window started."""
         self.logs = env_logs(self.env)
-        self.dests = self._destinations(torchrun_args, std_streams() if streams is None else streams)
+        self.dests = self._destinations(log_dir, std_streams() if streams is None else streams)
         self.t0: float | None = None
         self.t1: float | None = None
         self.sizes0: dict[str, int] = {}
@@ -202,10 +193,9 @@ class VolumeGuard:
         """(when, sizes) at the first look after that: what the prediction is compared with."""
         self.off: str | None = None
 
-    def _destinations(self, torchrun_args: list[str], streams: list[Destination]) -> list[Destination]:
+    def _destinations(self, log_dir: str | None, streams: list[Destination]) -> list[Destination]:
         out = [Destination("run", "run directory", str(self.run_dir), [])]
         out += streams
-        log_dir = log_dir_of(torchrun_args)
         if log_dir:
             out.append(Destination("log_dir", f"torchrun's --log-dir ({log_dir})", log_dir, [], walk=True))
         for log in self.logs:

@@ -45,12 +45,12 @@ def timed(ledger: Ledger, owner: str, fn: Callable[..., Any], *args: Any) -> Any
     boundary runs the detectors: their time is theirs, the rest the session's). For the per-step
     places; a hook, called many times a step, times itself with two clock reads (Detector.guarded)."""
     t0 = perf_counter_ns()
-    c0 = getattr(_claimed, "ns", 0)
+    c0 = claimed()
     try:
         return fn(*args)
     finally:
         dt = perf_counter_ns() - t0
-        ledger.add(owner, dt - (getattr(_claimed, "ns", 0) - c0), 0)
+        ledger.add(owner, dt - (claimed() - c0), 0)
         _claimed.ns = c0 + dt
 
 
@@ -70,12 +70,12 @@ def one_off(what: str, ledger: Ledger | None = None, count: bool = True, opens: 
     ledger = ledger or LEDGER
     ledger.windows_open += opens
     t0 = perf_counter_ns()
-    c0 = getattr(_claimed, "ns", 0)
+    c0 = claimed()
     try:
         yield
     finally:
         dt = perf_counter_ns() - t0
-        inner = getattr(_claimed, "ns", 0) - c0  # what regions inside gave their owners (already counted)
+        inner = claimed() - c0  # what regions inside gave their owners (already counted)
         ledger.once(what, dt - inner, count)
         _claimed.ns = c0 + dt
 

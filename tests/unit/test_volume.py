@@ -21,7 +21,7 @@ from distdebug.doctor.volume import (
     static_lines,
     summary_text,
 )
-from distdebug.launch.volume import Destination, VolumeGuard, expected_hours, log_dir_of
+from distdebug.launch.volume import Destination, VolumeGuard, expected_hours
 
 HOST = "node-a"
 
@@ -81,8 +81,10 @@ def test_expected_hours_and_log_dir():
     assert hours == 2 and "Slurm" in source
     hours, source = expected_hours(None, {"SLURM_JOB_END_TIME": "7200"}, 8000)  # past: the default
     assert hours == 24 and "--expected-hours" in source
-    assert log_dir_of(["--tee", "3", "--log-dir", "/l"]) == "/l" and log_dir_of(["--log_dir=/m"]) == "/m"
-    assert log_dir_of(["--tee", "3"]) is None
+    guard = VolumeGuard(Path("/run"), budget=0, expected=1.0, log_dir="/l", streams=[])
+    assert [(d.key, d.path, d.walk) for d in guard.dests] == [("run", "/run", False), ("log_dir", "/l", True)]
+    bare = VolumeGuard(Path("/run"), budget=0, expected=1.0, log_dir=None, streams=[])
+    assert [d.key for d in bare.dests] == ["run"]
 
 
 class Clock:
@@ -99,7 +101,7 @@ def _guard(tmp_path: Path, *, expected: float, env: dict[str, str] | None = None
     for rank in (0, 1):
         layout.rank_dir(run, rank).mkdir(parents=True, exist_ok=True)
     clock = Clock()
-    guard = VolumeGuard(run, budget=budget, expected=expected, torchrun_args=[], env=env or {}, window_s=60,
+    guard = VolumeGuard(run, budget=budget, expected=expected, log_dir=None, env=env or {}, window_s=60,
                         recheck_s=600, host=HOST, clock=clock, streams=[] if streams is None else streams,
                         is_local=lambda start: start.get("host") == HOST, node_rank=node_rank)
     for rank in (0, 1):
@@ -201,7 +203,7 @@ def test_an_nccl_debug_file_is_measured_and_its_fix_given(tmp_path):
     env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL", "NCCL_DEBUG_FILE": str(tmp_path / "nccl.%h.%p")}
     run, clock, guard = _guard(tmp_path, expected=1e9, env=env)
     guard.host = f"{HOST}.example.org"  # a fully qualified name: NCCL substitutes the part before the first dot
-    guard.dests = guard._destinations([], [])
+    guard.dests = guard._destinations(None, [])
     _steps(guard, 2)
     guard.poll()
     for pid in (11, 12):
@@ -320,7 +322,7 @@ def test_the_fix_is_for_what_fills_the_disk_by_then():
 
 
 def test_a_bad_window_variable_never_stops_a_launch(tmp_path):
-    guard = VolumeGuard(tmp_path, budget=0, expected=1.0, torchrun_args=[], env={"DISTDEBUG_VOLUME_WINDOW_S": "3s"},
+    guard = VolumeGuard(tmp_path, budget=0, expected=1.0, log_dir=None, env={"DISTDEBUG_VOLUME_WINDOW_S": "3s"},
                         streams=[])
     assert guard.window_s == 60.0
 
