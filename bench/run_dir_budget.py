@@ -60,7 +60,7 @@ def tiers(folder: Path) -> dict[str, int]:
 
 def run_rank(rank: int, run: Path, steps: int, tensors: int, budget: int, out: mp.Queue) -> None:
     events, fingerprints = retention.shares(budget)
-    w = EventWriter(layout.events_path(run, rank), reserve=RESERVE, share=events)
+    w = EventWriter(layout.events_path(run, rank), reserve=RESERVE, share=events, index=True)  # as a rank
     s = SnapshotWriter(layout.rank_dir(run, rank), share=fingerprints)
     w.write(schema.record(schema.START, rank=rank, world_size=2, attempt=0))
     names = [f"layers.{i // 8}.w{i % 8}.weight" for i in range(tensors)]

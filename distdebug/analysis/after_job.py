@@ -114,7 +114,7 @@ def _post_mortem(run: Run, end: JobEnd, out: AfterJob) -> None:
 
 
 def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
-    from distdebug.analysis.diff import Roots, first_divergent_step, load_snapshots
+    from distdebug.analysis.diff import first_divergent_step, load_snapshots, scaled
     from distdebug.fingerprint.compare import divergence_finding
 
     if any(f.get("detector") == "replica_divergence" for f in run.all_findings()):
@@ -124,15 +124,22 @@ def _replicas(run: Run, run_dir: Path, out: AfterJob) -> None:
     if not size:
         return
     if size > OFFLINE_CHECK_MAX_BYTES:
-        out.notes.append(f"fingerprint snapshots are {size >> 20} MiB; run 'distdebug diff {run_dir}' to check "
-                         "the last steps offline")
-        return
-    roots: Roots = {}
-    snaps = load_snapshots(run_dir, roots)
-    found = first_divergent_step(snaps, roots)
-    if found is None:
-        return
-    step, diffs = found
+        big = scaled([run_dir])  # through the fingerprint blocks: a few KB a rank, one rank per class read
+        if big is None:
+            out.notes.append(f"fingerprint snapshots are {size >> 20} MiB; run 'distdebug diff {run_dir}' to check "
+                             "the last steps offline")
+            return
+        first = big.first()
+        if first is None:
+            return
+        step, diffs, snaps, roots = first
+    else:
+        roots = {}
+        snaps = load_snapshots(run_dir, roots)
+        found = first_divergent_step(snaps, roots)
+        if found is None:
+            return
+        step, diffs = found
     compared = sum(1 for r in set(snaps) | set(roots) if step in snaps.get(r, {}) or step in roots.get(r, {}))
     ddp = any("ddp" in (m.get("wrappers") or [])
               for s in run.ranks.values() for d in s.of_kind(schema.DISCOVERY) for m in d.get("models") or [])

@@ -13,7 +13,6 @@ to trade its coverage for time (``TRADE``).
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from distdebug.runtime.cost import PROFILER_WINDOW, SESSION
@@ -38,15 +37,16 @@ TRADE = {
 }
 
 
-def profiler_windows(steps: list[dict[str, Any]], traces: list[dict[str, Any]],
+def profiler_windows(times_s: dict[int, float], traces: list[dict[str, Any]],
                      median_ms: float | None) -> list[dict[str, Any]]:
     """Each profiler window's price: what its steps and the one after it took above the median step (ms,
     summed; at least 0). The profiler starts at the boundary before the window's first step and stops, and
     writes its trace, at the boundary after its last, and a step's time runs from boundary to boundary: the
-    start is in the first step's time, the stop and the export in the next step's."""
+    start is in the first step's time, the stop and the export in the next step's. ``times_s``: step -> its
+    time (s), for the windows' steps at least (artifacts.digest keeps those)."""
     if median_ms is None:
         return []
-    times = {int(r["step"]): float(r["step_time_s"]) * 1e3 for r in steps if r.get("step_time_s") and r.get("step")}
+    times = {int(s): float(t) * 1e3 for s, t in times_s.items()}
     out = []
     for t in traces:
         window = t.get("steps") or []
@@ -58,24 +58,22 @@ def profiler_windows(steps: list[dict[str, Any]], traces: list[dict[str, Any]],
     return out
 
 
-def per_rank(cost: dict[str, Any] | None, steps: list[dict[str, Any]],
+def per_rank(cost: dict[str, Any] | None, median_ms: float | None, times_s: dict[int, float] | None = None,
              traces: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """One rank's steady cost per step (ms) per owner, against its median step time, and what it paid once.
-    None without a record."""
+    """One rank's steady cost per step (ms) per owner, against its median step time (ms: past step 1, the
+    harness on: ``Digest.work_median_ms``), and what it paid once (``times_s``: the profiler windows' step
+    times). None without a record."""
     # Steps with the detectors paused (--measure-overhead's off blocks) cost them nothing: not counted.
     n = int((cost or {}).get("steps") or 0) - int((cost or {}).get("off_steps") or 0)
     if not cost or n <= 0:
         return None
-    times = [float(r["step_time_s"]) for r in steps
-             if r.get("step_time_s") and int(r.get("step", 0)) > 1 and r.get("harness") != "off"]
-    median_ms = statistics.median(times) * 1e3 if times else None
     owners = {k: float(v) / n for k, v in (cost.get("training_thread_ms") or {}).items()}
     threads = {k: float(v) / n for k, v in (cost.get("threads_cpu_ms") or {}).items()}
     total = sum(owners.values())
     startup = sum(float(v) for v in (cost.get("startup_ms") or {}).values())
     once = [{"what": what, "ms": float(v[0]), "times": int(v[1])} for what, v in (cost.get("one_off_ms") or {}).items()
             if what != PROFILER_WINDOW]  # held in each window's price (profiler_windows)
-    windows = profiler_windows(steps, traces or [], median_ms)
+    windows = profiler_windows(times_s or {}, traces or [], median_ms)
     paid_once = startup + sum(x["ms"] for x in once) + sum(w["extra_ms"] for w in windows)
     return {
         "steps": n,

@@ -18,7 +18,17 @@ import numpy as np
 from distdebug.artifacts import layout
 from distdebug.errors import UserError
 from distdebug.fingerprint.compare import compare, odd_ones_out, split_group
-from distdebug.fingerprint.snapshots import read_roots, read_stream, root
+from distdebug.fingerprint.snapshots import (
+    BLOCK,
+    Block,
+    merge_blocks,
+    mix,
+    read_after,
+    read_blocks_file,
+    read_roots,
+    read_stream,
+    root,
+)
 
 Snapshots = dict[int, dict[int, tuple[list[str], np.ndarray]]]  # rank -> step -> (names, values)
 Roots = dict[int, dict[int, tuple[tuple[str, ...], int]]]  # rank -> thinned step -> (names, digest of them all)
@@ -183,15 +193,204 @@ def _digest(snaps: Snapshots, roots: Roots, rank: int, step: int) -> tuple[tuple
     return roots.get(rank, {}).get(step)
 
 
+# ---------------------------------------------------------------- at scale: through the blocks
+BLOCKS_FROM_BYTES = 256 << 20
+"""Fingerprint files larger than this in all are diffed through their blocks (a thousand ranks' snapshots are
+hundreds of GB); smaller ones are read whole, as they always were."""
+
+
+class Scaled:
+    """Every rank's fingerprint blocks (fingerprint.snapshots.BlockWriter), with the steps no block covers yet
+    made into blocks here: ranks whose blocks agree agree at every step of the block, so the first block where
+    they do not is found from a few KB a rank, and only one rank per distinct block (its class) is then read,
+    and only for that block's steps."""
+
+    def __init__(self, dirs: list[Path]) -> None:
+        self.folders: dict[int, Path] = {}
+        self.lists: dict[int, list[list[str]]] = {}
+        self.blocks: dict[int, dict[int, list[Block]]] = {}  # rank -> key -> its blocks at the common width
+        self.width = BLOCK
+        self._whole: dict[int, tuple[dict, dict]] = {}
+        parsed: dict[bytes, list[list[str]]] = {}
+        raw: dict[int, list[Block]] = {}
+        for run_dir in dirs:
+            for rank, child in layout.rank_dirs(run_dir):
+                try:
+                    names = (child / layout.FINGERPRINT_NAMES).read_bytes()
+                except FileNotFoundError:
+                    continue
+                lists = parsed.get(names)
+                if lists is None:
+                    lists = parsed[names] = json.loads(names)["names"]
+                blocks = read_blocks_file(child / layout.FINGERPRINT_BLOCKS)  # OSError: none (an older run)
+                seen: dict[int, int] = {}
+                for b in blocks:
+                    if b.first <= seen.get(b.nid, -1):
+                        raise ValueError("a restarted rank's steps repeat")
+                    seen[b.nid] = b.last
+                seg, offset = max(((b.seg, b.offset) for b in blocks), default=(0, 0))  # the last flush
+                tail = read_after(child, lists, seg, offset)
+                if tail is None:
+                    raise ValueError("the steps after the last block were thinned")
+                self.folders[rank], self.lists[rank] = child, lists
+                raw[rank] = blocks + _blocks_of(tail, lists, BLOCK)
+        self.width = max([BLOCK] + [b.width for bs in raw.values() for b in bs])
+        for rank, bs in raw.items():
+            keyed: dict[int, list[Block]] = {}
+            for b in merge_blocks(bs, self.width):
+                keyed.setdefault(b.key, []).append(b)
+            self.blocks[rank] = keyed
+        if not self.blocks:
+            raise UserError(f"no fingerprint snapshots in {', '.join(map(str, dirs))}: was it run with the "
+                            "replica_divergence detector (on by default) and did it reach a step?")
+
+    def keys(self) -> list[int]:
+        return sorted(set().union(*(set(k) for k in self.blocks.values())))
+
+    def classes(self, key: int) -> dict[int, int]:
+        """rank -> the first rank whose blocks at ``key`` are the same (its class's representative)."""
+        seen: dict[bytes, int] = {}
+        out = {}
+        for rank in sorted(self.blocks):
+            got = self.blocks[rank].get(key)
+            if not got:
+                continue
+            sig = b"".join(json.dumps(self.lists[rank][b.nid]).encode() + b.acc.tobytes()
+                           + f"{b.first},{b.last},{b.steps};".encode() for b in got)
+            out[rank] = seen.setdefault(sig, rank)
+        return out
+
+    def may_differ(self, key: int) -> bool:
+        """Whether ranks may differ in the block: the block digests compared as one step's fingerprints would be
+        (by name, within replica groups); a rank with two blocks there (a names change) is looked at."""
+        rows: Snapshots = {}
+        for rank, keyed in self.blocks.items():
+            got = keyed.get(key)
+            if not got:
+                continue
+            if len(got) > 1:
+                return True
+            rows[rank] = {0: (self.lists[rank][got[0].nid], got[0].acc)}
+        return bool(diff_step(rows, 0))
+
+    def whole(self, rank: int) -> tuple[dict, dict]:
+        """A representative's snapshots and thinned steps' digests, read once."""
+        if rank not in self._whole:
+            folder, lists = self.folders[rank], self.lists[rank]
+            self._whole[rank] = (read_stream(folder, lists), read_roots(folder, lists))
+        return self._whole[rank]
+
+    def at(self, key: int) -> tuple[Snapshots, Roots, dict[int, int]]:
+        """The block's steps of one rank per class, and the classes."""
+        classes = self.classes(key)
+        lo, hi = key * self.width, (key + 1) * self.width
+        snaps: Snapshots = {}
+        roots: Roots = {}
+        for rep in sorted(set(classes.values())):
+            s, r = self.whole(rep)
+            snaps[rep] = {k: v for k, v in s.items() if lo <= k < hi}
+            roots[rep] = {k: v for k, v in r.items() if lo <= k < hi}
+        return snaps, roots, classes
+
+    def expand(self, snaps: Snapshots, roots: Roots, classes: dict[int, int], step: int) -> tuple[Snapshots, Roots]:
+        """One step of every rank, each from its class's representative."""
+        full: Snapshots = {r: {step: snaps[rep][step]} for r, rep in classes.items() if step in snaps.get(rep, {})}
+        thin: Roots = {r: {step: roots[rep][step]} for r, rep in classes.items() if step in roots.get(rep, {})}
+        return full, thin
+
+    def first(self) -> tuple[int, list[TensorDiff], Snapshots, Roots] | None:
+        for key in self.keys():
+            if not self.may_differ(key):
+                continue
+            snaps, roots, classes = self.at(key)
+            found = first_divergent_step(snaps, roots)
+            if found is not None:
+                full, thin = self.expand(snaps, roots, classes, found[0])
+                diffs = diff_step(full, found[0]) or diff_thinned(thin, found[0], full)
+                return found[0], diffs, full, thin
+        return None
+
+    def step(self, step: int) -> tuple[list[TensorDiff], Snapshots, Roots] | None:
+        """The ranks compared at ``step``; None when no rank checked it."""
+        snaps, roots, classes = self.at(step // self.width)
+        full, thin = self.expand(snaps, roots, classes, step)
+        if not full and not thin:
+            return None
+        return diff_step(full, step) or diff_thinned(thin, step, full), full, thin
+
+    def spans(self) -> tuple[str, str]:
+        """The checked steps (first..last (the most any rank checked)) and the thinned ones (each rank's roots
+        file: its first and last step and its count, three small reads)."""
+        firsts = [b.first for keyed in self.blocks.values() for bs in keyed.values() for b in bs]
+        lasts = [b.last for keyed in self.blocks.values() for bs in keyed.values() for b in bs]
+        most = max(sum(b.steps for bs in keyed.values() for b in bs) for keyed in self.blocks.values())
+        checked = f"{min(firsts)}..{max(lasts)} ({most})" if firsts else "none"
+        spans = [t for folder in self.folders.values() if (t := _roots_span(folder)) is not None]
+        thinned = (f"{min(a for a, _, _ in spans)}..{max(b for _, b, _ in spans)} ({max(n for _, _, n in spans)})"
+                   if spans else "none")
+        return checked, thinned
+
+
+def _roots_span(folder: Path) -> tuple[int, int, int] | None:
+    size = 24
+    try:
+        with open(folder / layout.FINGERPRINT_ROOTS, "rb") as f:
+            first = f.read(8)
+            n = f.seek(0, 2) // size
+            if not n:
+                return None
+            f.seek((n - 1) * size)
+            last = f.read(8)
+    except OSError:
+        return None
+    return int.from_bytes(first, "little", signed=True), int.from_bytes(last, "little", signed=True), n
+
+
+def _blocks_of(steps: dict[int, tuple[list[str], np.ndarray]], lists: list[list[str]], width: int) -> list[Block]:
+    """Blocks made here of steps no block of the rank's covers (the writer's open block when it was killed)."""
+    ids = {tuple(n): i for i, n in enumerate(lists)}
+    out: list[Block] = []
+    for step in sorted(steps):
+        names, values = steps[step]
+        nid = ids.get(tuple(names), -1)
+        last = out[-1] if out else None
+        if last is None or last.key != step // width or last.nid != nid or len(last.acc) != len(values):
+            last = Block(step, step, nid, width, 0, 0, 0, np.zeros(len(values), dtype=np.uint64))
+            out.append(last)
+        last.acc = last.acc + mix(values, step)
+        last.last, last.steps = step, last.steps + 1
+    return out
+
+
+def fingerprint_bytes(dirs: list[Path]) -> int:
+    return sum(p.stat().st_size for d in dirs for _, r in layout.rank_dirs(d)
+               for p in layout.stream_files(r / layout.FINGERPRINTS) if p.is_file())
+
+
+def scaled(dirs: list[Path]) -> Scaled | None:
+    """The blocks of a large run's ranks, or None: a small run (read whole), or one without blocks of every
+    rank (an older run, a restarted rank, a tail thinned away): read whole, right and slower."""
+    if fingerprint_bytes(dirs) <= BLOCKS_FROM_BYTES:
+        return None
+    try:
+        return Scaled(dirs)
+    except (OSError, ValueError):
+        return None
+
+
 # ---------------------------------------------------------------- distdebug diff
 def rank_result(run_dir: Path, step: int | None, nodes: list[Path] | None = None) -> dict[str, Any]:
     """``nodes``: the other run directories of the same job (each node wrote its own; checked to be one job)."""
-    roots: Roots = {}
-    snaps = load_snapshots(run_dir, roots)
     if nodes:
         from distdebug.artifacts.reader import load_runs
 
         load_runs([run_dir, *nodes])  # one line, and nothing compared, when they are not one job's
+    big = scaled([run_dir, *(nodes or [])])
+    if big is not None:
+        return _scaled_result(big, run_dir, step)
+    roots: Roots = {}
+    snaps = load_snapshots(run_dir, roots)
+    if nodes:
         for node in nodes:
             snaps.update(load_snapshots(node, roots))
     whole = steps_of(snaps)
@@ -212,6 +411,28 @@ def rank_result(run_dir: Path, step: int | None, nodes: list[Path] | None = None
         "thinned": at is not None and any(at in r for r in roots.values()),
         "not_compared": _other_names(snaps, roots, at) if at is not None else [],
         "tensors": [d.to_dict() for d in diffs],
+    }
+
+
+def _scaled_result(big: Scaled, run_dir: Path, step: int | None) -> dict[str, Any]:
+    checked, thinned_span = big.spans()
+    if step is not None:
+        got = big.step(step)
+        if got is None:
+            raise UserError(f"step {step} was not checked in {run_dir}; checked steps: {checked}")
+        diffs, full, thin = got
+        found_step = step if diffs else None
+    else:
+        first = big.first()
+        found_step, diffs, full, thin = first if first else (None, [], {}, {})
+    at = step if step is not None else found_step
+    return {
+        "mode": "ranks", "run": str(run_dir), "ranks": sorted(big.blocks), "checked_steps": checked,
+        "thinned_steps": thinned_span, "step": at, "identical": not diffs,
+        "thinned": at is not None and any(at in r for r in thin.values()),
+        "not_compared": _other_names(full, thin, at) if at is not None else [],
+        "tensors": [d.to_dict() for d in diffs],
+        "read": f"through the fingerprint blocks ({big.width} steps each): {len(big._whole)} rank(s) read whole",
     }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout, schema
-from distdebug.artifacts.reader import Follow
+from distdebug.artifacts.reader import Follow, load_indexed
 from distdebug.findings import Severity
 
 SEVERITIES = {s.value for s in Severity}
@@ -105,6 +105,13 @@ class Follower:
             live = self.ranks.setdefault(rank, RankLive(rank))
             follow = self._follow.get(path)
             if follow is None:
+                got = load_indexed(rank, path)  # a long run's rank: its index and what followed, not every line
+                if got is not None:
+                    stream, follow = got
+                    self._follow[path] = follow
+                    for rec in stream.records:
+                        live.feed(rec)
+                    continue
                 follow = self._follow[path] = Follow(path)
             for rec in follow.read():
                 live.feed(rec)

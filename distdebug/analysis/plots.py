@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.analysis.summary import RunSummary
-from distdebug.artifacts import layout, schema
+from distdebug.artifacts import layout
 from distdebug.artifacts.reader import Run, read_json
 
 MAX_STEPS = 500
@@ -47,17 +47,14 @@ def _mean_or_nan(values: list[float]) -> float | None:
     """Mean of a bin; NaN when any value is non-finite (a NaN must stay visible after binning)."""
     if not values:
         return None
+    total = sum(values)
+    if math.isfinite(total):  # the common case, in one pass (a thousand ranks' curves)
+        return total / len(values)
     if any(not math.isfinite(v) for v in values):
         return math.nan
-    return sum(values) / len(values)
+    return total / len(values)  # pragma: no cover (finite values whose sum overflows)
 
 
-def _per_step(records: list[dict], key: str) -> dict[int, float]:
-    out = {}
-    for r in records:
-        if r.get("kind") == schema.STEP and r.get(key) is not None:
-            out[int(r["step"])] = float(r[key])
-    return out
 
 
 def first_bad(findings: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -73,18 +70,26 @@ def first_bad(findings: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def plot_data(run: Run, summary: RunSummary, findings: list[dict[str, Any]]) -> dict[str, Any]:
     """Everything the page draws. ``findings``: the summary's findings as dicts (with advice)."""
-    streams = {rank: s.last_attempt() for rank, s in sorted(run.ranks.items())}
-    ranks = list(streams)
-    loss = {r: _per_step(recs, "loss") for r, recs in streams.items()}
-    times = {r: _per_step(recs, "step_time_s") for r, recs in streams.items()}
-    last = max((max(v) for v in times.values() if v), default=0)
-    size = bins(last, MAX_STEPS)
+    # Each rank's curves from its digest (artifacts.digest): per step up to 512 steps, then bucket means over
+    # a power of two of steps; a bin is a whole number of the widest buckets, so each holds whole buckets.
+    digests = {rank: s.digest for rank, s in sorted(run.ranks.items())}
+    ranks = list(digests)
+    loss = {r: d.curve.series("loss") for r, d in digests.items()}
+    times = {r: d.curve.series("step_time_s") for r, d in digests.items()}
+    last = max((min(max(ts) + d.curve.width - 1, max(d.last_step or 0, max(ts))) for r, d in digests.items()
+                if (ts := times[r])), default=0)
+    width = max([1] + [d.curve.width for d in digests.values()])
+    size = width * math.ceil(bins(last, MAX_STEPS) / width)
     starts = list(range(1, last + 1, size))
 
     def binned(series: dict[int, float]) -> list[float | None]:
-        return [_mean_or_nan([series[s] for s in range(a, a + size) if s in series]) for a in starts]
+        got: list[list[float]] = [[] for _ in starts]  # by the points there are, not the steps they span
+        for s, v in sorted(series.items()):
+            if 0 <= (i := (s - 1) // size) < len(got):
+                got[i].append(v)
+        return [_mean_or_nan(values) for values in got]
 
-    named = sorted({r for f in findings if f["severity"] != "info" for r in f["ranks"] if r in streams})
+    named = sorted({r for f in findings if f["severity"] != "info" for r in f["ranks"] if r in digests})
     rank_loss = {r: binned(loss[r]) for r in ranks}
     if len(ranks) <= MAX_LINES:
         loss_plot: dict[str, Any] = {"mode": "per_rank",

@@ -6,7 +6,6 @@ Works on partial runs: a rank without an ``end`` record is reported as ended wit
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from distdebug.analysis.errors import error_findings
 from distdebug.analysis.incidents import Incident
 from distdebug.analysis.incidents import group as group_incidents
 from distdebug.analysis.traces import analyze_run
-from distdebug.artifacts import layout, schema
+from distdebug.artifacts import layout, retention, schema
 from distdebug.artifacts.reader import Run
 from distdebug.doctor.volume import summary_text as volume_summary
 from distdebug.findings import Finding, Severity, ranks_text
@@ -121,11 +120,9 @@ def summarize(run: Run) -> RunSummary:
             thinned.setdefault(said, []).append(rank)
         start = next((r for r in records if r.get("kind") == schema.START), {})
         world_size = world_size or start.get("world_size")
-        steps = [r for r in records if r.get("kind") == schema.STEP]
+        digest = stream.digest  # the per-step figures, however the stream was read (artifacts.digest)
         injected += [r for r in records if r.get("kind") == schema.INJECTED]
         not_acted += [r for r in records if r.get("kind") == schema.NOT_ACTED]
-        losses = [r["loss"] for r in steps if r.get("loss") is not None]
-        times = [r["step_time_s"] for r in steps if r.get("step_time_s") is not None]
         disc = next((r for r in records if r.get("kind") == schema.DISCOVERY), None)
         if disc is not None and discovery is None:
             discovery = {k: disc.get(k) for k in ("models", "optimizers", "process_group", "step_source", "layout")}
@@ -153,26 +150,23 @@ def summarize(run: Run) -> RunSummary:
                 status += f", {end['write_errors']} records lost"
         models = (disc or {}).get("models") or []
         peaks = [r for r in records if r.get("kind") == schema.MEMORY_PEAK]
-        mems = [r for r in records if r.get("kind") == schema.MEMORY]  # a killed rank has no peak record
-        peak = peaks[-1] if peaks else (max(mems, key=lambda r: r.get("total", 0)) if mems else None)
+        peak = peaks[-1] if peaks else digest.memory_max  # a killed rank has no peak record
         blocks[rank] = [r for r in records if r.get("kind") == schema.OVERHEAD_BLOCK]
-        spent = [r for r in records if r.get("kind") == schema.HARNESS_COST]
-        rank_cost = cost.per_rank(spent[-1] if spent else None, steps,
+        rank_cost = cost.per_rank(digest.harness_cost, digest.work_median_ms(), digest.traced,
                                   [r for r in records if r.get("kind") == schema.TRACE])
         if rank_cost is not None:
             costs[rank] = rank_cost
-        scored = [r for r in records if r.get("kind") == schema.STRAGGLER_SCORES]
-        if scored:
-            straggler_scores = {int(k): v.get("score") for k, v in (scored[-1].get("ranks") or {}).items()}
+        if digest.straggler is not None:
+            straggler_scores = {int(k): v.get("score") for k, v in (digest.straggler.get("ranks") or {}).items()}
         ranks.append(
             RankSummary(
                 rank=rank,
                 node=start.get("node"),
                 host=start.get("host"),
-                steps=steps[-1]["step"] if steps else 0,
-                first_loss=losses[0] if losses else None,
-                last_loss=losses[-1] if losses else None,
-                median_step_time_s=statistics.median(times) if times else None,
+                steps=digest.last_step or 0,
+                first_loss=digest.first_loss,
+                last_loss=digest.last_loss,
+                median_step_time_s=digest.median_step_time_s(),
                 findings=len(rank_findings),
                 status=status,
                 wrapper=models[0].get("wrapper") if models else None,
@@ -219,15 +213,18 @@ def summarize(run: Run) -> RunSummary:
 
 def thinned_text(records: list[dict[str, Any]], rank_dir: Path) -> str | None:
     """What the run-directory budget thinned on one rank: the steps summarised (and by how many steps a
-    summary) and the steps whose fingerprints were kept as one digest; None when nothing was."""
-    windows = [r for r in records if r.get("kind") == schema.STEPS_THINNED and r.get("steps")]
+    summary) and the steps whose fingerprints were kept as one digest; None when nothing was. The summaries'
+    numbers come from the thinner's ``events.thinned.json`` where it wrote one (a rank read through its index
+    has not read its thinned file), else from the records."""
+    from distdebug.artifacts.reader import read_json
+
+    stats = read_json(rank_dir / layout.THINNED_STATS) or retention.window_stats(records)
     parts = []
-    if windows:
-        n = sum(int(r.get("steps") or 0) for r in windows)
-        sizes = sorted({int(r.get("steps") or 0) for r in windows})
-        per = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
-        parts.append(f"steps {windows[0].get('first'):,}-{windows[-1].get('last'):,}: {n:,} of them kept as "
-                     f"{len(windows):,} summaries of {per} steps (loss, step time: min/median/max), the "
+    if stats and stats.get("summaries"):
+        a, b = int(stats["smallest"]), int(stats["largest"])
+        per = f"{a:,}" if a == b else f"{a:,} to {b:,}"
+        parts.append(f"steps {stats['first']:,}-{stats['last']:,}: {int(stats['steps']):,} of them kept as "
+                     f"{int(stats['summaries']):,} summaries of {per} steps (loss, step time: min/median/max), the "
                      "steps around each finding whole")
     size = layout.FINGERPRINT_ROOT_BYTES
     try:  # the first and last digest's steps: two reads, however many steps (a thousand ranks' report)

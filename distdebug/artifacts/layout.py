@@ -18,14 +18,18 @@ STACKS_ANSWER = "stacks-now.json"
 FR_TRACE = "fr_trace.pkl"
 RUN_FINDINGS = "findings.jsonl"
 INFLIGHT = "inflight"
+INDEX = "index.json"
+ESSENTIAL = "essential.jsonl"
 FINGERPRINTS = "fingerprints.bin"
 FINGERPRINT_NAMES = "fingerprint-names.json"
 FINGERPRINT_ROOTS = "fingerprint-roots.bin"
+FINGERPRINT_BLOCKS = "fingerprint-blocks.bin"
 FINGERPRINT_ROOT_BYTES = 24
 """One record of FINGERPRINT_ROOTS: int64 step | int32 names id | int32 tensors | uint64 digest."""
 SEGMENT_TEMPLATE = "{stem}.{n:06d}{suffix}"
 """A rotated segment of an append-only stream (artifacts.retention): ``events.000003.jsonl``."""
 THINNED_TEMPLATE = "{stem}.thinned{suffix}"
+THINNED_STATS = "events.thinned.json"
 CRASH = "crash.txt"
 CHECKPOINTS = "checkpoints.jsonl"
 DOCTOR = "doctor.json"
@@ -49,6 +53,13 @@ FILES: tuple[tuple[str, str], ...] = (
     (f"{TRACES}/{TRACE_WINDOW_TEMPLATE}/{TRACE_FILE_TEMPLATE}",
      "a profiler window of each rank: torch's gzip Chrome trace (--profile-steps, --profile-on-finding)"),
     (f"{RANK_DIR_TEMPLATE}/{EVENTS}", "per rank, append-only JSON Lines: the record kinds below"),
+    (f"{RANK_DIR_TEMPLATE}/{ESSENTIAL}", "per rank, every record of events.jsonl but the per-step ones, each "
+                                         "with its position in the stream (\"i\"): what readers at scale read "
+                                         "instead of the whole stream (artifacts.writer.Indexer)"),
+    (f"{RANK_DIR_TEMPLATE}/{INDEX}", "per rank, rewritten every 256 records: the position in events.jsonl it "
+                                     "covers and a digest of the per-step records up to there (last step, first "
+                                     "and last loss, step-time histogram, curves, the last 64 step records: "
+                                     "artifacts.digest)"),
     (f"{RANK_DIR_TEMPLATE}/.{EVENTS}.reserve", "while the rank runs: disk space held back (zeros) for its findings, "
                                                 "a stall and its end record if the disk fills (artifacts.writer)"),
     (f"{RANK_DIR_TEMPLATE}/{INFLIGHT}", "the collective the rank is inside now (memory-mapped; survives a crash)"),
@@ -61,6 +72,9 @@ FILES: tuple[tuple[str, str], ...] = (
     (f"{RANK_DIR_TEMPLATE}/{CRASH}", "on a fatal signal (SIGABRT, SIGSEGV): faulthandler stacks (empty otherwise)"),
     (f"{RANK_DIR_TEMPLATE}/{FINGERPRINTS}", "per checked step, a fingerprint per replicated tensor (binary, "
                                             "append-only; read by distdebug diff)"),
+    (f"{RANK_DIR_TEMPLATE}/{FINGERPRINT_BLOCKS}", "per block of steps, a digest per tensor of its fingerprints over "
+                                                  "the block (binary; diff finds the first block that differs, "
+                                                  "then reads only the ranks and steps it needs)"),
     (f"{RANK_DIR_TEMPLATE}/{FINGERPRINT_NAMES}", "the tensor names those fingerprints refer to"),
     (f"{RANK_DIR_TEMPLATE}/events.{{n:06d}}.jsonl",
      "rotated segments of events.jsonl once it reaches its part of --run-dir-budget (artifacts.retention): "
@@ -68,6 +82,9 @@ FILES: tuple[tuple[str, str], ...] = (
     (f"{RANK_DIR_TEMPLATE}/events.thinned.jsonl", "the segments that left the ring: every record but the "
                                                   "per-step ones, the steps around each finding, and one "
                                                   "steps_thinned summary per window of steps"),
+    (f"{RANK_DIR_TEMPLATE}/{THINNED_STATS}", "what events.thinned.jsonl's summaries hold (summaries, steps, the "
+                                             "smallest and largest window, the first and last step): the report's "
+                                             "'thinned' line without reading it"),
     (f"{RANK_DIR_TEMPLATE}/fingerprints.{{n:06d}}.bin", "rotated segments of fingerprints.bin (as events)"),
     (f"{RANK_DIR_TEMPLATE}/fingerprints.thinned.bin", "the steps around each finding, from segments that left "
                                                       "the ring (same format as fingerprints.bin)"),
@@ -129,6 +146,16 @@ def node_path(run_dir: Path, node: int) -> Path:
 
 def rank_dir(run_dir: Path, rank: int) -> Path:
     return run_dir / RANK_DIR_TEMPLATE.format(rank=rank)
+
+
+def index_path(events: Path) -> Path:
+    """The index of the event stream whose live file is ``events``."""
+    return events.with_name(INDEX)
+
+
+def essential_path(events: Path) -> Path:
+    """The essential records of the event stream whose live file is ``events``."""
+    return events.with_name(ESSENTIAL)
 
 
 def events_path(run_dir: Path, rank: int) -> Path:

@@ -9,16 +9,33 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout, schema
+from distdebug.artifacts.digest import Digest
 from distdebug.artifacts.schema import SCHEMA_VERSION
 
 
 @dataclass
 class RankStream:
-    """All records of one rank; ``damaged_lines`` counts lines that were cut off or unreadable."""
+    """One rank's records; ``damaged_lines`` counts lines that were cut off or unreadable.
+
+    Read whole (``indexed`` False), ``records`` are all the stream holds. Read through the rank's index
+    (load_rank), they are every record but the per-step ones, the last RECENT per-step records before the
+    index's position and everything after it, in the order written; what the others held is in ``digest``
+    (artifacts.digest), which a stream read whole also gives (fed its records): readers of per-step figures
+    read ``digest``, never the step records themselves."""
 
     rank: int
     records: list[dict] = field(default_factory=list)
     damaged_lines: int = 0
+    indexed: bool = False
+    _digest: Digest | None = None
+
+    @property
+    def digest(self) -> Digest:
+        if self._digest is None:
+            self._digest = Digest()
+            for r in self.records:
+                self._digest.feed(r)
+        return self._digest
 
     def of_kind(self, kind: str) -> list[dict]:
         return [r for r in self.records if r.get("kind") == kind]
@@ -83,6 +100,16 @@ class Follow:
         """The number the file being read will have once rotated; None before the first read."""
         self._ino: int | None = None
         self.gaps = 0
+        self.damaged = 0
+        """Whole lines that did not parse (a line the disk cut, then ended by the next record's write)."""
+
+    @classmethod
+    def at(cls, live: Path, next_segment: int, offset: int, ino: int) -> Follow:
+        """A follower that has read the stream up to ``offset`` of the file that becomes segment
+        ``next_segment`` (a rank's index's position): its first read returns only what came after."""
+        f = cls(live)
+        f.next, f.offset, f._ino = next_segment, offset, ino
+        return f
 
     def read(self) -> list[dict]:
         for _ in range(3):  # a rotation between opening the live file and listing the segments: again
@@ -160,10 +187,100 @@ class Follow:
             try:
                 rec = json.loads(line)
             except ValueError:
+                self.damaged += bool(line.strip())
                 continue
             if isinstance(rec, dict):
                 out.append(rec)
         return out
+
+
+@dataclass
+class Index:
+    """A rank's ``index.json`` (artifacts.writer.Indexer)."""
+
+    next: int
+    offset: int
+    ino: int
+    essential_bytes: int
+    damaged: int
+    digest: Digest
+
+
+def read_index(live: Path) -> Index | None:
+    data = read_json(layout.index_path(live))
+    if data is None or data.get("v") != 1:
+        return None
+    try:
+        pos = data["pos"]
+        return Index(int(pos["next"]), int(pos["offset"]), int(pos["ino"]), int(data["essential_bytes"]),
+                     int(data.get("damaged") or 0), Digest.from_json(data["digest"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def indexed_tail(live: Path) -> tuple[Index, list[dict], Follow] | None:
+    """A stream's index and the records written after its position; None when it has no index, or one the
+    stream no longer matches (a segment thinned before it was indexed, a file shorter than the position)."""
+    index = read_index(live)
+    if index is None:
+        return None
+    segs = layout.segments(live)
+    done = segs[-1][0] + 1 if segs else 0
+    try:
+        size = live.stat().st_size
+    except OSError:
+        size = 0
+    if done < index.next or (done == index.next and size < index.offset) or \
+            (index.next < done and index.next not in dict(segs)):  # thinned before it was read past
+        return None
+    follow = Follow.at(live, index.next, index.offset, index.ino)
+    tail = follow.read()
+    if follow.gaps:
+        return None
+    index.damaged += follow.damaged + bool(follow.partial)
+    return index, tail, follow
+
+
+def load_rank(rank: int, folder: Path) -> RankStream:
+    """One rank's stream, through its index where it has one that matches (a few hundred records read,
+    whatever the run's length), else read whole."""
+    live = folder / layout.EVENTS
+    got = load_indexed(rank, live)
+    if got is not None:
+        return got[0]
+    records, damaged = read_stream(live)
+    return RankStream(rank, records, damaged)
+
+
+def load_indexed(rank: int, live: Path) -> tuple[RankStream, Follow] | None:
+    """A rank's stream read through its index, and a follower of the stream from where that read ended (``top``
+    goes on from there); None when the rank has no index that matches its stream."""
+    found = indexed_tail(live)
+    if found is not None:
+        index, tail, follow = found
+        try:
+            with open(layout.essential_path(live), "rb") as f:
+                data = f.read(index.essential_bytes)
+        except OSError:
+            data = b""
+        if len(data) == index.essential_bytes:
+            kept: list[tuple[int, dict]] = []
+            for raw in data.split(b"\n"):
+                try:
+                    rec = json.loads(raw) if raw.strip() else None
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict) and isinstance(rec.get("i"), int):
+                    kept.append((rec.pop("i"), rec))
+            digest = index.digest
+            kept += [(i, dict(r)) for i, r in digest.recent_records()]
+            kept.sort(key=lambda x: x[0])
+            for r in tail:
+                digest.feed(r)
+            records = [r for _, r in kept] + [r for r in tail
+                                              if isinstance(r, dict) and int(r.get("v", 0)) <= SCHEMA_VERSION]
+            return RankStream(rank, records, index.damaged, True, digest), follow
+    return None
 
 
 def read_json(path: Path) -> dict | None:
@@ -205,8 +322,7 @@ def load_run(run_dir: Path) -> Run:
     """Load everything a run directory holds; missing pieces are simply absent."""
     ranks: dict[int, RankStream] = {}
     for rank, child in layout.rank_dirs(run_dir):
-        records, damaged = read_stream(child / layout.EVENTS)
-        ranks[rank] = RankStream(rank, records, damaged)
+        ranks[rank] = load_rank(rank, child)
     nodes: dict[int, dict] = {}
     for _, f in layout.node_files(run_dir):
         data = read_json(f)

@@ -56,7 +56,7 @@ REPEATED_FINDINGS = 10
 """Once its thinned file is over its cap, a stream keeps this many findings of one detector and subject."""
 MOST_KEPT_FINDINGS = 200
 """Findings a thinned file keeps at the last resort (the first ones; the rest counted)."""
-BULK = frozenset({schema.STEP, schema.MEMORY, schema.HARNESS_COST, schema.STRAGGLER_SCORES})
+BULK = schema.BULK
 """The per-step kinds that thinning summarises; every other record is kept as written."""
 
 
@@ -418,6 +418,25 @@ def _merge_pass(records: list[dict]) -> tuple[list[dict], bool]:
 
 def _size(records: list[dict]) -> int:
     return sum(len(json.dumps(r, separators=(",", ":"), default=str)) + 1 for r in records)
+
+
+def window_stats(records: Iterable[dict], before: dict | None = None) -> dict | None:
+    """What the thinned file's summaries hold, in a few numbers (``events.thinned.json``, beside it, so that a
+    reader at scale says what was thinned without reading the file): summaries, steps, the smallest and
+    largest window, the first and last step; ``before``: the same of what the file held already."""
+    out = dict(before) if before else None
+    for r in records:
+        n = r.get("steps")
+        if r.get("kind") != schema.STEPS_THINNED or not n:
+            continue
+        if out is None:
+            out = {"summaries": 0, "steps": 0, "smallest": n, "largest": n, "first": r.get("first"),
+                   "last": r.get("last")}
+        out["summaries"] += 1
+        out["steps"] += int(n)
+        out["smallest"], out["largest"] = min(out["smallest"], n), max(out["largest"], n)
+        out["last"] = r.get("last")
+    return out
 
 
 def fit_thinned(records: list[dict], cap: int) -> list[dict]:

@@ -34,6 +34,9 @@ STEPS_THINNED = "steps_thinned"  # a window of steps past the run-directory budg
 KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED, NOT_ACTED,
          STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK, PROBE, WRITE_FAILED,
          STEPS_THINNED)
+BULK = frozenset({STEP, MEMORY, HARNESS_COST, STRAGGLER_SCORES})
+"""The per-step kinds, the bulk of a stream: thinned past the budget's ring (artifacts.retention), digested for
+the readers at scale (artifacts.digest); every other kind is rare and kept as written."""
 ESSENTIAL = frozenset({START, FINDING, SCRIPT_ERROR, END, STALL, STALL_CLEARED, INJECTED, NOT_ACTED, WRITE_FAILED})
 """What a rank keeps writing once its writes have failed (artifacts.writer): who it was, what was found, a stall
 (the hang verdict reads it), how it ended; the per-step records, the bulk, are dropped."""

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from distdebug.artifacts import layout, retention, schema
@@ -26,6 +27,13 @@ LAST = 16 * 1024
 """The part of the reserve only a stall and the end may take: many findings, or a long evaluation's repeated
 stall warnings, never use up the room of a real hang's stall record or of the end record."""
 LAST_KINDS = frozenset({schema.STALL, schema.END})
+INDEX_EVERY = 256
+"""Records between two saves of a rank's index: a reader reads at most this many records past it (a killed rank's
+tail), and a save (a few tens of KB, written aside and renamed) costs the writing thread about a microsecond a
+record."""
+ESSENTIAL_PART = 1 / 8
+"""The essential file's part of the events' share of the budget; past it the index stops (stays as last saved:
+readers read the stream past it, whole and slower, never wrong)."""
 
 
 def os_error_text(e: OSError) -> str:
@@ -49,11 +57,12 @@ class EventWriter:
     """
 
     def __init__(self, path: Path, reserve: int = 0, label: str = "",
-                 share: retention.Share | None = None) -> None:
+                 share: retention.Share | None = None, index: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        self._size, self._ino = st.st_size, st.st_ino
         self.share = share
         self.pins = retention.Pins()
         """Each finding's neighbourhood: kept whole when its segment is thinned."""
@@ -64,11 +73,16 @@ class EventWriter:
             self.thinner = retention.Thinner(lambda: self._thin(share), f"distdebug-thin-{path.parent.name}")
             retention.recover_pins(self.pins, path)
         self._lock = threading.Lock()
+        self._redact = Redactor()  # secrets never land in the run directory (artifacts.redact)
+        self.indexer: Indexer | None = None
+        if index:
+            self.indexer = Indexer(path, int(share.total * ESSENTIAL_PART) if share is not None else None,
+                                   self._redact)
+            self.indexer.resume(self._position())
         self.failed_writes = 0
         self.degraded = False
         """Writes failed once: only the essential records are written from then on."""
         self.label = label or str(path)
-        self._redact = Redactor()  # secrets never land in the run directory (artifacts.redact)
         self._cut = False
         self._last_step: int | None = None  # the step of the last record written that had one
         self._reserve: Path | None = None
@@ -89,6 +103,8 @@ class EventWriter:
                 return
             error = self._write(line)
             if error is None:
+                if self.indexer is not None:
+                    self.indexer.note(record, line, self._position)
                 if isinstance(record.get("step"), int):
                     self._last_step = record["step"]
                     if record.get("kind") == schema.FINDING:
@@ -101,6 +117,8 @@ class EventWriter:
             floor = 0 if record.get("kind") in LAST_KINDS else LAST
             if record.get("kind") in schema.ESSENTIAL and self._give_back(len(line) + 4096, floor) \
                     and self._write(line) is None:
+                if self.indexer is not None:
+                    self.indexer.note(record, line, self._position)
                 return  # the reserve made room for an essential record
             self.failed_writes += 1
 
@@ -117,6 +135,8 @@ class EventWriter:
         if n >= len(line) - 1:  # whole (a record cut just before its newline is whole too: never written twice)
             self._cut = n < len(line)
             return None
+        if n > 0 and self.indexer is not None:
+            self.indexer.damaged += 1  # a cut line: every reader skips it, and counts it
         self._cut = n > 0 or self._cut
         return OSError(errno.ENOSPC, "short write (the file system is full)")
 
@@ -141,10 +161,13 @@ class EventWriter:
             self._rotation = self.share = None  # go on writing into the segment: nothing is lost
             return
         old, self._fd, self._size, self._cut = self._fd, fd, 0, False
+        self._ino = os.fstat(fd).st_ino
         try:
             os.close(old)
         except OSError:  # a deferred write error (NFS): the segment keeps what reached it
             pass
+        if self.indexer is not None:
+            self.indexer.save(self._position())
         if self.thinner is not None:
             self.thinner.after_rotation(self._rotation)
 
@@ -155,19 +178,30 @@ class EventWriter:
         from distdebug.artifacts.reader import read_events
 
         thinned = layout.thinned_path(self.path)
+        stats_path = self.path.with_name(layout.THINNED_STATS)
         for seg in retention.Rotation(self.path, share.ring).leaving_ring():
             try:
                 records, _ = read_events(seg)
-                data = b"".join(_line(r) for r in retention.thin_events(records, self.pins.covers))
-                append_whole(thinned, data)
+                out = retention.thin_events(records, self.pins.covers)
+                append_whole(thinned, b"".join(_line(r) for r in out))
             except OSError:
                 return
+            from distdebug.artifacts.reader import read_json
+
+            stats = retention.window_stats(out, read_json(stats_path))
             try:
                 if thinned.stat().st_size > share.thinned:
                     kept, _ = read_events(thinned)
-                    replace_whole(thinned, b"".join(_line(r) for r in retention.fit_thinned(kept, share.thinned)))
+                    fitted = retention.fit_thinned(kept, share.thinned)
+                    replace_whole(thinned, b"".join(_line(r) for r in fitted))
+                    stats = retention.window_stats(fitted)
             except OSError:
                 pass  # over its cap until the next thinning: nothing lost, nothing twice
+            try:
+                if stats is not None:
+                    replace_whole(stats_path, json.dumps(stats).encode())
+            except OSError:
+                pass  # a report of a long run then reads the thinned file to say it
             try:
                 seg.unlink()
             except OSError:
@@ -176,6 +210,8 @@ class EventWriter:
     def _degrade(self, error: OSError, lost: dict) -> None:
         """The first failure: say it once, give back the reserve, record what happened (essential)."""
         self.degraded = True
+        if self.indexer is not None:  # the index stays as last saved: readers read what follows from the stream
+            self.indexer.stop()
         reason = os_error_text(error)
         try:
             print(f"distdebug: {self.label}: writing the run directory failed ({reason}); from here on only "
@@ -208,14 +244,129 @@ class EventWriter:
             self._reserve = None
             return False
 
+    def _position(self) -> tuple[int, int, int]:
+        """Where the next record goes: (the live file's segment number once rotated, its size, its inode)."""
+        return (self._rotation.next if self._rotation is not None else 0), self._size, self._ino
+
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
+                if self.indexer is not None:
+                    self.indexer.close(self._position())
                 os.close(self._fd)
                 self._fd = None
             self._give_back(0)
         if self.thinner is not None:
             self.thinner.stop(5.0)  # a rank's end waits for the thinning in hand, a few seconds at most
+
+
+class Indexer:
+    """A rank's index of its event stream (issue 48, reading at scale), kept by its writer as it writes: every
+    record but the per-step ones appended to ``essential.jsonl`` with its position in the stream (``"i"``), and
+    every INDEX_EVERY records (and at each rotation, and at the end) ``index.json``: the stream position it
+    covers (segment number, offset, inode), the essential file's size then, and the digest of every record up
+    to there (artifacts.digest). A reader reads these and the stream past the position: a few hundred records,
+    not the run (artifacts.reader.load_rank).
+
+    Never in the way: any failure (a full disk, the essential file past its part of the budget) stops the index
+    where it was last saved, which stays right: readers read the stream past it (slower, never wrong). A
+    restarted rank (elastic) takes the index up again from what the stream holds past it; a stream with no
+    index of its own (written by an older version) stays without one."""
+
+    def __init__(self, live: Path, cap: int | None, redact: Callable[[str], str] = str) -> None:
+        from distdebug.artifacts.digest import Digest
+
+        self.live = live
+        self._redact = redact  # the writer's: the index holds records too
+        self.index_path = layout.index_path(live)
+        self.essential_path = layout.essential_path(live)
+        self.cap = cap
+        self.on = True
+        self.damaged = 0
+        """Records the disk cut (their lines are skipped by every reader, and counted)."""
+        self.digest = Digest()
+        self._since = 0
+        self._essential_fd: int | None = None
+        self._essential_size = 0
+
+    def resume(self, position: tuple[int, int, int]) -> None:
+        """At the writer's open: a new stream starts a new index; one that holds records goes on from its index
+        and what follows it (a restarted rank), or goes without when it has none."""
+        try:
+            fresh = position[:2] == (0, 0) and not layout.segments(self.live)
+            if fresh:
+                self.index_path.unlink(missing_ok=True)
+                self._essential_fd = os.open(self.essential_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                                             0o644)
+                return
+            from distdebug.artifacts.reader import indexed_tail
+
+            found = indexed_tail(self.live)
+            if found is None:
+                self.on = False
+                return
+            index, tail, _ = found
+            self.digest = index.digest
+            self.damaged = index.damaged
+            self._essential_fd = os.open(self.essential_path, os.O_WRONLY | os.O_APPEND)
+            os.ftruncate(self._essential_fd, index.essential_bytes)  # what followed is in the tail: written again
+            self._essential_size = index.essential_bytes
+            for r in tail:
+                self.note(r, _line(r), None)
+            self.save(position)
+        except (OSError, ValueError):
+            self.stop()
+
+    def note(self, record: dict, line: bytes, position: Callable[[], tuple[int, int, int]] | None) -> None:
+        """A record written whole to the stream (under the writer's lock)."""
+        if not self.on:
+            return
+        seq = self.digest.seq
+        try:
+            self.digest.feed(record, line[:-1].decode() if record.get("kind") in schema.BULK else None)
+            if record.get("kind") not in schema.BULK:
+                entry = b'{"i":%d,' % seq + line[1:]
+                if self.cap is not None and self._essential_size + len(entry) > self.cap:
+                    self.stop()
+                    return
+                assert self._essential_fd is not None
+                if os.write(self._essential_fd, entry) != len(entry):
+                    self.stop()
+                    return
+                self._essential_size += len(entry)
+        except Exception:  # noqa: BLE001 (an odd record, a full disk: the index stops, the stream goes on)
+            self.stop()
+            return
+        self._since += 1
+        if self._since >= INDEX_EVERY and position is not None:
+            self.save(position())
+
+    def save(self, position: tuple[int, int, int]) -> None:
+        if not self.on:
+            return
+        self._since = 0
+        nxt, offset, ino = position
+        head = json.dumps({"v": 1, "pos": {"next": nxt, "offset": offset, "ino": ino},
+                           "essential_bytes": self._essential_size, "damaged": self.damaged})
+        try:
+            # The digest's records are their lines as written (redacted); the rest is numbers.
+            replace_whole(self.index_path, f'{head[:-1]},"digest":{self.digest.dumps()}}}'.encode())
+        except (OSError, ValueError):
+            self.stop()
+
+    def stop(self) -> None:
+        """The index stays as last saved (right, and readers read the stream past it)."""
+        self.on = False
+        if self._essential_fd is not None:
+            try:
+                os.close(self._essential_fd)
+            except OSError:
+                pass
+            self._essential_fd = None
+
+    def close(self, position: tuple[int, int, int]) -> None:
+        self.save(position)
+        self.stop()
 
 
 def _line(record: dict) -> bytes:

@@ -28,6 +28,15 @@ from distdebug.artifacts import layout, retention
 from distdebug.artifacts.writer import append_whole, os_error_text, replace_whole
 
 _HEAD = struct.Struct("<qii")
+_BLOCK = struct.Struct("<qqiiqqiq")
+"""A record of fingerprint-blocks.bin: first step | last step | names id | tensors | width | steps | the segment
+number and offset in fingerprints.bin just after its last step; then a uint64 digest per tensor."""
+BLOCKS_PART = 32
+"""The blocks file's cap is this fraction (1/32) of the fingerprints' share: a 1,000-tensor model's 1.3 M steps
+are 10 MB of blocks, 6 MiB at the default budget (merged once)."""
+BLOCK = 1024
+"""Steps per block (aligned on step numbers: every rank cuts the same blocks), before blocks merge under their
+file's cap (the width doubles)."""
 _ROOT = np.dtype([("step", "<i8"), ("names", "<i4"), ("count", "<i4"), ("root", "<u8")])
 assert _ROOT.itemsize == layout.FINGERPRINT_ROOT_BYTES
 
@@ -57,6 +66,8 @@ class SnapshotWriter:
             if share is not None else None
         self.stopped: tuple[int, str] | None = None
         """(the first step not written, why) once a write failed."""
+        self.blocks = BlockWriter(rank_dir / layout.FINGERPRINT_BLOCKS,
+                                  share.total // BLOCKS_PART if share is not None else None)
 
     def write(self, step: int, fps: dict[str, int]) -> None:
         if self.stopped is not None:
@@ -82,11 +93,17 @@ class SnapshotWriter:
             os.replace(tmp, self.names_path)
         values = np.fromiter((fps[n] for n in names), dtype=np.uint64, count=len(names))
         data = _HEAD.pack(step, nid, len(names)) + values.tobytes()
+        before = self._position()
         if os.write(self._fd, data) != len(data):
             raise OSError(errno.ENOSPC, "short write (the file system is full)")
         self._size += len(data)
         if self.share is not None and self._size > self.share.segment:
             self._rotate()
+        self.blocks.add(step, nid, values, before)
+
+    def _position(self) -> tuple[int, int]:
+        """Where the next record goes: (the live file's segment number once rotated, its size)."""
+        return (self._rotation.next if self._rotation is not None else 0), self._size
 
     def _rotate(self) -> None:
         assert self._rotation is not None and self.share is not None
@@ -139,10 +156,152 @@ class SnapshotWriter:
 
     def close(self, settle: bool = True) -> None:
         if self._fd >= 0:
+            self.blocks.close(self._position())
             os.close(self._fd)
             self._fd = -1
         if settle and self.thinner is not None:
             self.thinner.stop(5.0)  # the rank's end waits for the thinning in hand, a few seconds at most
+
+
+class BlockWriter:
+    """A rank's fingerprint blocks (issue 48, reading at scale): per block of BLOCK steps and tensor, the sum
+    over the block's steps of a 64-bit mix of the step and the tensor's fingerprint (``mix``). Two ranks that
+    agree on a tensor at every step of a block have the same sum; a sum, so that blocks merge by adding when
+    the file passes its cap (``cap``: the width doubles; every rank of a job merges alike). ``distdebug diff``
+    compares blocks to find the first one where ranks differ, then reads one rank per distinct block and only
+    that block's steps (analysis.diff). Each names list (a tensor set) has blocks of its own: a detector that
+    alternates two lists keeps two blocks open, one per list.
+
+    Never in the way: a failure (a full disk), or a file that merging cannot bring under its cap, turns the
+    blocks off (``on``); diff then reads the steps after the last block from the stream, as for a killed rank."""
+
+    def __init__(self, path: Path, cap: int | None) -> None:
+        self.path = path
+        self.cap = cap
+        self.on = True
+        self.width = BLOCK
+        self._open: dict[int, list] = {}  # names id -> [key, first, last, steps, acc]
+        self._size = 0
+        try:
+            self._size = path.stat().st_size
+            if self._size:
+                self.width = max([BLOCK] + [b.width for b in read_blocks_file(path)])
+        except OSError:
+            self._size = 0
+
+    def add(self, step: int, nid: int, values: np.ndarray, before: tuple[int, int]) -> None:
+        """Step ``step``'s fingerprints (names list ``nid``), written to the stream at ``before`` (its segment
+        number and offset). A new key (the next block), a list whose length changed, or a step that does not
+        follow its list's last (a restart) closes every open block: each block record then says where in the
+        stream the steps no block covers begin (``before``), so that a reader reads only those."""
+        if not self.on:
+            return
+        key = step // self.width
+        cur = self._open.get(nid)
+        if self._open and (cur is not None and (len(cur[4]) != len(values) or step <= cur[2])
+                           or any(c[0] != key for c in self._open.values())):
+            self._flush(before)
+            cur = None
+        if cur is None:
+            cur = self._open[nid] = [key, step, step, 0, np.zeros(len(values), dtype=np.uint64)]
+        np.add(cur[4], mix(values, step), out=cur[4])
+        cur[2], cur[3] = step, cur[3] + 1
+
+    def _flush(self, position: tuple[int, int]) -> None:
+        opened, self._open = self._open, {}
+        if not opened or not self.on:
+            return
+        seg, offset = position
+        data = b"".join(_BLOCK.pack(first, last, nid, len(acc), self.width, steps, seg, offset) + acc.tobytes()
+                        for nid, (_, first, last, steps, acc) in sorted(opened.items(), key=lambda x: x[1][1]))
+        try:
+            append_whole(self.path, data)
+            self._size += len(data)
+            if self.cap is not None and self._size > self.cap:
+                blocks = read_blocks_file(self.path)
+                merged = merge_blocks(blocks, self.width * 2)
+                if len(merged) * 4 > len(blocks) * 3:  # merging no longer halves it: blocks stop here
+                    self.on = False
+                    return
+                self.width *= 2
+                blob = b"".join(b.pack() for b in merged)
+                replace_whole(self.path, blob)
+                self._size = len(blob)
+        except (OSError, ValueError, struct.error):
+            self.on = False
+
+    def close(self, position: tuple[int, int]) -> None:
+        self._flush(position)
+
+
+def mix(values: np.ndarray, step: int) -> np.ndarray:
+    """A step's term of a block's digest, per tensor: the fingerprint xor a mix of the step, times an odd
+    constant (mod 2**64). Each is a bijection, so a fingerprint that differs at one step always changes the
+    block's sum; the step's mix keeps a fingerprint seen at another step, or two swapped between steps, from
+    cancelling out. Three vector operations: a few microseconds a step for 1,000 tensors."""
+    return (values ^ np.uint64(_splitmix(step))) * np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+class Block:
+    """One record of fingerprint-blocks.bin."""
+
+    __slots__ = ("first", "last", "nid", "width", "steps", "seg", "offset", "acc")
+
+    def __init__(self, first: int, last: int, nid: int, width: int, steps: int, seg: int, offset: int,
+                 acc: np.ndarray) -> None:
+        self.first, self.last, self.nid, self.width, self.steps = first, last, nid, width, steps
+        self.seg, self.offset, self.acc = seg, offset, acc
+
+    @property
+    def key(self) -> int:
+        return self.first // self.width
+
+    def pack(self) -> bytes:
+        return _BLOCK.pack(self.first, self.last, self.nid, len(self.acc), self.width, self.steps, self.seg,
+                           self.offset) + self.acc.tobytes()
+
+
+def read_blocks_file(path: Path) -> list[Block]:
+    """A rank's blocks in the order written; a record cut at the end (a kill) is dropped. OSError when there is
+    no file."""
+    data = path.read_bytes()
+    out = []
+    pos = 0
+    while pos + _BLOCK.size <= len(data):
+        first, last, nid, count, width, steps, seg, offset = _BLOCK.unpack_from(data, pos)
+        end = pos + _BLOCK.size + 8 * count
+        if end > len(data) or width <= 0 or count < 0:
+            break
+        out.append(Block(first, last, nid, width, steps, seg, offset,
+                         np.frombuffer(data, dtype=np.uint64, count=count, offset=pos + _BLOCK.size)))
+        pos = end
+    return out
+
+
+def merge_blocks(blocks: list[Block], width: int) -> list[Block]:
+    """Blocks at ``width`` (a multiple of theirs): those of one names list and one key summed, in the order of
+    their first block; a block whose steps do not follow its list's last (a restarted rank's) is kept apart."""
+    out: list[Block] = []
+    at: dict[tuple[int, int], int] = {}  # (names id, key) -> its place in out
+    last: dict[int, int] = {}  # names id -> the last step summed for it
+    for b in blocks:
+        k = (b.nid, b.first // width)
+        i = at.get(k)
+        if i is not None and len(out[i].acc) == len(b.acc) and b.first > last[b.nid]:
+            m = out[i]
+            out[i] = Block(m.first, b.last, b.nid, width, m.steps + b.steps, b.seg, b.offset, m.acc + b.acc)
+        else:
+            at[k] = len(out)
+            out.append(Block(b.first, b.last, b.nid, width, b.steps, b.seg, b.offset, b.acc.copy()))
+        last[b.nid] = max(last.get(b.nid, b.last), b.last)
+    return out
 
 
 def root(values: bytes) -> int:
@@ -219,6 +378,31 @@ def parse_records(data: bytes, lists: list[list[str]]) -> dict[int, tuple[list[s
         if nid >= len(lists):
             break
         out[step] = (lists[nid], np.frombuffer(data, dtype=np.uint64, count=count, offset=start + _HEAD.size))
+    return out
+
+
+def read_after(rank_dir: Path, lists: list[list[str]], seg: int, offset: int) \
+        -> dict[int, tuple[list[str], np.ndarray]] | None:
+    """The steps a rank's fingerprint stream holds after a position (a block's ``seg``/``offset``: the steps no
+    block covers yet, a killed rank's last ones); None when a file the position needs is gone (thinned)."""
+    live = rank_dir / layout.FINGERPRINTS
+    segs = dict(layout.segments(live))
+    done = max(segs) + 1 if segs else 0
+    if seg > done:
+        return None
+    files = [(segs.get(n), offset if n == seg else 0) for n in range(seg, done)]
+    files.append((live, offset if seg == done else 0))
+    out: dict[int, tuple[list[str], np.ndarray]] = {}
+    for path, start in files:
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                out.update(parse_records(f.read(), lists))
+        except OSError:
+            if path != live:
+                return None
     return out
 
 

@@ -32,7 +32,7 @@ def _start_session():  # -> Session | None
         rank_dir = layout.rank_dir(run_dir, identity.rank)
         try:
             writer = EventWriter(layout.events_path(run_dir, identity.rank), reserve=RESERVE,
-                                 label=f"rank {identity.rank}", share=retention.rank_shares()[0])
+                                 label=f"rank {identity.rank}", share=retention.rank_shares()[0], index=True)
         except OSError as e:  # a full or read-only run directory: the checks still run, their findings on stderr
             _say(f"distdebug: rank {identity.rank}: cannot write the run directory ({os_error_text(e)}): this rank's "
                  "records are off; its checks run and print their findings here")

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from distdebug.artifacts import layout, schema
-from distdebug.artifacts.reader import read_stream
+from distdebug.artifacts.reader import load_rank, read_stream
 from tests.helpers import RECIPES, distdebug, make_env
 
 STEPS = 1500
@@ -69,6 +69,13 @@ def test_a_long_job_stays_within_its_run_directory_budget(tmp_path):
         assert whole[0] == 1 and whole[-1] == STEPS  # the first and the last steps
         assert len(whole) + sum(x["steps"] for x in thinned) == STEPS  # every step accounted for, once
         assert (layout.rank_dir(run_dir, rank) / layout.FINGERPRINT_ROOTS).stat().st_size
+        # Read through its index (issue 48, reading at scale): the records but the per-step ones, as whole; the
+        # per-step figures of every step written, which the thinned stream no longer has whole.
+        indexed = load_rank(rank, live.parent)
+        first_loss = next(x["loss"] for x in records if x["kind"] == schema.STEP)  # step 1: the head, kept whole
+        assert indexed.indexed and indexed.digest.last_step == STEPS and indexed.digest.first_loss == first_loss
+        assert [x for x in indexed.records if x["kind"] not in schema.BULK] == \
+            [x for x in records if x["kind"] not in schema.BULK and x["kind"] != schema.STEPS_THINNED]
     # the log-volume guard's clean twin (tests/e2e/test_volume.py): it measured, and a run directory bounded
     # by its budget fills nothing however long the job (its output a pipe: nothing else to measure)
     (node,) = [json.loads(p.read_text()) for _, p in layout.node_files(run_dir)]

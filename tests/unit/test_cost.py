@@ -16,6 +16,7 @@ import torch
 
 from distdebug.analysis import cost as cost_analysis
 from distdebug.analysis import overhead as ab
+from distdebug.artifacts.digest import Digest
 from distdebug.detectors.base import Detector
 from distdebug.runtime import cost
 from distdebug.runtime.overhead import WARM, Pairs, harness_on, on_first, unit_of
@@ -98,7 +99,7 @@ def test_startup_is_kept_apart_and_per_step_figures_count_from_the_end_of_step_1
     snap = ledger.snapshot()
     assert snap["steps"] == 10 and snap["training_thread_ms"]["probe"] == 10.0 and snap["host_reads"] == 10
     assert snap["startup_ms"]["probe"] == 500.0
-    rank = cost_analysis.per_rank(snap, [{"step": s, "step_time_s": 0.010} for s in range(1, 12)])
+    rank = cost_analysis.per_rank(snap, 10.0)
     assert rank is not None
     assert (rank["per_step_ms"]["probe"], rank["fraction"], rank["host_reads_per_step"]) == (1.0, 0.1, 1.0)
     job = cost_analysis.summarize_cost({0: rank})
@@ -112,7 +113,7 @@ def test_startup_is_kept_apart_and_per_step_figures_count_from_the_end_of_step_1
     # an opt-in detector is turned down by its own option, not by --detectors=- (which takes default ones only)
     rerun = cost_analysis.summarize_cost({0: {**rank, "per_step_ms": {"rerun": 0.9, "session": 0.2}}})["advice"]
     assert "the costliest detector is rerun (0.900 ms): run without --rerun-on-anomaly" in rerun
-    cheap = cost_analysis.per_rank({**snap, "training_thread_ms": {"probe": 2.0}}, [{"step": 2, "step_time_s": 0.01}])
+    cheap = cost_analysis.per_rank({**snap, "training_thread_ms": {"probe": 2.0}}, 10.0)
     assert cost_analysis.summarize_cost({0: cheap})["advice"] is None  # 2% of the step: within budget
 
 
@@ -214,8 +215,11 @@ def test_one_off_work_is_kept_apart_from_the_steady_cost():
     assert 7.0 <= snap["training_thread_ms"]["rerun"] < 100.0
     (ms, times), = [snap["one_off_ms"][REEXECUTION]]
     assert ms >= 199.0 and times == 1
-    steps = [{"step": s, "step_time_s": 0.010} for s in range(1, 6)] + [{"step": 6, "step_time_s": 0.050}]
-    rank = cost_analysis.per_rank(snap, steps, [{"steps": [6, 6]}])
+    digest = Digest()  # the figures the report reads: the rank's digest of its step records
+    for r in [{"step": s, "step_time_s": 0.010} for s in range(1, 6)] + [{"step": 6, "step_time_s": 0.050}]:
+        digest.feed({"kind": "step", **r})
+    digest.feed({"kind": "trace", "steps": [6, 6]})
+    rank = cost_analysis.per_rank(snap, digest.work_median_ms(), digest.traced, [{"steps": [6, 6]}])
     assert rank is not None and rank["one_off"] == [{"what": REEXECUTION, "ms": ms, "times": 1}]
     assert rank["profiler_windows"] == [{"steps": "6-6", "extra_ms": 40.0}]  # its step above the median
     steady = rank["total_per_step_ms"]

@@ -12,7 +12,7 @@ import io
 import numpy as np
 
 from distdebug.artifacts import layout, schema
-from distdebug.artifacts.reader import read_events
+from distdebug.artifacts.reader import load_rank, read_events
 from distdebug.artifacts.writer import RESERVE, EventWriter
 from distdebug.fingerprint.snapshots import SnapshotWriter, parse_records
 from tests.helpers import fill, small_fs
@@ -25,12 +25,15 @@ def _steps(w: EventWriter, first: int, n: int) -> None:
         w.write(schema.record(schema.STEP, rank=0, step=step, loss=1.0, pad=STEP_PAD))
 
 
-def test_a_full_disk_keeps_the_essential_records_says_so_once_and_reads_back(tmp_path):
+def test_a_full_disk_keeps_the_essential_records_says_so_once_and_reads_back(tmp_path, monkeypatch):
+    from distdebug.artifacts import writer
+
+    monkeypatch.setattr(writer, "INDEX_EVERY", 8)  # the index saved a few times before the disk fills
     with small_fs(tmp_path / "fs", 512) as fs:
         path = fs / "rank-00000" / layout.EVENTS
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            w = EventWriter(path, reserve=RESERVE, label="rank 0")
+            w = EventWriter(path, reserve=RESERVE, label="rank 0", index=True)  # as a rank's (bootstrap)
             assert layout.reserve_path(path).stat().st_size == RESERVE
             fill(fs, leave_kb=24)
             w.write(schema.record(schema.START, rank=0))
@@ -52,6 +55,13 @@ def test_a_full_disk_keeps_the_essential_records_says_so_once_and_reads_back(tmp
         assert kinds[-3:] == [schema.FINDING, schema.STALL, schema.END]  # out of the space held back
         assert damaged <= 1  # at most the one record the disk cut
         assert not layout.reserve_path(path).exists()  # given back at the end
+        # Its index stopped where the disk refused it (never wrong): read through it, the same records but the
+        # per-step ones (in its digest: the same last step).
+        assert w.indexer is not None and not w.indexer.on
+        fast = load_rank(0, path.parent)
+        assert fast.indexed and fast.damaged_lines == damaged
+        assert [r for r in fast.records if r["kind"] != schema.STEP] == [r for r in records if r["kind"] != schema.STEP]
+        assert fast.digest.last_step == steps[-1]
 
 
 def test_the_clean_twin_writes_everything_and_leaves_no_reserve(tmp_path):

@@ -62,6 +62,9 @@ class RankState:
     step_collectives: dict[int, int] = field(default_factory=dict)
     entered_total: int | None = None
     """Python-level collectives entered since the start (from the stall record)."""
+    collectives_unlisted: int = 0
+    """Collectives of the attempt's steps whose records are not in ``step_collectives`` (a rank read through its
+    index keeps its last steps' records only; the digest has the sum of all: artifacts.digest)."""
     killed_by: str | None = None
     """The signal that ended it, when the launcher saw it die by one without an end record."""
     idle_s: float | None = None
@@ -74,7 +77,7 @@ class RankState:
         """Collectives already entered in the unfinished current step (a lower bound of its count)."""
         if self.entered_total is None:
             return None
-        return max(0, self.entered_total - sum(self.step_collectives.values()))
+        return max(0, self.entered_total - self.collectives_unlisted - sum(self.step_collectives.values()))
 
     @property
     def current_step(self) -> int:
@@ -182,8 +185,9 @@ def rank_states(run: Run, world_size: int | None = None) -> dict[int, RankState]
             crash = layout.crash_path(run.dir_of(rank), rank).read_text()
         except FileNotFoundError:
             crash = ""
-        states[rank] = rank_state(rank, stream.last_attempt(),
-                                  read_inflight(layout.inflight_path(run.dir_of(rank), rank)), crash)
+        st = states[rank] = rank_state(rank, stream.last_attempt(),
+                                       read_inflight(layout.inflight_path(run.dir_of(rank), rank)), crash)
+        st.collectives_unlisted = max(0, stream.digest.collectives - sum(st.step_collectives.values()))
     for rank in range(world_size or 0):
         states.setdefault(rank, RankState(rank=rank, status=Status.ABSENT))
     return dict(sorted(states.items()))
