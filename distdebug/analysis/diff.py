@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from distdebug.artifacts import layout
+from distdebug.artifacts import layout, retention, schema
 from distdebug.errors import UserError
 from distdebug.fingerprint.compare import compare, odd_ones_out, split_group
 from distdebug.fingerprint.snapshots import (
     BLOCK,
     Block,
+    blocks_of,
     merge_blocks,
-    mix,
     read_after,
     read_blocks_file,
     read_roots,
@@ -211,6 +211,8 @@ class Scaled:
         self.blocks: dict[int, dict[int, list[Block]]] = {}  # rank -> key -> its blocks at the common width
         self.width = BLOCK
         self._whole: dict[int, tuple[dict, dict]] = {}
+        self.pins: dict[int, retention.Pins] = {}
+        """Each rank's pinned steps (its findings' neighbourhoods: kept whole past the ring, not as a digest)."""
         parsed: dict[bytes, list[list[str]]] = {}
         raw: dict[int, list[Block]] = {}
         for run_dir in dirs:
@@ -223,17 +225,19 @@ class Scaled:
                 if lists is None:
                     lists = parsed[names] = json.loads(names)["names"]
                 blocks = read_blocks_file(child / layout.FINGERPRINT_BLOCKS)  # OSError: none (an older run)
-                seen: dict[int, int] = {}
-                for b in blocks:
-                    if b.first <= seen.get(b.nid, -1):
-                        raise ValueError("a restarted rank's steps repeat")
-                    seen[b.nid] = b.last
                 seg, offset = max(((b.seg, b.offset) for b in blocks), default=(0, 0))  # the last flush
                 tail = read_after(child, lists, seg, offset)
                 if tail is None:
                     raise ValueError("the steps after the last block were thinned")
+                blocks += blocks_of(tail, lists, BLOCK)
+                seen: dict[int, int] = {}
+                for b in blocks:
+                    if b.first <= seen.get(b.nid, -1):
+                        raise ValueError("a restarted rank's steps repeat")  # which attempt's step: read whole
+                    seen[b.nid] = b.last
                 self.folders[rank], self.lists[rank] = child, lists
-                raw[rank] = blocks + _blocks_of(tail, lists, BLOCK)
+                self.pins[rank] = _pins(child)
+                raw[rank] = blocks
         self.width = max([BLOCK] + [b.width for bs in raw.values() for b in bs])
         for rank, bs in raw.items():
             keyed: dict[int, list[Block]] = {}
@@ -248,15 +252,20 @@ class Scaled:
         return sorted(set().union(*(set(k) for k in self.blocks.values())))
 
     def classes(self, key: int) -> dict[int, int]:
-        """rank -> the first rank whose blocks at ``key`` are the same (its class's representative)."""
+        """rank -> the first rank whose blocks at ``key`` are the same, and whose steps there are kept in the same
+        form (its pins: a step one rank's finding kept whole is a digest on a rank without one): its class's
+        representative, whose steps stand for the class's."""
         seen: dict[bytes, int] = {}
         out = {}
+        lo, hi = key * self.width, (key + 1) * self.width
         for rank in sorted(self.blocks):
             got = self.blocks[rank].get(key)
             if not got:
                 continue
+            pins = self.pins[rank]
+            kept = [(a, b) for a, b in zip(pins.lo, pins.hi, strict=True) if a < hi and b >= lo]
             sig = b"".join(json.dumps(self.lists[rank][b.nid]).encode() + b.acc.tobytes()
-                           + f"{b.first},{b.last},{b.steps};".encode() for b in got)
+                           + f"{b.first},{b.last},{b.steps};".encode() for b in got) + repr(kept).encode()
             out[rank] = seen.setdefault(sig, rank)
         return out
 
@@ -346,20 +355,18 @@ def _roots_span(folder: Path) -> tuple[int, int, int] | None:
     return int.from_bytes(first, "little", signed=True), int.from_bytes(last, "little", signed=True), n
 
 
-def _blocks_of(steps: dict[int, tuple[list[str], np.ndarray]], lists: list[list[str]], width: int) -> list[Block]:
-    """Blocks made here of steps no block of the rank's covers (the writer's open block when it was killed)."""
-    ids = {tuple(n): i for i, n in enumerate(lists)}
-    out: list[Block] = []
-    for step in sorted(steps):
-        names, values = steps[step]
-        nid = ids.get(tuple(names), -1)
-        last = out[-1] if out else None
-        if last is None or last.key != step // width or last.nid != nid or len(last.acc) != len(values):
-            last = Block(step, step, nid, width, 0, 0, 0, np.zeros(len(values), dtype=np.uint64))
-            out.append(last)
-        last.acc = last.acc + mix(values, step)
-        last.last, last.steps = step, last.steps + 1
-    return out
+def _pins(folder: Path) -> retention.Pins:
+    """A rank's pins as its fingerprint writer kept them: every finding of its own, from its essential records
+    (artifacts.writer.Indexer; without them, which steps it kept whole is not known: read whole)."""
+    pins = retention.Pins()
+    for raw in (folder / layout.ESSENTIAL).read_bytes().split(b"\n"):  # OSError: none
+        try:
+            rec = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == schema.FINDING and isinstance(rec.get("step"), int):
+            pins.add(rec["step"])
+    return pins
 
 
 def fingerprint_bytes(dirs: list[Path]) -> int:

@@ -10,14 +10,18 @@ counts). ``Digest`` keeps exactly these, in a size that does not grow with the r
 The rank's writer feeds it every record it writes and saves it as the rank's ``index.json`` (with the
 position in the stream it covers, artifacts.writer.Indexer); a reader loads the index and feeds it what the
 stream holds past that position (artifacts.reader.load_rank). A run directory without an index (an older
-one, or a rank whose index could not be kept) is read whole and fed to the same class, so both ways give
-the same figures by construction.
+one, or a rank whose index could not be kept) is read whole and fed to the same class: on a stream kept whole
+both ways give the same figures; on one the budget thinned, the whole read has only the summaries of the
+thinned windows, which count at their medians (their steps' step time, loss and collectives), where the
+index saw every step.
 
 Figures that cannot be kept exactly in bounded memory are approximated, the same way on both paths:
 - the median step time is exact up to EXACT steps, then comes from a histogram of bins ``2 ** (1/512)``
   apart (within 0.07 % of the exact median; an even count takes the lower middle's bin);
 - the curves are bucket means over ``width`` steps, the width doubling (adjacent buckets merged) whenever
-  there would be more than ``CURVE`` buckets.
+  there would be more than ``CURVE`` buckets;
+- a profiler window's step times are those of its steps written after its ``trace`` record or among the
+  last RECENT per-step records before it: a window longer than that loses its first steps' times.
 """
 
 from __future__ import annotations

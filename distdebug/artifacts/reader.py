@@ -214,7 +214,7 @@ def read_index(live: Path) -> Index | None:
         pos = data["pos"]
         return Index(int(pos["next"]), int(pos["offset"]), int(pos["ino"]), int(data["essential_bytes"]),
                      int(data.get("damaged") or 0), Digest.from_json(data["digest"]))
-    except (KeyError, TypeError, ValueError):
+    except Exception:  # noqa: BLE001 (any damage: the stream is read whole)
         return None
 
 
@@ -231,7 +231,8 @@ def indexed_tail(live: Path) -> tuple[Index, list[dict], Follow] | None:
     except OSError:
         size = 0
     if done < index.next or (done == index.next and size < index.offset) or \
-            (index.next < done and index.next not in dict(segs)):  # thinned before it was read past
+            (index.next < done and index.next not in dict(segs)) or \
+            (index.next < done and not live.exists()):  # thinned before it was read past; a rotation half done
         return None
     follow = Follow.at(live, index.next, index.offset, index.ino)
     tail = follow.read()

@@ -83,7 +83,7 @@ class EventWriter:
         self.degraded = False
         """Writes failed once: only the essential records are written from then on."""
         self.label = label or str(path)
-        self._cut = False
+        self._cut = self._size > 0 and _last_byte(path) != b"\n"  # an earlier attempt's line the disk cut
         self._last_step: int | None = None  # the step of the last record written that had one
         self._reserve: Path | None = None
         if reserve:
@@ -153,12 +153,12 @@ class EventWriter:
         try:
             self._rotation.rotate()  # renaming an open file: this descriptor follows it until closed
         except OSError:
-            self._rotation = self.share = None
+            self._rotation_off()
             return
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError:
-            self._rotation = self.share = None  # go on writing into the segment: nothing is lost
+            self._rotation_off()  # go on writing into the segment: nothing is lost
             return
         old, self._fd, self._size, self._cut = self._fd, fd, 0, False
         self._ino = os.fstat(fd).st_ino
@@ -188,7 +188,10 @@ class EventWriter:
                 return
             from distdebug.artifacts.reader import read_json
 
-            stats = retention.window_stats(out, read_json(stats_path))
+            before = read_json(stats_path)
+            # (none yet, or a write of it failed once: counted again from the whole thinned file, within its cap)
+            stats = retention.window_stats(out, before) if before is not None else \
+                retention.window_stats(read_events(thinned)[0])
             try:
                 if thinned.stat().st_size > share.thinned:
                     kept, _ = read_events(thinned)
@@ -244,6 +247,13 @@ class EventWriter:
             self._reserve = None
             return False
 
+    def _rotation_off(self) -> None:
+        """A rename or open that failed: the writer stays on the file it has, and positions in the stream can no
+        longer be told by segment number: the index stops where it was last saved (readers read on from there)."""
+        self._rotation = self.share = None
+        if self.indexer is not None:
+            self.indexer.stop()
+
     def _position(self) -> tuple[int, int, int]:
         """Where the next record goes: (the live file's segment number once rotated, its size, its inode)."""
         return (self._rotation.next if self._rotation is not None else 0), self._size, self._ino
@@ -251,6 +261,11 @@ class EventWriter:
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
+                if self._cut:  # the disk cut the last record before its newline: end it, or readers drop it
+                    try:
+                        os.write(self._fd, b"\n")
+                    except OSError:
+                        pass
                 if self.indexer is not None:
                     self.indexer.close(self._position())
                 os.close(self._fd)
@@ -309,12 +324,14 @@ class Indexer:
             self.digest = index.digest
             self.damaged = index.damaged
             self._essential_fd = os.open(self.essential_path, os.O_WRONLY | os.O_APPEND)
+            if os.fstat(self._essential_fd).st_size < index.essential_bytes:
+                raise ValueError("the essential file is shorter than its index says")
             os.ftruncate(self._essential_fd, index.essential_bytes)  # what followed is in the tail: written again
             self._essential_size = index.essential_bytes
             for r in tail:
                 self.note(r, _line(r), None)
             self.save(position)
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 (an unreadable index or stream: this attempt goes without one)
             self.stop()
 
     def note(self, record: dict, line: bytes, position: Callable[[], tuple[int, int, int]] | None) -> None:
@@ -351,7 +368,7 @@ class Indexer:
         try:
             # The digest's records are their lines as written (redacted); the rest is numbers.
             replace_whole(self.index_path, f'{head[:-1]},"digest":{self.digest.dumps()}}}'.encode())
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 (a full disk, a value JSON cannot hold: the index stops, never the rank)
             self.stop()
 
     def stop(self) -> None:
@@ -367,6 +384,15 @@ class Indexer:
     def close(self, position: tuple[int, int, int]) -> None:
         self.save(position)
         self.stop()
+
+
+def _last_byte(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1)
+    except OSError:
+        return b"\n"
 
 
 def _line(record: dict) -> bytes:

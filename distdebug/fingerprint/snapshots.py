@@ -68,6 +68,7 @@ class SnapshotWriter:
         """(the first step not written, why) once a write failed."""
         self.blocks = BlockWriter(rank_dir / layout.FINGERPRINT_BLOCKS,
                                   share.total // BLOCKS_PART if share is not None else None)
+        self.blocks.recover(rank_dir, self._lists, self._position())
 
     def write(self, step: int, fps: dict[str, int]) -> None:
         if self.stopped is not None:
@@ -112,6 +113,7 @@ class SnapshotWriter:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError:
             self._rotation = self.share = None  # the segment (renamed or not) goes on: nothing lost
+            self.blocks.on = False  # positions by segment number end here: diff reads on from the last block
             return
         old, self._fd, self._size = self._fd, fd, 0
         try:
@@ -188,6 +190,30 @@ class BlockWriter:
                 self.width = max([BLOCK] + [b.width for b in read_blocks_file(path)])
         except OSError:
             self._size = 0
+
+    def recover(self, rank_dir: Path, lists: list[list[str]], end: tuple[int, int]) -> None:
+        """A restarted rank: the steps its killed attempt wrote after its last flush (in no block, and before
+        where this attempt's blocks will say the uncovered steps begin) made into blocks now; a stream with no
+        blocks of its own (an older version's) or whose steps after them were thinned: blocks off."""
+        if not self.on:
+            return
+        try:
+            blocks = read_blocks_file(self.path) if self._size else []
+            if not blocks and end == (0, 0) and not layout.segments(rank_dir / layout.FINGERPRINTS):
+                return  # a new stream
+            if not blocks:
+                self.on = False
+                return
+            seg, offset = max((b.seg, b.offset) for b in blocks)
+            tail = read_after(rank_dir, lists, seg, offset)
+            if tail is None:
+                self.on = False
+            elif tail:
+                data = b"".join(b.pack() for b in blocks_of(tail, lists, self.width, end))
+                append_whole(self.path, data)
+                self._size += len(data)
+        except (OSError, ValueError, struct.error):
+            self.on = False
 
     def add(self, step: int, nid: int, values: np.ndarray, before: tuple[int, int]) -> None:
         """Step ``step``'s fingerprints (names list ``nid``), written to the stream at ``before`` (its segment
@@ -283,6 +309,24 @@ def read_blocks_file(path: Path) -> list[Block]:
                          np.frombuffer(data, dtype=np.uint64, count=count, offset=pos + _BLOCK.size)))
         pos = end
     return out
+
+
+def blocks_of(steps: dict[int, tuple[list[str], np.ndarray]], lists: list[list[str]], width: int,
+              position: tuple[int, int] = (0, 0)) -> list[Block]:
+    """Blocks of steps no block covers (a killed attempt's last ones), as the writer would have made them:
+    per names list and key."""
+    ids = {tuple(n): i for i, n in enumerate(lists)}
+    out: dict[tuple[int, int, int], Block] = {}
+    for step in sorted(steps):
+        names, values = steps[step]
+        k = (ids.get(tuple(names), -1), step // width, len(values))
+        b = out.get(k)
+        if b is None:
+            b = out[k] = Block(step, step, k[0], width, 0, position[0], position[1],
+                               np.zeros(len(values), dtype=np.uint64))
+        np.add(b.acc, mix(values, step), out=b.acc)
+        b.last, b.steps = step, b.steps + 1
+    return list(out.values())
 
 
 def merge_blocks(blocks: list[Block], width: int) -> list[Block]:

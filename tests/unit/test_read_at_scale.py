@@ -234,6 +234,7 @@ def write_fps(run: Path, ranks: int, steps: int, share: retention.Share | None,
         else:
             kill(w)  # its open block never written
         (layout.rank_dir(run, rank) / layout.EVENTS).touch()
+        (layout.rank_dir(run, rank) / layout.ESSENTIAL).touch()  # no findings: nothing pinned
 
 
 def both(run: Path, monkeypatch: pytest.MonkeyPatch, at: int | None = None) -> tuple[dict, dict]:
@@ -317,6 +318,7 @@ def test_alternating_tensor_sets_keep_a_block_each_and_a_cap_merging_cannot_meet
             w.write(n, fps(n, tensors=6 if n % 2 else 9, odd=odd))
         w.close()
         (layout.rank_dir(run, rank) / layout.EVENTS).touch()
+        (layout.rank_dir(run, rank) / layout.ESSENTIAL).touch()
         blocks = read_blocks_file(layout.rank_dir(run, rank) / layout.FINGERPRINT_BLOCKS)
         assert len(blocks) == 6 and {b.nid for b in blocks} == {0, 1} and max(b.last for b in blocks) == 3000
     slow, fast = both(run, monkeypatch)
@@ -330,6 +332,92 @@ def test_alternating_tensor_sets_keep_a_block_each_and_a_cap_merging_cannot_meet
         w.write(n, fps(n, tensors=6 if n % 2 else 9))
     assert not w.blocks.on and w.stopped is None  # the blocks off; the snapshots go on
     w.close()
+
+
+def test_a_step_kept_whole_on_some_ranks_only_is_read_from_them(tmp_path, monkeypatch):
+    """Pins are per rank (each rank's own findings): step 3,000 is thinned to a digest on rank 0 and kept whole
+    on ranks 1 and 2, whose findings pinned it; rank 2 departs there. A class stands for its members only where
+    they keep the block's steps in the same form, so the tensor is named as a whole read names it."""
+    share = retention.Share(1 << 20)
+    run = tmp_path / "run"
+    for rank in range(3):
+        w = SnapshotWriter(layout.rank_dir(run, rank), share=share)
+        essential = []
+        if rank:
+            w.pins.add(3000)
+            essential.append(json.dumps(schema.record(schema.FINDING, rank=rank, step=3000, detector="x")))
+        for n in range(1, 8001):
+            w.write(n, fps(n, odd=4 if (rank == 2 and n == 3000) else None))
+        w.close()
+        (layout.rank_dir(run, rank) / layout.EVENTS).touch()
+        (layout.rank_dir(run, rank) / layout.ESSENTIAL).write_text("".join(e + "\n" for e in essential))
+    slow, fast = both(run, monkeypatch)
+    same(slow, fast)
+    assert fast["step"] == 3000 and fast["tensors"][0]["tensor"] == "layer4.weight"
+
+
+def test_a_restarted_rank_makes_blocks_of_what_its_killed_attempt_left_open(tmp_path, monkeypatch):
+    """All ranks killed at step 1,500, mid-block, and restarted from 1,501: rank 1 departed at 1,100, in the
+    block the killed attempt never wrote. The restarted writer makes it from the stream; diff finds it."""
+    run = tmp_path / "run"
+    for rank in range(3):
+        folder = layout.rank_dir(run, rank)
+        for attempt, steps in ((0, range(1, 1501)), (1, range(1501, 2601))):
+            w = SnapshotWriter(folder, share=None)
+            for n in steps:
+                w.write(n, fps(n, odd=3 if (rank == 1 and n >= 1100) else None))
+            kill(w) if attempt == 0 else w.close()
+        (folder / layout.EVENTS).touch()
+        (folder / layout.ESSENTIAL).touch()
+    slow, fast = both(run, monkeypatch)
+    same(slow, fast)
+    assert fast["step"] == 1100 and fast["tensors"][0]["ranks"] == [1]
+
+
+def test_a_failed_rotation_stops_the_index_and_the_blocks_where_they_were_right(tmp_path, monkeypatch):
+    """A rename the file system refuses (EIO) after two rotations: the writers go on in the file they have;
+    the index and the blocks stop where their positions were still true, and the reads through them give what
+    the whole reads give. A rotation half done (renamed, no new live file) is read whole."""
+    share = retention.Share(64 << 10)
+    real = retention.Rotation.rotate
+    calls = {"n": 0}
+
+    def rotate(self):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] > 2 and self.live.name == layout.EVENTS:
+            raise OSError(5, "Input/output error")
+        return real(self)
+
+    monkeypatch.setattr(retention.Rotation, "rotate", rotate)
+    recs = records(0, range(1, 1501))
+    w = write(tmp_path, 0, recs, share)
+    assert w.indexer is not None and not w.indexer.on
+    got, truth = load_rank(0, layout.rank_dir(tmp_path, 0)), whole(tmp_path, 0)
+    assert [r for r in got.records if r["kind"] not in schema.BULK] == \
+        [r for r in truth.records if r["kind"] not in schema.BULK]
+    assert got.digest.last_step == 1500
+    live = layout.events_path(tmp_path, 0)  # a rotation half done: the live file renamed, no new one
+    nxt = json.loads(layout.index_path(live).read_text())["pos"]["next"]
+    os.replace(live, layout.segment_path(live, max(n for n, _ in layout.segments(live)) + 1))
+    assert nxt < max(n for n, _ in layout.segments(live)) + 1 and not load_rank(0, live.parent).indexed
+
+
+def test_a_record_the_disk_cut_before_its_newline_is_ended_at_close_and_at_a_restart(tmp_path):
+    """The last record cut just before its newline (counted whole) is ended at close, so readers keep it; a
+    restarted writer on a file that ends in a cut line begins with a newline, so its start joins nothing."""
+    live = layout.events_path(tmp_path, 0)
+    w = EventWriter(live, index=True)
+    w.write(schema.record(schema.START, rank=0))
+    w._cut = True  # noqa: SLF001 (as _write leaves it after a write short of its newline)
+    w.close()
+    assert live.read_bytes().endswith(b"\n\n")
+    with open(live, "ab") as f:
+        f.write(b'{"v":1,"kind":"step","rank":0,"st')  # a line an earlier attempt's disk cut
+    w = EventWriter(live, index=True)
+    w.write(schema.record(schema.START, rank=0, attempt=1))
+    w.close()
+    recs, damaged = read_stream(live)
+    assert [r.get("attempt") for r in recs if r["kind"] == schema.START] == [None, 1] and damaged == 1
 
 
 def test_a_block_sum_tells_a_swap_between_steps():
