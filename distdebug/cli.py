@@ -15,7 +15,9 @@ import click
 from distdebug import envvars
 from distdebug.artifacts.retention import parse_size, size_text
 from distdebug.config import (
+    EXIT_FINDINGS,
     EXPECTED_HOURS,
+    FAIL_ON,
     ON_HANG,
     ON_STALL,
     OVERHEAD_AUTO,
@@ -215,12 +217,17 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
 @click.option("--detectors", default=None,
               help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones; "
                    "'-name,...' leaves those out of the default set (e.g. --detectors=-nan_origin).")
+@click.option("--fail-on", "fail_on", type=click.Choice(FAIL_ON), default=None,
+              help=f"When the training exits 0, exit {EXIT_FINDINGS} if this node's run directory holds a finding "
+                   "of this severity or worse (distdebug's own 'harness' findings never count): a CI gate. A "
+                   "failing training's exit code always wins.")
 @click.option("--inject", "inject", multiple=True, metavar="FAULT[:KEY=VALUE,...]",
               help="Inject a fault on purpose, e.g. nan_grad:rank=1,step=5 (repeatable; see: distdebug faults list).")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run_dir: Path | None,
-           module: bool, inject: tuple[str, ...], detector_option: tuple[str, ...], **launcher: object) -> int:
+           module: bool, inject: tuple[str, ...], detector_option: tuple[str, ...], fail_on: str | None,
+           **launcher: object) -> int:
     """Run SCRIPT on every rank under torch's elastic launcher, instrumented; no code changes.
 
     Every torchrun option is accepted with torchrun's meaning (and its PET_* variable), but for
@@ -256,6 +263,17 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
         what = "" if result.completed else "training failed: "
         print(f"distdebug: {what}{result.message}", file=sys.stderr)
     print(f"distdebug: run directory {result.run_dir} (see: distdebug report {result.run_dir})", file=sys.stderr)
+    if fail_on and result.exit_code == 0:
+        from distdebug.analysis.summary import summarize
+        from distdebug.artifacts.reader import load_run
+
+        try:
+            findings = summarize(load_run(result.run_dir)).findings
+        except Exception as e:  # noqa: BLE001 (a run directory it cannot read: said, the training's 0 stands)
+            print(f"distdebug: --fail-on {fail_on}: could not read {result.run_dir} ({type(e).__name__}: {e}); "
+                  "the training's exit code stands", file=sys.stderr)
+            return result.exit_code
+        return _gate(findings, fail_on)
     return result.exit_code
 
 
@@ -291,7 +309,10 @@ def _run_dirs(runs: tuple[str, ...]) -> list[Path]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write a self-contained HTML report with plots to this file.")
-def report(runs: tuple[str, ...], as_json: bool, html_out: str | None) -> int:
+@click.option("--fail-on", "fail_on", type=click.Choice(FAIL_ON), default=None,
+              help=f"Exit {EXIT_FINDINGS} when a finding of this severity or worse is there (distdebug's own "
+                   "'harness' findings never count): a CI gate.")
+def report(runs: tuple[str, ...], as_json: bool, html_out: str | None, fail_on: str | None) -> int:
     """Incidents, findings (with likely cause and fix) and per-rank progress of RUN (default: the newest run
     under ./distdebug-runs); several RUNs: one job's nodes, each with its own run directory, merged into one
     run. --html FILE also writes a self-contained page with plots."""
@@ -318,6 +339,18 @@ def report(runs: tuple[str, ...], as_json: bool, html_out: str | None) -> int:
         except OSError as e:
             raise UserError(f"--html {html_out}: cannot write it ({e.strerror or e}); choose a writable path") from None
         print(f"distdebug: HTML report {path}", file=sys.stderr)
+    return _gate(summary.findings, fail_on)
+
+
+def _gate(findings: list, fail_on: str | None) -> int:
+    """``--fail-on``: EXIT_FINDINGS and one line when a finding at or above the level is there, else 0."""
+    from distdebug.findings import at_or_above, gate_line
+
+    failing = at_or_above(findings, fail_on) if fail_on else []
+    if failing:
+        assert fail_on is not None
+        print(f"distdebug: {gate_line(fail_on, failing)}; exit {EXIT_FINDINGS}", file=sys.stderr)
+        return EXIT_FINDINGS
     return 0
 
 

@@ -25,6 +25,12 @@ EXIT_NEVER_ACTED = 122
 acted: the run tested nothing, and a script or CI that checks "the detector caught it" must not read
 the clean run as a pass. Only under ``--inject``; a failing training's own code always wins."""
 
+EXIT_FINDINGS = 121
+"""``report --fail-on LEVEL`` and ``attach --fail-on LEVEL``: a finding at or above LEVEL is there (for attach,
+the training exited 0: a failing training's own code always wins), so a CI job gates on what was found."""
+FAIL_ON = ("warning", "error", "critical")
+"""The severities ``--fail-on`` takes (info never fails a run: it reports, it does not accuse)."""
+
 STARTUP_FLOOR_S = 600.0
 """The least start-up allowance by default (``--startup-timeout``): a rank's first step may follow
 minutes of imports, model building, init_process_group, the first collectives' connections and

@@ -74,3 +74,20 @@ def ranks_text(ranks: list[int]) -> str:
             runs.append([r])
     parts = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def at_or_above(findings: list[Finding], level: str) -> list[Finding]:
+    """The findings a ``--fail-on level`` gate fails on: the training's findings of that severity or worse.
+    distdebug's own trouble (detector ``harness``: a detector that failed, a disk it could not write) is said
+    in the report but never fails the gate: the training did nothing wrong there."""
+    floor = Severity(level).order
+    return [f for f in findings if Severity(f.severity).order >= floor and f.detector != "harness"]
+
+
+def gate_line(level: str, failing: list[Finding]) -> str:
+    """The one line a failed gate prints: how many, and the first few (detector, subject, step, ranks)."""
+    shown = "; ".join(f"{Severity(f.severity).value} {f.detector} {f.subject}"
+                      + (f" at step {f.step}" if f.step is not None else "")
+                      + (f" on rank(s) {','.join(map(str, f.ranks[:8]))}" if f.ranks else "") for f in failing[:3])
+    more = f"; and {len(failing) - 3} more" if len(failing) > 3 else ""
+    return f"--fail-on {level}: {len(failing)} finding(s) at or above {level}: {shown}{more}"

@@ -42,6 +42,10 @@ the window, [A, last], or [] when the job ended inside step A}: which ``Profiler
 DEFAULT_RUNS_ROOT = "distdebug-runs"
 LATEST_LINK = "latest"
 
+REWRITTEN = frozenset({INDEX, THINNED_STATS, STACKS_ANSWER, INFLIGHT, FINGERPRINT_NAMES})
+"""A rank's files that are replaced whole or rewritten in place, each bounded whatever the run's length: never a
+rate of growth (the log-volume guard leaves them out of what the run directory writes an hour)."""
+
 FILES: tuple[tuple[str, str], ...] = (
     (MANIFEST, "command, launcher options, versions (python, torch, deepspeed, CUDA, NCCL, cuDNN), host, "
                "environment with secrets redacted; after the job the world size and rank -> node/host/pid"),

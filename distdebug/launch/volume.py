@@ -239,8 +239,10 @@ class VolumeGuard:
                 files: list[str] = []
                 for rank in sorted(self.local):
                     folder = layout.rank_dir(self.run_dir, rank)
-                    try:  # not the writers' held-back reserves: made before, released at the end, never a rate
-                        files += [str(p) for p in folder.iterdir() if not p.name.endswith(".reserve")]
+                    try:  # not the writers' held-back reserves (made before, released at the end) nor the files
+                        # replaced whole (the readers' index, bounded): never a rate
+                        files += [str(p) for p in folder.iterdir()
+                                  if not p.name.endswith(".reserve") and p.name not in layout.REWRITTEN]
                     except OSError:
                         pass
                 if self.node_rank == 0:  # the profiler's windows: one folder for every rank

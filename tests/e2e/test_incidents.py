@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 
+from distdebug.config import EXIT_FINDINGS
 from tests.helpers import RECIPES, distdebug
 
 
 def test_configuration_statistics_and_replicas_are_one_incident_with_the_configuration_first(tmp_path):
     run = tmp_path / "run"
-    r = distdebug("attach", "--run-dir", str(run), str(RECIPES / "ddp_convnet.py"), "--steps", "8",
-                  "--no-broadcast-buffers")
-    assert r.returncode == 0, r.output
+    r = distdebug("attach", "--run-dir", str(run), "--fail-on", "error", str(RECIPES / "ddp_convnet.py"), "--steps",
+                  "8", "--no-broadcast-buffers")
+    # The training exited 0; --fail-on error gates on its error findings (issue 49, item 5)
+    assert r.returncode == EXIT_FINDINGS, r.output
+    assert "--fail-on error: " in r.stderr and "finding(s) at or above error: error " in r.stderr, r.output
     report = json.loads(distdebug("report", "--json", str(run)).stdout)
     assert len(report["findings"]) == 4
     (inc,) = report["incidents"]

@@ -201,3 +201,34 @@ def test_messages_that_look_like_markup_are_printed_as_text(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "pair.cc:537]" in r.stdout and "[bold]x[/]" in r.stdout
     assert "pair.cc:537] Connection closed" in (tmp_path / "r.html").read_text()
+
+
+def test_report_fail_on_gates_on_the_worst_finding_and_its_clean_twin_passes(tmp_path):
+    """``report --fail-on LEVEL`` (issue 49, item 5): exit 121 and one line naming what failed when a finding of
+    that severity or worse is there; 0 below it and on the clean twin; distdebug's own harness findings never
+    count. The report itself is printed as always."""
+    from distdebug.config import EXIT_FINDINGS
+    from distdebug.findings import at_or_above, gate_line
+
+    faulty = write_run(tmp_path / "faulty", ranks=3, steps=30, slow_rank=2, nan_rank=1, nan_step=12)
+    clean = write_run(tmp_path / "clean", ranks=3, steps=30)
+
+    def run(*args):
+        return CliRunner().invoke(cli_main, ["report", *args], catch_exceptions=False)
+
+    r = run("--fail-on", "error", str(faulty))
+    assert r.exit_code == EXIT_FINDINGS and "Findings" in r.stdout
+    assert "--fail-on error: 1 finding(s) at or above error: error nan_origin" in r.stderr
+    assert "at step 12 on rank(s) 1; exit 121" in r.stderr
+    assert run("--fail-on", "warning", "--json", str(faulty)).exit_code == EXIT_FINDINGS
+    assert run("--fail-on", "critical", str(faulty)).exit_code == 0  # nothing critical there
+    assert run(str(faulty)).exit_code == 0  # no gate asked: a report is not a verdict on the run
+    for level in ("warning", "error", "critical"):
+        assert run("--fail-on", level, str(clean)).exit_code == 0
+    bad = run("--fail-on", "info", str(faulty))
+    assert bad.exit_code == 2 and "'info' is not one of 'warning', 'error', 'critical'" in bad.stderr
+    harness = finding("harness", subject="detector:x", severity=Severity.CRITICAL)
+    spike = finding("loss_spike", severity=Severity.WARNING)
+    assert at_or_above([harness, spike], "warning") == [spike] and at_or_above([harness], "error") == []
+    many = [finding("nan_origin", step=s) for s in range(5)]
+    assert gate_line("error", many).endswith("; and 2 more")
