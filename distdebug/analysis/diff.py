@@ -9,6 +9,7 @@ Python, so thousands of ranks with thousands of tensors diff in seconds.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,16 +41,8 @@ are kept as one digest, unless a finding pinned it)."""
 def load_snapshots(run_dir: Path, roots: Roots | None = None) -> Snapshots:
     """All ranks' snapshots (every file of their rotated streams); identical name files (the usual case) are
     parsed once. ``roots``: filled with the digests of the thinned steps."""
-    parsed: dict[bytes, list[list[str]]] = {}
     out: Snapshots = {}
-    for rank, child in layout.rank_dirs(run_dir):
-        try:
-            raw_names = (child / layout.FINGERPRINT_NAMES).read_bytes()
-        except FileNotFoundError:
-            continue
-        lists = parsed.get(raw_names)
-        if lists is None:
-            lists = parsed[raw_names] = json.loads(raw_names)["names"]
+    for rank, child, lists in _with_names(run_dir, {}):
         out[rank] = read_stream(child, lists)
         if roots is not None:
             roots[rank] = read_roots(child, lists)
@@ -57,6 +50,20 @@ def load_snapshots(run_dir: Path, roots: Roots | None = None) -> Snapshots:
         raise UserError(f"no fingerprint snapshots in {run_dir}: was it run with the replica_divergence detector "
                         "(on by default) and did it reach a step?")
     return out
+
+
+def _with_names(run_dir: Path, parsed: dict[bytes, list[list[str]]]) -> Iterator[tuple[int, Path, list[list[str]]]]:
+    """Each rank folder with fingerprints, and its tensor name lists (identical files, the usual case, parsed
+    once: ``parsed`` keeps them across calls)."""
+    for rank, child in layout.rank_dirs(run_dir):
+        try:
+            raw = (child / layout.FINGERPRINT_NAMES).read_bytes()
+        except FileNotFoundError:
+            continue
+        lists = parsed.get(raw)
+        if lists is None:
+            lists = parsed[raw] = json.loads(raw)["names"]
+        yield rank, child, lists
 
 
 @dataclass
@@ -216,14 +223,7 @@ class Scaled:
         parsed: dict[bytes, list[list[str]]] = {}
         raw: dict[int, list[Block]] = {}
         for run_dir in dirs:
-            for rank, child in layout.rank_dirs(run_dir):
-                try:
-                    names = (child / layout.FINGERPRINT_NAMES).read_bytes()
-                except FileNotFoundError:
-                    continue
-                lists = parsed.get(names)
-                if lists is None:
-                    lists = parsed[names] = json.loads(names)["names"]
+            for rank, child, lists in _with_names(run_dir, parsed):
                 blocks = read_blocks_file(child / layout.FINGERPRINT_BLOCKS)  # OSError: none (an older run)
                 seg, offset = max(((b.seg, b.offset) for b in blocks), default=(0, 0))  # the last flush
                 tail = read_after(child, lists, seg, offset)
