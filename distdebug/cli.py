@@ -218,9 +218,10 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
               help="Comma-separated detectors (names, file.py:Class or module:Class). Default: all default ones; "
                    "'-name,...' leaves those out of the default set (e.g. --detectors=-nan_origin).")
 @click.option("--fail-on", "fail_on", type=click.Choice(FAIL_ON), default=None,
-              help=f"When the training exits 0, exit {EXIT_FINDINGS} if this node's run directory holds a finding "
-                   "of this severity or worse (distdebug's own 'harness' findings never count): a CI gate. A "
-                   "failing training's exit code always wins.")
+              help=f"When the training exits 0, exit {EXIT_FINDINGS} if the report of this node's run directory "
+                   "has a finding of this severity or worse (each rank's last attempt, and the run-level verdicts; "
+                   "distdebug's own 'harness' findings never count): a CI gate. A failing training's exit code "
+                   "always wins.")
 @click.option("--inject", "inject", multiple=True, metavar="FAULT[:KEY=VALUE,...]",
               help="Inject a fault on purpose, e.g. nan_grad:rank=1,step=5 (repeatable; see: distdebug faults list).")
 @click.argument("script")

@@ -236,7 +236,6 @@ class Scaled:
                         raise ValueError("a restarted rank's steps repeat")  # which attempt's step: read whole
                     seen[b.nid] = b.last
                 self.folders[rank], self.lists[rank] = child, lists
-                self.pins[rank] = _pins(child)
                 raw[rank] = blocks
         self.width = max([BLOCK] + [b.width for bs in raw.values() for b in bs])
         for rank, bs in raw.items():
@@ -262,8 +261,10 @@ class Scaled:
             got = self.blocks[rank].get(key)
             if not got:
                 continue
-            pins = self.pins[rank]
-            kept = [(a, b) for a, b in zip(pins.lo, pins.hi, strict=True) if a < hi and b >= lo]
+            pins = self.pins.get(rank)
+            if pins is None:
+                pins = self.pins[rank] = _pins(rank, self.folders[rank])
+            kept = [(max(a, lo), min(b, hi - 1)) for a, b in zip(pins.lo, pins.hi, strict=True) if a < hi and b >= lo]
             sig = b"".join(json.dumps(self.lists[rank][b.nid]).encode() + b.acc.tobytes()
                            + f"{b.first},{b.last},{b.steps};".encode() for b in got) + repr(kept).encode()
             out[rank] = seen.setdefault(sig, rank)
@@ -355,16 +356,15 @@ def _roots_span(folder: Path) -> tuple[int, int, int] | None:
     return int.from_bytes(first, "little", signed=True), int.from_bytes(last, "little", signed=True), n
 
 
-def _pins(folder: Path) -> retention.Pins:
-    """A rank's pins as its fingerprint writer kept them: every finding of its own, from its essential records
-    (artifacts.writer.Indexer; without them, which steps it kept whole is not known: read whole)."""
+def _pins(rank: int, folder: Path) -> retention.Pins:
+    """A rank's pins as its fingerprint writer kept them: every finding of its own, as its event stream holds
+    them (through its index where it has one: its essential records and the stream past it; whole otherwise),
+    read only for the blocks where ranks may differ."""
+    from distdebug.artifacts.reader import load_rank
+
     pins = retention.Pins()
-    for raw in (folder / layout.ESSENTIAL).read_bytes().split(b"\n"):  # OSError: none
-        try:
-            rec = json.loads(raw) if raw.strip() else None
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("kind") == schema.FINDING and isinstance(rec.get("step"), int):
+    for rec in load_rank(rank, folder).records:
+        if rec.get("kind") == schema.FINDING and isinstance(rec.get("step"), int):
             pins.add(rec["step"])
     return pins
 

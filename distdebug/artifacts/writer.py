@@ -189,9 +189,11 @@ class EventWriter:
             from distdebug.artifacts.reader import read_json
 
             before = read_json(stats_path)
-            # (none yet, or a write of it failed once: counted again from the whole thinned file, within its cap)
-            stats = retention.window_stats(out, before) if before is not None else \
-                retention.window_stats(read_events(thinned)[0])
+            try:  # (none yet, or a write of it failed: counted again from the whole thinned file, within its cap)
+                stats = retention.window_stats(out, before) if before is not None else \
+                    retention.window_stats(read_events(thinned)[0])
+            except OSError:
+                stats = None
             try:
                 if thinned.stat().st_size > share.thinned:
                     kept, _ = read_events(thinned)
@@ -201,10 +203,14 @@ class EventWriter:
             except OSError:
                 pass  # over its cap until the next thinning: nothing lost, nothing twice
             try:
-                if stats is not None:
-                    replace_whole(stats_path, json.dumps(stats).encode())
+                if stats is None:
+                    raise OSError("not counted")
+                replace_whole(stats_path, json.dumps(stats).encode())
             except OSError:
-                pass  # a report of a long run then reads the thinned file to say it
+                try:  # never stale: without it the next thinning counts again, and a report reads the records
+                    stats_path.unlink(missing_ok=True)
+                except OSError:
+                    pass
             try:
                 seg.unlink()
             except OSError:
@@ -320,7 +326,15 @@ class Indexer:
             if found is None:
                 self.on = False
                 return
-            index, tail, _ = found
+            index, tail, follow = found
+            if follow.partial:  # a last record the disk cut just before its newline: whole, and this writer ends it
+                try:
+                    rec = json.loads(follow.partial)
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict):
+                    tail.append(rec)
+                    index.damaged -= 1
             self.digest = index.digest
             self.damaged = index.damaged
             self._essential_fd = os.open(self.essential_path, os.O_WRONLY | os.O_APPEND)

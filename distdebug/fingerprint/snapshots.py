@@ -184,7 +184,12 @@ class BlockWriter:
         self.width = BLOCK
         self._open: dict[int, list] = {}  # names id -> [key, first, last, steps, acc]
         self._size = 0
+        self._existed = path.exists()
+        """The file was there before this writer: blocks were kept for this stream (an empty file included: a
+        stream whose first block was never flushed), as opposed to a stream from before blocks."""
         try:
+            if not self._existed:
+                path.touch()  # the marker: this stream has blocks, even before its first flush
             self._size = path.stat().st_size
             if self._size:
                 self.width = max([BLOCK] + [b.width for b in read_blocks_file(path)])
@@ -201,10 +206,10 @@ class BlockWriter:
             blocks = read_blocks_file(self.path) if self._size else []
             if not blocks and end == (0, 0) and not layout.segments(rank_dir / layout.FINGERPRINTS):
                 return  # a new stream
-            if not blocks:
-                self.on = False
+            if not blocks and not self._existed:
+                self.on = False  # a stream from before blocks: diff reads it whole
                 return
-            seg, offset = max((b.seg, b.offset) for b in blocks)
+            seg, offset = max(((b.seg, b.offset) for b in blocks), default=(0, 0))  # none yet: from the start
             tail = read_after(rank_dir, lists, seg, offset)
             if tail is None:
                 self.on = False
@@ -371,7 +376,7 @@ def _spans(data: bytes) -> list[tuple[int, int, int, int, int]]:
     while pos + _HEAD.size <= len(data):
         step, nid, count = _HEAD.unpack_from(data, pos)
         end = pos + _HEAD.size + 8 * count
-        if end > len(data):
+        if count < 0 or end > len(data):  # a damaged record (a negative count would never move on): stop there
             break
         out.append((step, nid, count, pos, end))
         pos = end

@@ -342,15 +342,15 @@ def test_a_step_kept_whole_on_some_ranks_only_is_read_from_them(tmp_path, monkey
     run = tmp_path / "run"
     for rank in range(3):
         w = SnapshotWriter(layout.rank_dir(run, rank), share=share)
-        essential = []
+        events = EventWriter(layout.events_path(run, rank), index=True)  # the rank's findings, as a rank writes them
+        events.write(schema.record(schema.START, rank=rank))
         if rank:
             w.pins.add(3000)
-            essential.append(json.dumps(schema.record(schema.FINDING, rank=rank, step=3000, detector="x")))
+            events.write(schema.record(schema.FINDING, rank=rank, step=3000, detector="x"))
+        events.close()
         for n in range(1, 8001):
             w.write(n, fps(n, odd=4 if (rank == 2 and n == 3000) else None))
         w.close()
-        (layout.rank_dir(run, rank) / layout.EVENTS).touch()
-        (layout.rank_dir(run, rank) / layout.ESSENTIAL).write_text("".join(e + "\n" for e in essential))
     slow, fast = both(run, monkeypatch)
     same(slow, fast)
     assert fast["step"] == 3000 and fast["tensors"][0]["tensor"] == "layer4.weight"
@@ -372,6 +372,53 @@ def test_a_restarted_rank_makes_blocks_of_what_its_killed_attempt_left_open(tmp_
     slow, fast = both(run, monkeypatch)
     same(slow, fast)
     assert fast["step"] == 1100 and fast["tensors"][0]["ranks"] == [1]
+
+
+def test_a_rank_restarted_before_its_first_block_still_has_blocks(tmp_path, monkeypatch):
+    """Killed at step 300, before its first block was flushed, and restarted: the empty blocks file says the
+    stream has blocks, so the new writer blocks the killed attempt's steps and goes on; diff finds a departure
+    among them through the blocks."""
+    run = tmp_path / "run"
+    for rank in range(3):
+        folder = layout.rank_dir(run, rank)
+        for attempt, steps in ((0, range(1, 301)), (1, range(301, 3001))):
+            w = SnapshotWriter(folder, share=None)
+            for n in steps:
+                w.write(n, fps(n, odd=2 if (rank == 0 and n >= 200) else None))
+            kill(w) if attempt == 0 else w.close()
+            assert w.blocks.on
+        (folder / layout.EVENTS).touch()
+    slow, fast = both(run, monkeypatch)
+    same(slow, fast)
+    assert fast["step"] == 200 and fast["tensors"][0]["ranks"] == [0]
+
+
+def test_a_restart_on_a_record_whole_but_for_its_newline_keeps_it_in_the_index(tmp_path, monkeypatch):
+    """A write short of its newline only (the record whole), the rank killed before the next save, then
+    restarted: the new writer ends that line, and its index has the record as the whole read does."""
+    from distdebug.artifacts import writer
+
+    monkeypatch.setattr(writer, "INDEX_EVERY", 1)  # the index saved after the start: the finding is its tail
+    live = layout.events_path(tmp_path, 0)
+    w = EventWriter(live, index=True)
+    w.write(schema.record(schema.START, rank=0))
+    os.close(w._fd)  # noqa: SLF001 (killed)
+    with open(live, "ab") as f:
+        f.write(json.dumps(schema.record(schema.FINDING, rank=0, step=7, detector="x"), separators=(",", ":"))
+                .encode())  # no newline: the disk took all but it
+    w = EventWriter(live, index=True)
+    w.write(schema.record(schema.START, rank=0, attempt=1))
+    w.close()
+    got, truth = load_rank(0, live.parent), whole(tmp_path, 0)
+    assert got.indexed and got.records == truth.records and got.damaged_lines == truth.damaged_lines == 0
+    assert [r["kind"] for r in got.records] == [schema.START, schema.FINDING, schema.START]
+
+
+def test_a_damaged_fingerprint_record_ends_the_parse_and_never_loops():
+    from distdebug.fingerprint.snapshots import _HEAD, parse_records
+
+    data = _HEAD.pack(1, 0, 1) + bytes(8) + _HEAD.pack(2, 0, -3) + bytes(64)  # a negative count
+    assert list(parse_records(data, [["a"]])) == [1]
 
 
 def test_a_failed_rotation_stops_the_index_and_the_blocks_where_they_were_right(tmp_path, monkeypatch):
