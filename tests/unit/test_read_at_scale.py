@@ -356,19 +356,26 @@ def test_a_step_kept_whole_on_some_ranks_only_is_read_from_them(tmp_path, monkey
     assert fast["step"] == 3000 and fast["tensors"][0]["tensor"] == "layer4.weight"
 
 
+def restarted(run: Path, killed_at: int, last: int, odd: tuple[int, int, int]) -> Path:
+    """Three ranks' fingerprints, every rank killed after ``killed_at`` and restarted to ``last``; ``odd``: (rank,
+    tensor, step) that departs from there on. The blocks stay on through the restart."""
+    rank_odd, tensor, since = odd
+    for rank in range(3):
+        folder = layout.rank_dir(run, rank)
+        for attempt, steps in ((0, range(1, killed_at + 1)), (1, range(killed_at + 1, last + 1))):
+            w = SnapshotWriter(folder, share=None)
+            for n in steps:
+                w.write(n, fps(n, odd=tensor if (rank == rank_odd and n >= since) else None))
+            kill(w) if attempt == 0 else w.close()
+            assert w.blocks.on
+        (folder / layout.EVENTS).touch()
+    return run
+
+
 def test_a_restarted_rank_makes_blocks_of_what_its_killed_attempt_left_open(tmp_path, monkeypatch):
     """All ranks killed at step 1,500, mid-block, and restarted from 1,501: rank 1 departed at 1,100, in the
     block the killed attempt never wrote. The restarted writer makes it from the stream; diff finds it."""
-    run = tmp_path / "run"
-    for rank in range(3):
-        folder = layout.rank_dir(run, rank)
-        for attempt, steps in ((0, range(1, 1501)), (1, range(1501, 2601))):
-            w = SnapshotWriter(folder, share=None)
-            for n in steps:
-                w.write(n, fps(n, odd=3 if (rank == 1 and n >= 1100) else None))
-            kill(w) if attempt == 0 else w.close()
-        (folder / layout.EVENTS).touch()
-        (folder / layout.ESSENTIAL).touch()
+    run = restarted(tmp_path / "run", killed_at=1500, last=2600, odd=(1, 3, 1100))
     slow, fast = both(run, monkeypatch)
     same(slow, fast)
     assert fast["step"] == 1100 and fast["tensors"][0]["ranks"] == [1]
@@ -378,16 +385,7 @@ def test_a_rank_restarted_before_its_first_block_still_has_blocks(tmp_path, monk
     """Killed at step 300, before its first block was flushed, and restarted: the empty blocks file says the
     stream has blocks, so the new writer blocks the killed attempt's steps and goes on; diff finds a departure
     among them through the blocks."""
-    run = tmp_path / "run"
-    for rank in range(3):
-        folder = layout.rank_dir(run, rank)
-        for attempt, steps in ((0, range(1, 301)), (1, range(301, 3001))):
-            w = SnapshotWriter(folder, share=None)
-            for n in steps:
-                w.write(n, fps(n, odd=2 if (rank == 0 and n >= 200) else None))
-            kill(w) if attempt == 0 else w.close()
-            assert w.blocks.on
-        (folder / layout.EVENTS).touch()
+    run = restarted(tmp_path / "run", killed_at=300, last=3000, odd=(0, 2, 200))
     slow, fast = both(run, monkeypatch)
     same(slow, fast)
     assert fast["step"] == 200 and fast["tensors"][0]["ranks"] == [0]
