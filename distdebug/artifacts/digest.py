@@ -295,22 +295,22 @@ class Digest:
         return [(s, r) for s, r, _ in self.recent]
 
     # ------------------------------------------------------------ the index file's body
-    def to_json(self) -> dict[str, Any]:
+    def _numbers(self) -> dict[str, Any]:
+        """The body's fields that are numbers only (the rest are records and the curve)."""
         return {"seq": self.seq, "last_step": self.last_step, "collectives": self.collectives,
-                "first_loss": self.first_loss,
-                "last_loss": self.last_loss, "times": self.times.to_json(), "work": self.work.to_json(),
-                "memory_max": self.memory_max, "harness_cost": self.harness_cost, "straggler": self.straggler,
-                "curve": self.curve.to_json(), "traced": [[s, t] for s, t in sorted(self.traced.items())],
-                "windows": self._windows, "recent": [[s, r] for s, r, _ in self.recent]}
+                "first_loss": self.first_loss, "last_loss": self.last_loss, "times": self.times.to_json(),
+                "work": self.work.to_json(), "traced": [[s, t] for s, t in sorted(self.traced.items())],
+                "windows": self._windows}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self._numbers(), "memory_max": self.memory_max, "harness_cost": self.harness_cost,
+                "straggler": self.straggler, "curve": self.curve.to_json(),
+                "recent": [[s, r] for s, r, _ in self.recent]}
 
     def dumps(self) -> str:
         """``to_json``'s text, written for every index save: the records as the stream has them (redacted),
         the curve's unchanged buckets from its cache; a few tens of microseconds, not a millisecond."""
-        simple = {"seq": self.seq, "last_step": self.last_step, "collectives": self.collectives,
-                  "first_loss": self.first_loss, "last_loss": self.last_loss, "times": self.times.to_json(),
-                  "work": self.work.to_json(), "traced": [[s, t] for s, t in sorted(self.traced.items())],
-                  "windows": self._windows}
-        parts = [json.dumps(simple)[:-1]]
+        parts = [json.dumps(self._numbers())[:-1]]
         for name in ("memory_max", "harness_cost", "straggler"):
             value = getattr(self, name)
             parts.append(f'"{name}":{self._texts.get(name) or json.dumps(value, default=str)}')

@@ -76,8 +76,7 @@ class EventWriter:
         self._redact = Redactor()  # secrets never land in the run directory (artifacts.redact)
         self.indexer: Indexer | None = None
         if index:
-            self.indexer = Indexer(path, int(share.total * ESSENTIAL_PART) if share is not None else None,
-                                   self._redact)
+            self.indexer = Indexer(path, int(share.total * ESSENTIAL_PART) if share is not None else None)
             self.indexer.resume(self._position())
         self.failed_writes = 0
         self.degraded = False
@@ -175,7 +174,7 @@ class EventWriter:
         """On the thinner's thread: each segment past the ring into the thinned file, then deleted; the thinned
         file brought under its cap. A failed append is undone (cut back to the size before it) and the segment
         left where it is, thinned at the next rotation: a segment is never thinned twice."""
-        from distdebug.artifacts.reader import read_events
+        from distdebug.artifacts.reader import read_events, read_json
 
         thinned = layout.thinned_path(self.path)
         stats_path = self.path.with_name(layout.THINNED_STATS)
@@ -186,8 +185,6 @@ class EventWriter:
                 append_whole(thinned, b"".join(_line(r) for r in out))
             except OSError:
                 return
-            from distdebug.artifacts.reader import read_json
-
             before = read_json(stats_path)
             try:  # (none yet, or a write of it failed: counted again from the whole thinned file, within its cap)
                 stats = retention.window_stats(out, before) if before is not None else \
@@ -294,11 +291,10 @@ class Indexer:
     restarted rank (elastic) takes the index up again from what the stream holds past it; a stream with no
     index of its own (written by an older version) stays without one."""
 
-    def __init__(self, live: Path, cap: int | None, redact: Callable[[str], str] = str) -> None:
+    def __init__(self, live: Path, cap: int | None) -> None:
         from distdebug.artifacts.digest import Digest
 
         self.live = live
-        self._redact = redact  # the writer's: the index holds records too
         self.index_path = layout.index_path(live)
         self.essential_path = layout.essential_path(live)
         self.cap = cap

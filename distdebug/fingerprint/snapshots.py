@@ -30,7 +30,8 @@ from distdebug.artifacts.writer import append_whole, os_error_text, replace_whol
 _HEAD = struct.Struct("<qii")
 _BLOCK = struct.Struct("<qqiiqqiq")
 """A record of fingerprint-blocks.bin: first step | last step | names id | tensors | width | steps | the segment
-number and offset in fingerprints.bin just after its last step; then a uint64 digest per tensor."""
+number and offset in fingerprints.bin where the steps no block covers begin (the flush that wrote it); then a
+uint64 digest per tensor."""
 BLOCKS_PART = 32
 """The blocks file's cap is this fraction (1/32) of the fingerprints' share: a 1,000-tensor model's 1.3 M steps
 are 10 MB of blocks, 6 MiB at the default budget (merged once)."""
@@ -187,12 +188,15 @@ class BlockWriter:
         self._existed = path.exists()
         """The file was there before this writer: blocks were kept for this stream (an empty file included: a
         stream whose first block was never flushed), as opposed to a stream from before blocks."""
+        self._found: list[Block] = []
+        """The blocks the file held at open (a restarted rank's): ``recover`` starts from them."""
         try:
             if not self._existed:
                 path.touch()  # the marker: this stream has blocks, even before its first flush
             self._size = path.stat().st_size
             if self._size:
-                self.width = max([BLOCK] + [b.width for b in read_blocks_file(path)])
+                self._found = read_blocks_file(path)
+                self.width = max([BLOCK] + [b.width for b in self._found])
         except OSError:
             self._size = 0
 
@@ -203,7 +207,7 @@ class BlockWriter:
         if not self.on:
             return
         try:
-            blocks = read_blocks_file(self.path) if self._size else []
+            blocks, self._found = self._found, []
             if not blocks and end == (0, 0) and not layout.segments(rank_dir / layout.FINGERPRINTS):
                 return  # a new stream
             if not blocks and not self._existed:
