@@ -53,7 +53,25 @@ class _Size(click.ParamType):
 _SIZE = _Size()
 
 
-class OneLineErrors(click.Group):
+class HelpfulGroup(click.Group):
+    """A group that, called bare, prints its help and exits 0 (a question, not an error), and lists its
+    commands with their whole first sentence (click cuts them at 45 characters with "...")."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args:
+            click.echo(ctx.get_help())
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, cmd.get_short_help_str(limit=10_000)) for name in self.list_commands(ctx)
+                if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class OneLineErrors(HelpfulGroup):
     """Usage and user errors as one line: what is wrong and what to do; never a traceback."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
@@ -86,7 +104,7 @@ class OneLineErrors(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="distdebug", message="distdebug %(version)s")
 def main() -> None:
     """distdebug: which rank, which step, which tensor broke your distributed training, and what to do."""
@@ -112,7 +130,8 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
     return f
 
 
-@main.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False})
+@main.command(short_help="Run SCRIPT on every rank under torch's launcher, instrumented; no code changes.",
+              context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False})
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default=None, envvar="PET_NPROC_PER_NODE",
               help="Ranks on this node: a number, or gpu/cpu/auto/xpu. Default: one per GPU, else 2 -- not "
                    "torchrun's 1: the cross-rank checks need two ranks; give 1 for one rank.")
@@ -305,7 +324,7 @@ def _run_dirs(runs: tuple[str, ...]) -> list[Path]:
     return [resolve_run(r) for r in runs] if runs else [resolve_run(None)]
 
 
-@main.command()
+@main.command(short_help="Incidents, findings with cause and fix, and per-rank progress of a run.")
 @click.argument("runs", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -355,7 +374,7 @@ def _gate(findings: list, fail_on: str | None) -> int:
     return 0
 
 
-@main.command()
+@main.command(short_help="Each rank of a running job, live: step, speed, loss, findings, status.")
 @click.argument("runs", nargs=-1)
 @click.option("--once", is_flag=True, help="Print the ranks' state once and exit (also when stdout is not a "
               "terminal).")
@@ -383,7 +402,7 @@ def top(runs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> in
     return 0
 
 
-@main.command()
+@main.command(short_help="Every rank's Python stack now, grouped: which rank waits where.")
 @click.argument("run", required=False)
 @click.option("--timeout", type=float, default=5.0, show_default=True,
               help="Seconds to wait for every rank's answer.")
@@ -418,7 +437,7 @@ def stacks(run: str | None, timeout: float, native: bool, as_json: bool) -> int:
     return 1 if missing else 0
 
 
-@main.command()
+@main.command(short_help="Which ranks' (or two runs') tensors differ, and from which step.")
 @click.argument("run", required=False)
 @click.argument("other", required=False)
 @click.option("--step", type=int, default=None, help="Compare the ranks at this step (default: find the first "
@@ -456,17 +475,45 @@ def diff(run: str | None, other: str | None, step: int | None, as_json: bool, no
     return 0 if result["identical"] else 1
 
 
-@main.command("detectors")
-def list_detectors() -> int:
-    """List the registered detectors (name, default on/off, what it finds)."""
+@main.command("detectors", short_help="List the detectors: code, name, on by default or not, what each finds.")
+@click.option("--options", "with_options", is_flag=True,
+              help="Also list each detector's --detector-option keys, their defaults and meaning.")
+def list_detectors(with_options: bool) -> int:
+    """List the registered detectors: code, name, on by default or not, what it finds."""
+    from distdebug import cards
     from distdebug.detectors import registry
 
-    for name, cls in sorted(registry.builtin().items()):
-        click.echo(f"{name:24s} {'default' if cls.default else 'opt-in ':8s} {cls.description}")
+    for name in registry.names():  # the registry's names, each read from its card (a test keeps them paired)
+        card = cards.CARDS[name]
+        click.echo(f"{card.code}  {name:22s} {'default' if card.default else 'opt-in ':8s} {card.title}")
+        if with_options:
+            for o in card.options:
+                flag = f" (attach {o.flag})" if o.flag else ""
+                click.echo(f"        --detector-option {name}.{o.key}=... default {o.default!r}{flag}: {o.help}")
     return 0
 
 
-@main.command()
+@main.command(short_help="What a finding means: its causes, the check and the fix.")
+@click.argument("code_or_name", required=False)
+def explain(code_or_name: str | None) -> int:
+    """What a finding means, its likely causes, the check and the fix: CODE_OR_NAME is a finding's code (DD102)
+    or its detector (nan_origin); none: every finding kind."""
+    from distdebug import cards
+    from distdebug.report import cardview
+
+    if code_or_name is None:
+        for card in cards.CARDS.values():
+            click.echo(f"{card.code}  {card.name:22s} {card.title}")
+        return 0
+    found = cards.lookup(code_or_name)
+    if found is None:
+        raise UserError(f"no finding kind '{code_or_name}': give a code (DD101) or a name (nan_origin); "
+                        "'distdebug explain' lists them", 2)
+    click.echo(cardview.text(found))
+    return 0
+
+
+@main.command(short_help="Check the environment for distributed training, across ranks and nodes.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--bandwidth", is_flag=True, help="Also an all_reduce bandwidth sweep and a pairwise link matrix "
               "across the ranks (started like attach).")
@@ -474,11 +521,16 @@ def list_detectors() -> int:
               help="Check across this many ranks per node, started like attach (default with --bandwidth: "
                    "as attach). Without it and --bandwidth: this host only, no ranks.")
 @click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
-@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True)
-@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True)
-@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="")
-@click.option("--master-addr", "--master_addr", "master_addr", default=None)
-@click.option("--master-port", "--master_port", "master_port", type=int, default=None)
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
+              help="This node's rank (static rendezvous), as attach.")
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static", show_default=True,
+              help="Rendezvous backend: static or c10d, as attach.")
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="",
+              help="Rendezvous HOST:PORT, as attach.")
+@click.option("--master-addr", "--master_addr", "master_addr", default=None,
+              help="Static rendezvous address, as attach.")
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None,
+              help="Static rendezvous port, as attach.")
 @click.option("--max-bytes", type=int, default=128 << 20, show_default=True,
               help="Largest all_reduce of the sweep (bytes; from 8 B, doubling).")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
@@ -513,7 +565,7 @@ def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes
     return 1 if failed else 0
 
 
-@main.command()
+@main.command(short_help="DDP, FSDP and DeepSpeed pitfalls in a script's source (nothing runs).")
 @click.argument("script", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lint(script: Path, as_json: bool) -> int:
@@ -536,12 +588,12 @@ def lint(script: Path, as_json: bool) -> int:
     return 1 if any(f.severity == ERROR for f in findings) else 0
 
 
-@main.group()
+@main.group(cls=HelpfulGroup, short_help="Inject faults on purpose and prove each detector catches its own.")
 def faults() -> None:
     """Inject faults on purpose and prove that each detector catches its fault (fault x engine matrix)."""
 
 
-@faults.command("list")
+@faults.command("list", short_help="The fault catalogue: what each fault does and what must catch it.")
 def faults_list() -> int:
     """The fault catalogue: what each fault does, its parameters, the detector that must catch it."""
     from rich.console import Console
@@ -553,7 +605,8 @@ def faults_list() -> int:
     return 0
 
 
-@faults.command("replay", context_settings={"allow_interspersed_args": False})
+@faults.command("replay", short_help="Replay each fault and a clean twin on a script; check the findings.",
+                context_settings={"allow_interspersed_args": False})
 @click.option("--fault", "fault_names", multiple=True, help="Only this fault (repeatable). Default: every fault.")
 @click.option("--skip", "skip_names", multiple=True, help="Not this fault (repeatable).")
 @click.option("--inject", "overrides", multiple=True, metavar="SPEC",

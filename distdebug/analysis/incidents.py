@@ -6,15 +6,15 @@ configuration warning at step 1, a ``bn_divergence`` error on ``body.1`` at step
 cause last. A NaN born on rank 1 is its ``nan_origin`` error, a ``loss_nonfinite`` error on every rank
 (the all-reduce spread it), the loss scaler's skipped step, the other ranks' "received" warnings.
 
-The rule is a table of what can cause what (``CAUSES``), as PyTorch behaves, and a few conditions per
-link: the effect does not come before its cause (steps), it is on the cause's ranks unless it spreads
-by communication (a reduced NaN, a replica compared across ranks), and where the table asks, it is
-about the same module (a BatchNorm and its buffers). Findings of one kind at one step are one event
-(bn_divergence on four modules at step 2; every rank's NaN origin in a batch that all of them read).
-Linked findings are one incident; its root is a member that nothing else in it can have caused, the
-one of the earliest kind in ``ORDER`` (a configuration before statistics before replicas) among several,
-ties broken by step, then severity. Findings linked
-to nothing stay incidents of their own: unrelated problems are never merged.
+The rule is the causal model's table of what can cause what (``cards.kinds``: the same table the report's
+advice reads), each finding's kind from its card, and a few conditions per link: the effect does not come
+before its cause (steps), it is on the cause's ranks unless it spreads by communication (a reduced NaN, a
+replica compared across ranks), and where the table asks, it is about the same module (a BatchNorm and its
+buffers). Findings of one kind at one step are one event (bn_divergence on four modules at step 2; every
+rank's NaN origin in a batch that all of them read). Linked findings are one incident; its root is a member
+that nothing else in it can have caused, the one of the earliest kind in ``ORDER`` (a configuration before
+statistics before replicas) among several, ties broken by step, then severity. Findings linked to nothing
+stay incidents of their own: unrelated problems are never merged.
 
 Pure: findings in, incidents out (no torch, no rich).
 """
@@ -24,55 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from distdebug.cards import kind_of as kind
+from distdebug.cards.kinds import CAUSES, ORDER, SPREADS, WINDOW
 from distdebug.findings import Finding, Severity
 
-ORDER = ("config", "environment", "seed", "checkpoint", "data", "nan", "hang", "statistics", "replica",
-         "verdict", "nonfinite", "spike", "scale", "other")
-"""Kinds from the most root to the most downstream: an incident's root is its member of the earliest kind."""
-
-CAUSES: dict[str, tuple[str, ...]] = {
-    "config": ("statistics", "replica"),  # broadcast_buffers=False -> BatchNorm statistics -> replicas
-    "seed": ("replica", "spike", "data"),  # different initial weights: replicas, losses that differ
-    "checkpoint": ("replica", "spike", "nan"),  # a restored shard that is not what was saved
-    "nan": ("nan", "nonfinite", "replica", "spike", "scale", "statistics", "verdict"),
-    "statistics": ("replica", "spike"),  # BatchNorm buffers differ -> the replicas' buffers, the losses
-    # a replica that diverged (a skipped step, a flipped bit) -> its re-execution's verdict, its loss, and the
-    # BatchNorm statistics its different weights then compute
-    "replica": ("verdict", "spike", "statistics"),
-    "nonfinite": ("scale",),  # a non-finite loss -> the scaler's skipped step
-    "hang": ("other",),  # a hang -> the ranks' collective errors and stalls
-    "environment": ("hang",),  # a bad variable (a network interface that is not there) -> ranks that never meet
-    "spike": ("spike",),  # a corrupted step moves the weights: the next few steps' losses are off too
-}
-"""Cause kind -> the kinds it can produce (what is not listed here causes nothing else)."""
-
-SPREADS = {("nan", "nan"), ("nan", "nonfinite"), ("nan", "replica"), ("nan", "scale"), ("nan", "spike"),
-           ("nonfinite", "scale"), ("seed", "replica"), ("seed", "spike"), ("checkpoint", "replica"),
-           ("statistics", "replica"), ("replica", "spike"), ("replica", "statistics"), ("seed", "data"),
-           ("config", "statistics"),
-           ("config", "replica"), ("hang", "other"), ("environment", "hang")}
-"""Links whose effect may be on other ranks than its cause: what the all-reduce, a comparison across ranks
-or the collective the others wait in carries from one rank to the rest."""
-
-WINDOW = {("spike", "spike"): 8}
-"""Links that hold only within this many steps after the cause: a spike's aftershocks (the loss still off while
-the weights recover from the corrupted update), not a spike fifty steps later."""
-
-
-KINDS = {"env_check": "environment", "env_diff": "environment", "link_matrix": "environment",
-         "checkpoint_roundtrip": "checkpoint", "data_order": "data", "nan_origin": "nan", "loss_nonfinite": "nonfinite",
-         "loss_scale": "scale", "bn_divergence": "statistics", "replica_divergence": "replica", "rerun": "verdict",
-         "loss_spike": "spike", "hang": "hang", "startup": "hang"}
-"""Detector -> the kind of evidence its findings are (config_lint and init_seed depend on the finding)."""
-
-
-def kind(f: Finding) -> str:
-    """What a finding is evidence of, for the causal table."""
-    if f.detector == "config_lint":  # the one configuration with consequences other detectors see
-        return "config" if f.subject == "broadcast_buffers" else "other"
-    if f.detector == "init_seed":  # its info note (torch.manual_seed seen) causes nothing
-        return "seed" if Severity(f.severity).order >= Severity.WARNING.order else "other"
-    return KINDS.get(f.detector, "other")
+__all__ = ["CAUSES", "ORDER", "SPREADS", "WINDOW", "Incident", "group", "kind", "linked", "same_event"]
 
 
 @dataclass
@@ -90,6 +46,22 @@ class Incident:
     @property
     def title(self) -> str:
         return f"{self.root.detector}: {self.root.subject}"
+
+    def consequences(self) -> list[Finding]:
+        """The members that follow from the root by a chain of causal links (not those merged into it only as
+        one event with a member: a BatchNorm that differed before the NaN, on the module that differs after it,
+        keeps its own cause). The root's own detector's other findings are its event, not its consequences."""
+        reached = [self.root]
+        rest = [m for m in self.members if m is not self.root]
+        grew = True
+        while grew:
+            grew = False
+            for m in list(rest):
+                if any(linked(r, m) for r in reached):
+                    reached.append(m)
+                    rest.remove(m)
+                    grew = True
+        return [m for m in reached[1:] if m.detector != self.root.detector]
 
     def to_dict(self) -> dict[str, Any]:
         return {"severity": self.severity.value, "title": self.title, "root": self.root.to_dict(),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from distdebug.cards.bn_divergence import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -117,8 +118,7 @@ def disagree(spread: dict[str, Any]) -> bool:
 class BatchNormDivergence(ExchangeUser, Detector):
     name = "bn_divergence"
     needs_model = True
-    description = ("BatchNorm running statistics differ across ranks (names module, max difference); plain "
-                   "BatchNorm whose per-rank batch statistics disagree (recommends SyncBatchNorm)")
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def __init__(self) -> None:
         self.ctx: RankContext | None = None

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from distdebug.cards.config_lint import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -48,7 +49,7 @@ FIND_UNUSED_FIX["pytorch_lightning"] = FIND_UNUSED_FIX["lightning_fabric"] = FIN
 
 class ConfigLint(Detector):
     name = "config_lint"
-    description = "lint's checks on the live DDP/DeepSpeed objects (unused parameters, buffers, wrap order, buckets)"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def __init__(self) -> None:
         self.ctx: RankContext | None = None

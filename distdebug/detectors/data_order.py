@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from distdebug.cards.data_order import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -165,8 +166,7 @@ def identical_batches(per_rank: dict[int, list[list[Any]]]) -> tuple[list[int], 
 class DataOrder(ExchangeUser, Detector):
     name = "data_order"
     needs_model = True
-    description = ("ranks training on identical batches (DistributedSampler missing), DistributedSampler "
-                   "without set_epoch, the same batch giving different losses")
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def __init__(self) -> None:
         self.ctx: RankContext | None = None

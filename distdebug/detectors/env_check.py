@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from distdebug.cards.env_check import CARD
 from distdebug.context import RankContext
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -20,7 +21,7 @@ from distdebug.findings import Finding, Severity
 
 class EnvCheck(Detector):
     name = "env_check"
-    description = "dangerous NCCL_*/TORCH_NCCL_*/GLOO_*/MASTER_* variables in each rank (as distdebug doctor)"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def setup(self, ctx: RankContext) -> None:
         from distdebug.doctor.checks import FAIL, PASS, variable_checks

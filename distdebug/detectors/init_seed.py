@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from distdebug.cards.init_seed import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -34,7 +35,7 @@ MAX_NAMED = 10
 
 class InitSeed(ExchangeUser, Detector):
     name = "init_seed"
-    description = "initial parameters that differ across ranks (named; before DDP's broadcast too), unseeded torch"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def __init__(self) -> None:
         self.ctx: RankContext | None = None

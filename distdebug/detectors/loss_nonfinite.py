@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from distdebug.cards.loss_nonfinite import CARD
 from distdebug.context import StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -17,7 +18,7 @@ from distdebug.findings import Finding, Severity
 
 class LossNonFinite(Detector):
     name = "loss_nonfinite"
-    description = "loss is NaN or Inf: names the first step per rank"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def __init__(self) -> None:
         self.first_step: int | None = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from distdebug.cards.loss_scale import CARD
 from distdebug.config import LossScaleConfig
 from distdebug.context import StepEvent
 from distdebug.detectors.base import Detector
@@ -37,7 +38,7 @@ MAX_INFO = 20
 
 class LossScale(Detector):
     name = "loss_scale"
-    description = "AMP loss scaler: steps skipped for overflow (info), a scale that keeps collapsing (warning)"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     Config = LossScaleConfig
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from distdebug.cards.loss_spike import CARD
 from distdebug.config import LossSpikeConfig
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
@@ -230,7 +231,7 @@ class CrossRank:
 class LossSpike(ExchangeUser, Detector):
     name = "loss_spike"
     needs_model = True
-    description = "loss or gradient norm far above its recent median (robust z over a window), per rank"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     Config = LossSpikeConfig
 

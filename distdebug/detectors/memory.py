@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from distdebug.artifacts import schema
+from distdebug.cards.memory import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -128,7 +129,7 @@ def breakdown(params: list[Any], optimizers: list[Any]) -> dict[str, int]:
 class Memory(Detector):
     name = "memory"
     needs_model = True
-    description = "bytes per rank in parameters, gradients, optimizer state, activations, other; per step, at peak"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def __init__(self) -> None:
         self.ctx: RankContext | None = None

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug.artifacts import layout, schema
+from distdebug.cards.profiler import CARD
 from distdebug.config import ProfilerConfig, parse_windows
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
@@ -95,7 +96,7 @@ def trace_dir(run_dir: Path, start: int, end: int) -> Path:
 
 class Profiler(Detector):
     name = "profiler"
-    description = "torch.profiler traces of --profile-steps windows and of the steps after a detector fires"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     Config = ProfilerConfig
 

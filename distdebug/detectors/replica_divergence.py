@@ -38,6 +38,7 @@ import xxhash
 
 from distdebug.artifacts import retention
 from distdebug.artifacts.writer import os_error_text
+from distdebug.cards.replica_divergence import CARD
 from distdebug.config import ReplicaDivergenceConfig
 from distdebug.context import ExchangeChannel, RankContext, StepEvent
 from distdebug.detectors.base import Detector
@@ -65,7 +66,7 @@ def _signed(v: int) -> int:
 class ReplicaDivergence(ExchangeUser, Detector):
     name = "replica_divergence"
     needs_model = True
-    description = "data-parallel replicas differ: first step, tensor names and odd rank(s) (cross-rank fingerprints)"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     Config = ReplicaDivergenceConfig
 

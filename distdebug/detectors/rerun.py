@@ -35,6 +35,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from distdebug.cards.rerun import CARD
 from distdebug.config import RerunConfig
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
@@ -48,7 +49,7 @@ DEPARTS = "loss departs from the other ranks'"
 
 class Rerun(ExchangeUser, Detector):
     name = "rerun"
-    description = "re-executes a flagged step from a capture: reproducible (code or data) or transient (the machine)"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
     default = False
     needs_model = True
     Config = RerunConfig

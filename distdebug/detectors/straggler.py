@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from distdebug.artifacts import schema
+from distdebug.cards.straggler import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
@@ -201,8 +202,7 @@ def verdicts(table: dict[int, dict[str, Any]], floor_s: float = MIN_LATE_S) -> l
 class Straggler(ExchangeUser, Detector):
     name = "straggler"
     needs_model = True
-    description = ("a rank the others keep waiting for (relative speed score from arrival times), and whether it "
-                   "computes slower or waits for its data loader")
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     def __init__(self, clock: Any = None) -> None:
         self.ctx: RankContext | None = None

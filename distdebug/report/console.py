@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape as esc
 from rich.table import Table
 
+from distdebug import cards
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.summary import RunSummary
 from distdebug.report.fmt import memory_mb, number, one_off_text, rank_list
@@ -63,13 +64,14 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
         table = Table(title=f"Findings ({len(summary.findings)})", show_lines=False)
         for col in ("severity", "detector", "rank(s)", "step", "subject", "message"):
             table.add_column(col, overflow="fold")
-        for f, a in zip(summary.findings, advise_all(summary.findings, run_dir=summary.run_dir), strict=True):
+        advice = advise_all(summary.findings, run_dir=summary.run_dir, incidents=summary.incidents)
+        for f, a in zip(summary.findings, advice, strict=True):
             sev = f.severity.value
             # Messages quote errors and paths ("[/__w/pytorch/...]"): text, never markup.
             msg = esc(f.message) + (f"\n[dim]likely cause: {esc(a.cause)}[/dim]" if a.cause else "") + \
                 (f"\n[dim]check: {esc(a.check)}[/dim]" if a.check else "") + \
                 (f"\n[dim]fix: {esc(f.fix or a.fix)}[/dim]" if (f.fix or a.fix) else "")
-            table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", esc(f.detector), rank_list(f.ranks),
+            table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", esc(_coded(f.detector)), rank_list(f.ranks),
                           "-" if f.step is None else str(f.step), esc(f.subject), msg)
         console.print(table)
     else:
@@ -170,20 +172,29 @@ def render_incidents(summary: RunSummary, console: Console) -> None:
     for n, inc in enumerate(shown, 1):
         sev, root = inc["severity"], inc["root"]
         step = "" if root["step"] is None else f" step {root['step']}"
-        console.print(f"{n}. [{SEVERITY_STYLE[sev]}]{sev}[/] {esc(inc['title'])} (rank(s) {rank_list(root['ranks'])}"
+        console.print(f"{n}. [{SEVERITY_STYLE[sev]}]{sev}[/] {esc(_coded(inc['title']))} (rank(s) "
+                      f"{rank_list(root['ranks'])}"
                       f"{step}): {esc(root['message'])}")
         for m in inc["members"][1:]:
             mstep = "" if m["step"] is None else f" step {m['step']}"
-            console.print(f"   then {esc(m['severity'])} {esc(m['detector'])} {esc(m['subject'])} (rank(s) "
+            console.print(f"   then {esc(m['severity'])} {esc(_coded(m['detector']))} {esc(m['subject'])} (rank(s) "
                           f"{rank_list(m['ranks'])}{mstep})")
         if inc["fix"]:
             console.print(f"   [bold]fix[/bold]: {esc(inc['fix'])}")
+        if root.get("code"):
+            console.print(f"   [dim]what it means: distdebug explain {root['code']}[/dim]")
+
+
+def _coded(text: str) -> str:
+    """``nan_origin...`` -> ``DD102 nan_origin...``: a finding's code before its detector (a plugin's has none)."""
+    card = cards.get(text.split(":")[0])
+    return f"{card.code} {text}" if card is not None else text
 
 
 def render_json(summary: RunSummary) -> str:
     """The summary; each finding with its ``advice`` (symptom, likely cause, check, fix); ``incidents``: the
     findings grouped by shared cause, each with its root, members and one fix."""
     d = summary.to_dict()
-    d["findings"] = findings_with_advice(summary.findings, run_dir=summary.run_dir)
+    d["findings"] = findings_with_advice(summary.findings, run_dir=summary.run_dir, incidents=summary.incidents)
     d["incidents"] = incidents_with_advice(summary.incidents, summary.findings, run_dir=summary.run_dir)
     return json.dumps(d, indent=2, default=str)

@@ -18,11 +18,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from distdebug import cards
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.plots import plot_data
 from distdebug.analysis.summary import RunSummary
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import Run, read_json
+from distdebug.report import cardview
 from distdebug.report.fmt import memory_mb, number, one_off_text, rank_list
 from distdebug.report.knowledge import findings_with_advice, incidents_with_advice
 
@@ -75,11 +77,27 @@ def _findings_table(findings: list[dict[str, Any]]) -> str:
             for label, text in (("seen as", a["symptom"]), ("likely cause", a["cause"]), ("check", a["check"]),
                                 ("fix", f.get("fix") or a["fix"])) if text)
         rows.append(
-            f"<tr><td><span class='sev {_e(f['severity'])}'>{_e(f['severity'])}</span></td><td>{_e(f['detector'])}</td>"
+            f"<tr><td><span class='sev {_e(f['severity'])}'>{_e(f['severity'])}</span></td><td>{_code(f)}"
+            f"{_e(f['detector'])}</td>"
             f"<td>{_e(rank_list(f['ranks']))}</td><td class='num'>{_e('-' if f['step'] is None else f['step'])}</td>"
             f"<td><code>{_e(f['subject'])}</code></td><td>{_e(f['message'])}{advice}</td></tr>")
     return ("<table class='findings'><tr><th>severity</th><th>detector</th><th>rank(s)</th><th>step</th>"
             "<th>subject</th><th>what, likely cause, check, fix</th></tr>" + "".join(rows) + "</table>")
+
+
+def _code(f: dict[str, Any]) -> str:
+    """A finding's code, linked to its card at the foot of the page (the page stays one self-contained file)."""
+    code = f.get("code")
+    return f"<a class='code' href='#{_e(code)}'>{_e(code)}</a> " if code else ""
+
+
+def _cards(findings: list[dict[str, Any]]) -> str:
+    """The cards of the kinds of finding on this page: what each means, its causes, the check and the fix."""
+    names = sorted({f["detector"] for f in findings if f.get("code")}, key=lambda n: cards.CARDS[n].code)
+    if not names:
+        return ""
+    return ("<section><h2>What these findings mean</h2>"
+            + "".join(cardview.html_block(cards.CARDS[n]) for n in names) + "</section>")
 
 
 def _merged(summary: RunSummary) -> str:
@@ -96,11 +114,11 @@ def _incidents(summary: RunSummary) -> str:
     items = []
     for inc in incs:
         root = inc["root"]
-        then = "".join(f"<li>{_e(m['severity'])} {_e(m['detector'])} <code>{_e(m['subject'])}</code> rank(s) "
+        then = "".join(f"<li>{_e(m['severity'])} {_code(m)}{_e(m['detector'])} <code>{_e(m['subject'])}</code> rank(s) "
                        f"{_e(rank_list(m['ranks']))} step {_e('-' if m['step'] is None else m['step'])}: "
                        f"{_e(m['message'])}</li>" for m in inc["members"][1:])
         items.append(f"<li class='incident'><span class='sev {_e(inc['severity'])}'>{_e(inc['severity'])}</span> "
-                     f"<b>{_e(inc['title'])}</b> rank(s) {_e(rank_list(root['ranks']))} step "
+                     f"{_code(root)}<b>{_e(inc['title'])}</b> rank(s) {_e(rank_list(root['ranks']))} step "
                      f"{_e('-' if root['step'] is None else root['step'])}: {_e(root['message'])}"
                      + (f"<ul>{then}</ul>" if then else "")
                      + (f"<div class='advice'><b>fix:</b> {_e(inc['fix'])}</div>" if inc["fix"] else "") + "</li>")
@@ -219,7 +237,7 @@ def _harness_cost(summary: RunSummary) -> str:
 def render_html(run: Run, summary: RunSummary, out: Path) -> Path:
     """Write the report for ``run`` to ``out`` (a file); returns its path."""
     out = Path(out)
-    findings = findings_with_advice(summary.findings, run_dir=summary.run_dir)
+    findings = findings_with_advice(summary.findings, run_dir=summary.run_dir, incidents=summary.incidents)
     data = plot_data(run, summary, findings)
     bad = data["first_bad"]
     if bad:
@@ -263,6 +281,7 @@ world size {_e(summary.world_size or "?")} &middot; exit code {_e(exit_text)} &m
 <section><h2>Ranks</h2>{_ranks_table(summary)}</section>
 {_harness_cost(summary)}
 <section><h2>Profiler windows</h2>{_windows(data["windows"], out.parent.resolve())}</section>
+{_cards(findings)}
 </main>
 <script type="application/json" id="distdebug-data">{payload}</script>
 <script>{_asset("report.js")}</script>

@@ -32,11 +32,18 @@ def test_configuration_statistics_and_replicas_are_one_incident_with_the_configu
         ("replica_divergence", "features.1.running_mean")]
     assert inc["fix"] == "keep broadcast_buffers=True, or convert to SyncBatchNorm"
     assert all("advice" in m for m in inc["members"])
+    # One causal model for the incident and the advice: what followed is said to be the root's consequence;
+    # every finding carries its card's code (issue 49).
+    assert [m["code"] for m in inc["members"]] == ["DD504", "DD202", "DD202", "DD201"]
+    for m in inc["members"][1:]:
+        assert m["advice"]["cause"].startswith("probably a consequence of the configuration from step 1 (DD504 "
+                                               "config_lint on broadcast_buffers)"), m["advice"]
     text = distdebug("report", str(run)).stdout
     first = text[:text.index("Findings (4)")]  # the first screen: the incident, before the findings' table
-    assert "Incidents (1)" in first and "1. error config_lint: broadcast_buffers (rank(s) 0,1 step 1)" in first
-    assert "then error bn_divergence features.1 (rank(s) 0,1 step 2)" in first
+    assert "Incidents (1)" in first and "1. error DD504 config_lint: broadcast_buffers (rank(s) 0,1 step 1)" in first
+    assert "then error DD202 bn_divergence features.1 (rank(s) 0,1 step 2)" in first
     assert "fix: keep broadcast_buffers=True, or convert to SyncBatchNorm" in first
+    assert "what it means: distdebug explain DD504" in first
     assert distdebug("report", "--html", str(tmp_path / "r.html"), str(run)).returncode == 0
     page = (tmp_path / "r.html").read_text()
     assert "Incidents (1), root cause first" in page and page.index("Incidents (1)") < page.index("Findings (4)")

@@ -59,7 +59,7 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-LAYERS = ("ground", "artifacts", "fingerprint", "runtime", "doctor", "detectors", "analysis", "report", "api",
+LAYERS = ("ground", "cards", "artifacts", "fingerprint", "runtime", "doctor", "detectors", "analysis", "report", "api",
           "launch", "lint", "fault_injection", "cli")
 """The floors, lowest first: a module imports from its own floor or below, never above. ground: the modules
 at distdebug/'s top (findings, context, errors, config, envvars, procs) that every floor shares; api: the

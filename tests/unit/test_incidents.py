@@ -84,3 +84,23 @@ def test_a_spikes_aftershocks_are_its_incident_and_a_later_spike_is_not():
     incidents = group(findings)
     assert [(i.root.step, len(i.members)) for i in incidents] == [(20, 5), (60, 1)]
     assert incidents[0].root.detector == "loss_spike" and incidents[0].root.subject in ("loss", "grad_norm")
+
+
+def test_a_rank_that_died_of_memory_is_the_root_of_the_hang_it_left_and_its_advice_says_so():
+    """One causal model (cards.kinds) for the incidents and the advice: the out-of-memory error on rank 1 is
+    why rank 0 waited in its collective; the hang is its consequence in both. Its clean twin: a hang with no
+    rank that died stays its own root with its own advice."""
+    from distdebug.report.knowledge import advise_all
+
+    oom = f("oom", "out of memory in forward", 7, [1], "critical", phase="forward")
+    hang = f("hang", "collective #41", 7, [0], "critical")
+    (incident,) = group([hang, oom])
+    assert incident.root is oom and incident.consequences() == [hang]
+    advice = advise_all([hang, oom])
+    assert "probably a consequence of the out-of-memory error from step 7 (DD403 oom" in advice[0].cause
+    assert "consequence" not in advice[1].cause and "activations" in advice[1].cause
+    alone = f("hang", "collective #41", 7, [0], "critical")
+    assert group([alone])[0].root is alone and "consequence" not in advise_all([alone])[0].cause
+    # an out-of-memory error after the hang began is not its cause
+    late = f("oom", "out of memory in step", 9, [1], "critical", phase="step")
+    assert len(group([hang, late])) == 2

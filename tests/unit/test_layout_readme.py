@@ -74,18 +74,20 @@ def house_layout() -> str:
 def test_the_house_layout_names_every_folder_and_module_and_nothing_that_is_not_there():
     """Issue 47: the README's layout omitted five modules. Every folder of distdebug/ and every module in
     it and in fault_injection/ is named where a contributor reads the house's layout, but for each
-    detector's and each fault's own module (one module of its registry each: `distdebug detectors` and
-    `distdebug faults list` list them); a detector grown into a package names its modules in its own
-    docstring (its map); and every folder the listing names exists."""
+    detector's, card's and fault's own module (one module of its registry each: `distdebug detectors`,
+    `distdebug explain` and `distdebug faults list` list them); a detector grown into a package names its
+    modules in its own docstring (its map); and every folder the listing names exists."""
     import ast
     import sys
 
+    from distdebug.cards import CARDS
     from distdebug.detectors.registry import builtin
     from distdebug.fault_injection.registry import FAULTS
 
     listing = house_layout()
     own = {Path(sys.modules[cls.__module__].__file__).resolve()  # type: ignore[arg-type]
            for cls in [*builtin().values(), *FAULTS.values()]}
+    own |= {(ROOT / "distdebug" / "cards" / f"{name}.py").resolve() for name in CARDS}  # a card a module
     packages = {p.parent for p in own if p.name == "__init__.py"}
     missing = []
 

@@ -4,13 +4,16 @@ with planted faults (tests/synthetic.py)."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
 
 from click.testing import CliRunner
 
+from distdebug import cards
 from distdebug.analysis.errors import error_findings, oom_phase
+from distdebug.analysis.incidents import group
 from distdebug.analysis.plots import MAX_BARS, MAX_ROWS, MAX_STEPS, plot_data
 from distdebug.analysis.summary import summarize
 from distdebug.artifacts.reader import load_run
@@ -61,11 +64,14 @@ def test_context_decides_the_cause():
     assert "consequence of the NaN/Inf from step 12" in advice[1].cause
     assert "consequence" not in advice[2].cause
     # Replicas that part in the NaN's own step (a TP peer's replicated bias: NaN on one rank, finite on
-    # the other) part because of it; a BatchNorm divergence in that step is not called its consequence.
+    # the other) part because of it; so does a BatchNorm whose running statistics took the NaN in that step's
+    # forward (one causal model, cards.kinds, for the incidents and the advice: they agree).
     same_div, same_bn = finding("replica_divergence", step=12), finding("bn_divergence", step=12)
     advice = kb.advise_all([nan, same_div, same_bn])
     assert "consequence of the NaN/Inf from step 12" in advice[1].cause
-    assert "consequence" not in advice[2].cause
+    assert "consequence of the NaN/Inf from step 12" in advice[2].cause
+    (incident,) = group([nan, same_div, same_bn])
+    assert incident.root is nan and {id(m) for m in incident.consequences()} == {id(same_div), id(same_bn)}
     # ... but only what a NaN can cause: identical batches across ranks, a seed or a config trap after it
     # keep their own cause.
     data_after = finding("data_order", step=16)
@@ -163,6 +169,14 @@ def test_report_cli_writes_html_and_json_advice(tmp_path):
     d = json.loads(r.stdout)
     [f] = d["findings"]
     assert f["detector"] == "straggler" and f["advice"]["symptom"] == kb.SLOW
+    # Every finding carries its card's code: in the JSON, in the text report, and in the HTML as a link to
+    # the card at the foot of the page (which is there, with the card's own words).
+    assert f["code"] == "DD401" and d["incidents"][0]["root"]["code"] == "DD401"
+    page = out.read_text()
+    assert "href='#DD401'>DD401</a>" in page and '<section class="card" id="DD401">' in page
+    assert html.escape(cards.CARDS["straggler"].meaning) in page
+    text = CliRunner().invoke(cli_main, ["report", str(run_dir)], env={"COLUMNS": "200"}).output
+    assert "DD401 straggler" in text and "distdebug explain DD401" in text
 
 
 def test_terminal_rank_table_keeps_the_ranks_worth_a_look_at_scale(tmp_path):

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from distdebug.cards.checkpoint_roundtrip import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.checkpoint_roundtrip.core import RoundTripState
 from distdebug.detectors.checkpoint_roundtrip.pretrained import Pretrained
@@ -86,7 +87,7 @@ class CheckpointRoundTrip(Pretrained, Saves, WrongShards):
     here only the wiring (what is patched, at once or when the script imports it) and the step and end."""
 
     name = "checkpoint_roundtrip"
-    description = "a torch.load restores other tensors than torch.save wrote (names them), or another rank's shard"
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
     paused = False  # --measure-overhead: a save and its load must both be seen (they are rare, not per step)
 
     def setup(self, ctx: RankContext) -> None:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from distdebug.cards.nan_origin import CARD
 from distdebug.config import NanOriginConfig
 from distdebug.detectors.base import Detector
 from distdebug.detectors.nan_origin.collectives import fsdp_params
@@ -91,8 +92,7 @@ class NanOrigin(Watch, Verdict):
 
     name = "nan_origin"
     needs_model = True
-    description = ("first NaN/Inf: step, origin rank (local gradients before all-reduce), first parameter in "
-                   "backward order, first module in forward order")
+    description = CARD.title  # one source: the card (distdebug.cards) says what it finds
 
     Config = NanOriginConfig
 
