@@ -58,7 +58,7 @@ class HelpfulGroup(click.Group):
     commands with their whole first sentence (click cuts them at 45 characters with "...")."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not args:
+        if not args and not ctx.resilient_parsing:  # not under shell completion, which parses with no args
             click.echo(ctx.get_help())
             ctx.exit(0)
         return super().parse_args(ctx, args)

@@ -33,13 +33,21 @@ class Finding:
     """
 
     severity: Severity
+    """``info``, ``warning``, ``error`` or ``critical``."""
     detector: str
+    """What found it: a detector's name or another source's (hang, oom, ...): its card's name."""
     ranks: list[int]
+    """The rank(s) it is about (the culprits, not every rank that saw it)."""
     step: int | None
+    """The 1-based optimizer step it refers to; None: not tied to a step."""
     subject: str
+    """The tensor, module, collective or setting it is about."""
     message: str
+    """What was found, in a sentence."""
     evidence: dict[str, Any] = field(default_factory=dict)
+    """The numbers behind it (values, per-rank figures, stacks), as the detector recorded them."""
     fix: str | None = None
+    """What to do, where the detector knows better than its card (a framework knob it found)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

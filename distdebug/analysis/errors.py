@@ -48,8 +48,10 @@ def error_findings(rank: int, error: dict[str, Any]) -> list[Finding]:
     step = int(error.get("step") or 0) + 1  # the record counts the steps completed before the error
 
     def finding(detector: str, subject: str, text: str, fix: str, **evidence: Any) -> list[Finding]:
+        # ``raised``: the rank died of it (the causal model's "crash": the hang it leaves the others in follows)
         return [Finding(severity=Severity.CRITICAL if detector == "oom" else Severity.ERROR, detector=detector,
-                        ranks=[rank], step=step, subject=subject, message=text, evidence=evidence, fix=fix)]
+                        ranks=[rank], step=step, subject=subject, message=text, evidence={**evidence, "raised": True},
+                        fix=fix)]
 
     if "OutOfMemory" in name or "out of memory" in message.lower():
         phase = oom_phase(error.get("stack") or [])

@@ -24,18 +24,28 @@ from distdebug.findings import Finding, Severity, ranks_text
 @dataclass
 class RankSummary:
     rank: int
+    """The global rank."""
     node: int | None
+    """The node (``--node-rank``) the rank ran on."""
     host: str | None
+    """The host name the rank ran on."""
     steps: int
+    """Optimizer steps the rank completed."""
     first_loss: float | None
+    """The loss at the rank's first step (None: no loss seen)."""
     last_loss: float | None
+    """The loss at its last step."""
     median_step_time_s: float | None
+    """The median of its steps' times, in seconds."""
     findings: int
+    """How many findings name this rank."""
     status: str
     """``exit 0``, ``exit N``, ``script raised X`` or ``no end record (killed or still running)``; and where the
     rank's writes failed (a full disk), from which step and why."""
     wrapper: str | None = None
+    """The wrapper its model ran in (DDP, FSDP2, DeepSpeed, ...)."""
     damaged_lines: int = 0
+    """Unreadable lines skipped in its event stream (a cut-off last line is not counted)."""
     memory_peak: dict[str, Any] | None = None
     """Bytes at this rank's largest step: parameters, gradients, optimizer_state, activations, other."""
     straggler_score: float | None = None
@@ -45,17 +55,27 @@ class RankSummary:
 @dataclass
 class RunSummary:
     run_dir: str
+    """The run directory read (the first, for a job merged from several nodes' directories)."""
     command: list[str] | None
+    """The attach command line as given (secrets redacted)."""
     world_size: int | None
+    """Ranks in the job (from the manifest; the ranks' own records where it lacks it)."""
     exit_code: int | None
+    """The job's exit code as attach returned it; None while it runs or when it was killed."""
     failure: str | None
+    """Why the job failed, in a few words (a rank that raised, a hang ended by attach), where it did."""
     ranks: list[RankSummary] = field(default_factory=list)
+    """One entry per rank, in rank order."""
     findings: list[Finding] = field(default_factory=list)
+    """Every finding, each rank's last attempt and the run-level verdicts, most severe first; one per (detector,
+    step, subject) with the union of the ranks."""
     run_dirs: list[str] = field(default_factory=list)
     """Every directory read: one, or one per node for a job whose nodes share no file system."""
     incidents: list[Incident] = field(default_factory=list)
     """The findings grouped by shared cause, the root first (analysis.incidents)."""
     discovery: dict[str, Any] | None = None
+    """What rank 0 discovered in the script: models, optimizers, the wrapper (DDP, FSDP2, DeepSpeed...), the
+    parallel layout."""
     injected: list[dict[str, Any]] = field(default_factory=list)
     """Faults injected on purpose (attach --inject), as each rank recorded them acting."""
     never_acted: list[str] = field(default_factory=list)
@@ -64,6 +84,7 @@ class RunSummary:
     why_not: dict[str, list[str]] = field(default_factory=dict)
     """Fault -> its own reasons for not acting, with the ranks that gave each (``not_acted`` records)."""
     windows: list[dict[str, Any]] = field(default_factory=list)
+    """Profiler windows (analysis.traces.analyze_window each): shares, overlap, top operators, verdicts."""
     warnings: list[str] = field(default_factory=list)
     """Damage in the run directory (unreadable manifest, skipped lines)."""
     thinned: list[str] = field(default_factory=list)
@@ -76,7 +97,6 @@ class RunSummary:
     """What the harness cost each rank per step (analysis.cost.summarize_cost), from its own accounting."""
     overhead: dict[str, Any] | None = None
     """``attach --measure-overhead``'s in-job A/B (analysis.overhead.summarize_ab): fraction, ci, steps..."""
-    """Profiler windows (analysis.traces.analyze_window each): shares, overlap, top operators, verdicts."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -8,8 +8,8 @@ explain`` and the docs read the same words.
 A card's advice is a list of variants, each for one case of the finding (a NaN that started here or was
 only received; a straggler slowed by its data or by its compute), the last one the general case. A
 variant's texts are templates filled from the finding: ``{ranks}``, ``{step}``, ``{at}`` (`` --step N`` or
-nothing), ``{subject}``, ``{run_dir}``, ``{ev[key]}`` (its evidence) and ``{root_step}`` (the step of the
-incident's root, where a variant is about it).
+nothing), ``{subject}``, ``{run_dir}``, ``{ev[key]}`` (its evidence) and ``{root_when}`` (`` at step N`` of the
+incident's root, or `` before the first step``, where a variant is about it).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class Advice:
     cause: str
     check: str
     fix: str
+    consequence_of: str = ""
+    """Where this finding probably follows from another (its incident's root): that root, as ``CODE detector at
+    step N``; its ``fix`` is then the root's to fix first, and wins over the finding's own."""
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
@@ -107,18 +110,21 @@ def fill(template: str, f: Finding, c: Context) -> str:
     """A variant's text with the finding's fields in it; a field the finding lacks reads ``?``."""
     if "{" not in template:
         return template
-    fields = _Fields(ranks=ranks_words(f), a_rank=ranks_words(f, "a rank"), step=f.step if f.step is not None else "?",
-                     at=f" --step {f.step}" if f.step is not None else "", subject=f.subject, run_dir=c.run_dir,
-                     ev=_Evidence({str(k): v for k, v in (f.evidence or {}).items()}),
-                     root_step=(c.root.step if c.root is not None and c.root.step is not None else "?"))
     try:
+        root = c.root.step if c.root is not None else None
+        fields = _Fields(ranks=ranks_words(f), a_rank=ranks_words(f, "a rank"),
+                         step=f.step if f.step is not None else "?",
+                         at=f" --step {f.step}" if f.step is not None else "",
+                         subject=f.subject, run_dir=c.run_dir,
+                         ev=_Evidence({str(k): v for k, v in dict(f.evidence or {}).items()}),
+                         root_when=f" at step {root}" if root else " before the first step")
         return template.format_map(fields)
     except (IndexError, KeyError, ValueError, AttributeError, TypeError):
         return template
 
 
 _GENERIC = {"ranks": "the rank(s)", "a_rank": "a rank", "step": "N", "at": " --step N", "subject": "SUBJECT",
-            "run_dir": "RUN", "root_step": "the restore's step"}
+            "run_dir": "RUN", "root_when": " at its step"}
 
 
 def generic(template: str) -> str:

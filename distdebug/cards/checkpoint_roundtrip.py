@@ -7,7 +7,7 @@ from distdebug.cards.base import RESTORE, Card, Variant
 CARD = Card(
     code="DD205", name="checkpoint_roundtrip", family="replicas", source="detector (at torch.save and torch.load)",
     title="a torch.load restores other tensors than torch.save wrote (names them), or another rank's shard",
-    severities=("error",),
+    severities=("warning", "error"),
     meaning="What a rank restored is not what was saved: a fingerprint taken at torch.save does not match the "
             "tensors after the load, or the shard a rank loaded was saved by another rank.",
     subjects="the first tensor that differs",

@@ -20,6 +20,11 @@ CARD = Card(
     kind="other", noun="the configuration",
     cost="once, when the wrapper is built",
     variants=(
+        Variant("the rank raised it (evidence raised: DDP refused the setting at run time)", CONFIG,
+                "a DDP/FSDP/DeepSpeed setting the framework refused at run time: the rank raised and the others "
+                "were left waiting", "the rank's error in the finding's message; distdebug lint SCRIPT",
+                "follow the finding's fix", own_fix=True,
+                when=lambda f, c: bool((f.evidence or {}).get("raised")), kind="crash"),
         Variant("broadcast_buffers=False with BatchNorm: causes per-rank statistics", CONFIG,
                 "a DDP/FSDP/DeepSpeed setting that wastes time or silently changes training",
                 "distdebug lint SCRIPT (the same check on the source)", "follow the finding's fix",

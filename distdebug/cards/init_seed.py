@@ -34,7 +34,8 @@ CARD = Card(
                 explains_root=True),
         Variant("initial weights that differ", LOSSES_DIFFER,
                 "seeds not fixed: ranks built different initial weights", "distdebug diff {run_dir} --step 1",
-                "torch.manual_seed(seed) on every rank before building the model (DDP and FSDP broadcast rank 0's "
-                "weights only at wrap time)"),
+                "torch.manual_seed(seed) on every rank before building the model (DDP broadcasts rank 0's weights "
+                "at construction; FSDP1 only with sync_module_states=True; FSDP2, tensor parallelism and hand-written "
+                "loops never)"),
     ),
 )

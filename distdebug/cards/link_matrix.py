@@ -23,6 +23,6 @@ CARD = Card(
         Variant("any", ENVIRONMENT,
                 "the environment (the usual cause of distributed failures): one slow link between two ranks "
                 "(cabling, PCIe path, NIC)", "distdebug doctor --nproc-per-node N --bandwidth",
-                "one container image and launcher environment everywhere; fix the flagged variable or link"),
+                "fix the flagged link (cable, port, NIC); meanwhile keep those two ranks off each other's rings"),
     ),
 )

@@ -31,11 +31,12 @@ CARD = Card(
                 "scale (normal a few times early in training)",
                 "how many steps were skipped, and whether they keep coming (the warning)",
                 "nothing, unless the steps keep being skipped",
-                when=lambda f, c: f.severity == "info"),
+                when=lambda f, c: f.severity == "info", own_fix=True),
         Variant("the scale keeps collapsing (warning)", LOSS_X10,
                 "the gradients overflow at every scale: a NaN/Inf upstream or an exploding loss, so every step is "
                 "skipped and the model stops learning",
                 "the nan_origin finding at these steps; the scale in the evidence",
-                "find the overflow (nan_origin's module); bf16 instead of fp16; lower the learning rate"),
+                "find the overflow (nan_origin's module); bf16 instead of fp16; lower the learning rate",
+                own_fix=True),
     ),
 )

@@ -32,8 +32,8 @@ CARD = Card(
                 "the model; DistributedSampler with set_epoch",
                 when=lambda f, c: "median_of_other_ranks" in (f.evidence or {})),
         Variant("after a checkpoint restore (the incident's root is a checkpoint_roundtrip finding)", RESTORE,
-                "the jump follows the checkpoint restore at step {root_step}: shards restored wrongly (wrong rank's "
-                "file, missing optimizer state)",
+                "the jump follows the checkpoint restore{root_when}: shards restored wrongly (wrong rank's file, "
+                "missing optimizer state)",
                 "distdebug report {run_dir}: checkpoint_roundtrip names the tensors that differ",
                 "load through the sharding-aware API (DCP, engine.load_checkpoint), each rank its own shard",
                 when=lambda f, c: c.root is not None and c.root.detector == "checkpoint_roundtrip",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distdebug.cards.base import OOM_FORWARD, Card, Variant
+from distdebug.cards.base import NOTE, Card, Variant
 
 CARD = Card(
     code="DD402", name="memory", family="performance", source="detector (at steps 1, 2, 4, 8, then every 16)",
@@ -18,7 +18,7 @@ CARD = Card(
     kind="other", noun="the memory use",
     cost="reads the allocator's counters and the saved tensors of one forward at the checked steps",
     variants=(
-        Variant("any", OOM_FORWARD, "activations, or optimizer state larger than expected",
+        Variant("any", NOTE, "where the memory goes: activations, or optimizer state larger than expected",
                 "the memory column: parameters / gradients / optimizer state / activations",
                 "activation checkpointing, smaller micro-batches or shorter sequences; ZeRO/FSDP for state"),
     ),

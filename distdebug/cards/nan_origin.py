@@ -22,7 +22,8 @@ CARD = Card(
             "parameters or buffers loaded or initialised non-finite"),
     check="the finding names the first module and tensor; rerun that rank with torch.autograd.set_detect_anomaly(True) "
           "around that step for the operation",
-    fix="clip gradients, lower the learning rate, guard the loss against log(0) and x/0; stop early with "
+    fix="guard the loss against log(0) and x/0, lower the learning rate, clip gradients before they overflow "
+        "(clipping cannot repair a gradient already Inf/NaN: skip that step); stop early with "
         "`distdebug attach --stop-on-nan`",
     kind="nan", noun="the NaN/Inf",
     faults=("nan_grad", "nan_activation"),
@@ -53,7 +54,9 @@ CARD = Card(
                 "all-reduce",
                 "nan_origin's finding names the first module and tensor; rerun that rank with "
                 "torch.autograd.set_detect_anomaly(True) around that step for the operation",
-                "clip gradients (clip_grad_norm_ after backward: DDP already averaged them, no rescaling by world "
-                "size), lower the learning rate, check the batch and the loss for log(0)/x/0"),
+                "lower the learning rate and clip gradients before they overflow (clip_grad_norm_ after backward: DDP "
+                "already averaged them, no rescaling by world size; clipping cannot repair a gradient already Inf/NaN: "
+                "skip that step, as GradScaler does, or clip_grad_norm_(..., error_if_nonfinite=True) to stop); "
+                "check the batch and the loss for log(0)/x/0"),
     ),
 )

@@ -17,14 +17,16 @@ CARD = Card(
             "(backward, step): a model too large for unsharded state"),
     check="the memory column of the rank that failed: which part grew",
     fix="forward: activation checkpointing, shorter sequences or smaller micro-batches; backward/step: shard "
-        "gradients and optimizer state (ZeRO, FSDP)",
+        "gradients and optimizer state (ZeRO, FSDP), activation checkpointing",
     kind="crash", noun="the out-of-memory error",
     variants=(
         Variant("in the forward (evidence phase: forward)", OOM_FORWARD, "activations (forward)", _CHECK,
                 "activation checkpointing, shorter sequences or smaller micro-batches",
                 when=lambda f, c: (f.evidence or {}).get("phase") == "forward"),
-        Variant("in backward or the optimizer step", OOM, "gradients and optimizer state (backward/step)", _CHECK,
-                "ZeRO/FSDP sharding of gradients and optimizer state, or smaller micro-batches",
+        Variant("in backward or the optimizer step", OOM, "gradients and optimizer state (backward/step), with the "
+                "activations saved for backward", _CHECK,
+                "ZeRO/FSDP sharding of gradients and optimizer state, activation checkpointing, or smaller "
+                "micro-batches",
                 when=lambda f, c: (f.evidence or {}).get("phase") in ("backward", "step")),
         Variant("phase unknown", OOM, "activations or optimizer state", _CHECK,
                 "ZeRO/FSDP sharding of gradients and optimizer state, or smaller micro-batches"),

@@ -95,5 +95,5 @@ def html_block(card: Card) -> str:
         else:
             parts.append(f"<p><b>{html.escape(head)}</b>: {html.escape(body)}</p>")
     parts.append(f"<p>More: <code>distdebug explain {card.code}</code>, or the page {card.code} in the docs "
-                 f"(docs/findings/{card.name}.md).</p></section>")
+                 f"(docs/reference/findings/{card.name}.md).</p></section>")
     return "".join(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from rich.console import Console
@@ -13,14 +14,14 @@ from distdebug import cards
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.summary import RunSummary
 from distdebug.report.fmt import memory_mb, number, one_off_text, rank_list
-from distdebug.report.knowledge import advise_all, findings_with_advice, incidents_with_advice
+from distdebug.report.knowledge import advise_all, findings_with_advice, incidents_with_advice, shown_fix
 
 SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 def render(summary: RunSummary, console: Console | None = None) -> None:
     # Piped output defaults to 80 columns, which folds every row of a per-rank table.
-    console = console or Console(width=None if Console().is_terminal else 140)
+    console = console or Console(width=None if Console().is_terminal else _width())
     console.print(f"[bold]distdebug report[/bold]  {esc(summary.run_dir)}")
     if len(summary.run_dirs) > 1:
         console.print(f"merged from {len(summary.run_dirs)} run directories (one per node): "
@@ -70,7 +71,7 @@ def render(summary: RunSummary, console: Console | None = None) -> None:
             # Messages quote errors and paths ("[/__w/pytorch/...]"): text, never markup.
             msg = esc(f.message) + (f"\n[dim]likely cause: {esc(a.cause)}[/dim]" if a.cause else "") + \
                 (f"\n[dim]check: {esc(a.check)}[/dim]" if a.check else "") + \
-                (f"\n[dim]fix: {esc(f.fix or a.fix)}[/dim]" if (f.fix or a.fix) else "")
+                (f"\n[dim]fix: {esc(shown_fix(f.fix, a))}[/dim]" if shown_fix(f.fix, a) else "")
             table.add_row(f"[{SEVERITY_STYLE[sev]}]{sev}[/]", esc(_coded(f.detector)), rank_list(f.ranks),
                           "-" if f.step is None else str(f.step), esc(f.subject), msg)
         console.print(table)
@@ -183,6 +184,15 @@ def render_incidents(summary: RunSummary, console: Console) -> None:
             console.print(f"   [bold]fix[/bold]: {esc(inc['fix'])}")
         if root.get("code"):
             console.print(f"   [dim]what it means: distdebug explain {root['code']}[/dim]")
+
+
+def _width() -> int:
+    """The width of a report that is not on a terminal (a file, a pipe, CI's log): COLUMNS where it is set, else
+    140."""
+    try:
+        return max(60, int(os.environ.get("COLUMNS", "")))
+    except ValueError:
+        return 140
 
 
 def _coded(text: str) -> str:

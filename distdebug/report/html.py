@@ -75,7 +75,7 @@ def _findings_table(findings: list[dict[str, Any]]) -> str:
         advice = "".join(
             f"<div class='advice'><b>{label}:</b> {_e(text)}</div>"
             for label, text in (("seen as", a["symptom"]), ("likely cause", a["cause"]), ("check", a["check"]),
-                                ("fix", f.get("fix") or a["fix"])) if text)
+                                ("fix", a["fix"] if a.get("consequence_of") else f.get("fix") or a["fix"])) if text)
         rows.append(
             f"<tr><td><span class='sev {_e(f['severity'])}'>{_e(f['severity'])}</span></td><td>{_code(f)}"
             f"{_e(f['detector'])}</td>"

@@ -39,7 +39,7 @@ from distdebug.findings import Finding
 
 __all__ = ["AFTER_END", "CONFIG", "DISK", "ENVIRONMENT", "HANG", "HARNESS", "LOSSES_DIFFER", "LOSS_X10", "NOTE",
            "OOM", "OOM_FORWARD", "REPRODUCE", "RESTORE", "SLOW", "Advice", "advise", "advise_all",
-           "findings_with_advice", "incidents_with_advice"]
+           "findings_with_advice", "incidents_with_advice", "shown_fix"]
 
 
 def advise(f: Finding, *, run_dir: str = "RUN", root: Finding | None = None) -> Advice:
@@ -56,7 +56,14 @@ def advise(f: Finding, *, run_dir: str = "RUN", root: Finding | None = None) -> 
     code = f"{rc.code} " if rc is not None else ""
     return Advice(a.symptom, f"probably a consequence of {noun}{when} ({code}{root.detector} on {root.subject}); "
                   f"otherwise: {a.cause}", a.check,
-                  f"fix {noun} first (its finding says how): this one should then go away")
+                  f"fix {noun} first (its finding says how): this one should then go away",
+                  consequence_of=f"{code}{root.detector}{when.replace(' from', ' at')}")
+
+
+def shown_fix(finding_fix: str | None, a: Advice) -> str:
+    """The fix the report prints beside a finding: the root's to fix first for a consequence, else the finding's
+    own (a detector that named the knob knows more than its card), else its card's."""
+    return a.fix if a.consequence_of else (finding_fix or a.fix)
 
 
 def _roots(findings: list[Finding], incidents: list[Incident] | None = None) -> dict[int, Finding]:

@@ -88,19 +88,56 @@ def test_a_spikes_aftershocks_are_its_incident_and_a_later_spike_is_not():
 
 def test_a_rank_that_died_of_memory_is_the_root_of_the_hang_it_left_and_its_advice_says_so():
     """One causal model (cards.kinds) for the incidents and the advice: the out-of-memory error on rank 1 is
-    why rank 0 waited in its collective; the hang is its consequence in both. Its clean twin: a hang with no
-    rank that died stays its own root with its own advice."""
+    why the others waited in their collective, and the hang verdict names rank 1 (the rank that died, at its
+    step); the hang is its consequence in both. Its clean twins: a hang with no rank that died, a stall with no
+    step, a hang on another rank, and an error after the hang began, each stay their own root."""
     from distdebug.report.knowledge import advise_all
 
     oom = f("oom", "out of memory in forward", 7, [1], "critical", phase="forward")
-    hang = f("hang", "collective #41", 7, [0], "critical")
+    hang = f("hang", "rank 1", 7, [1], "critical")
     (incident,) = group([hang, oom])
     assert incident.root is oom and incident.consequences() == [hang]
     advice = advise_all([hang, oom])
     assert "probably a consequence of the out-of-memory error from step 7 (DD403 oom" in advice[0].cause
+    assert advice[0].consequence_of == "DD403 oom at step 7"
     assert "consequence" not in advice[1].cause and "activations" in advice[1].cause
-    alone = f("hang", "collective #41", 7, [0], "critical")
+    alone = f("hang", "rank 1", 7, [1], "critical")
     assert group([alone])[0].root is alone and "consequence" not in advise_all([alone])[0].cause
-    # an out-of-memory error after the hang began is not its cause
+    stall = f("hang", "busy stall", None, [1], "warning")
+    elsewhere = f("hang", "collective #41", 7, [0], "critical")
     late = f("oom", "out of memory in step", 9, [1], "critical", phase="step")
+    for other in (stall, elsewhere):
+        assert len(group([other, oom])) == 2
     assert len(group([hang, late])) == 2
+    # a rank's DDP error (it raised: find_unused_parameters) is the same kind as a death: the hang's root
+    raised = f("config_lint", "find_unused_parameters", 7, [1], raised=True)
+    (incident,) = group([hang, raised])
+    assert incident.root is raised and incident.consequences() == [hang]
+
+
+def test_notes_beside_a_hang_and_a_rerun_verdict_are_never_called_consequences():
+    """The incidents group what happened beside a hang (a straggler note, distdebug's own trouble) and a
+    re-execution's verdict with what it diagnosed, but the advice calls none of them a consequence."""
+    from distdebug.report.knowledge import advise_all
+
+    hang = f("hang", "collective #41", 7, [1], "critical")
+    note = f("straggler", "compute", 9, [1], "warning")
+    div = f("replica_divergence", "w", 5, [1])
+    verdict = f("rerun", "re-execution of step 5", 5, [1], verdict="transient")
+    assert len(group([hang, note])) == 1 and group([hang, note])[0].consequences() == []
+    assert "consequence" not in advise_all([hang, note])[1].cause
+    (incident,) = group([div, verdict])
+    assert incident.root is div and incident.consequences() == []
+    assert "consequence" not in advise_all([div, verdict])[1].cause
+
+
+def test_the_roots_own_event_carries_its_consequences():
+    """BatchNorm statistics that differ on two modules at step 2 are one event; a replica divergence of the
+    second module's buffer at step 4 follows from that event, though not from the root's own module."""
+    from distdebug.report.knowledge import advise_all
+
+    bn1, bn4 = f("bn_divergence", "body.1", 2, [0, 1]), f("bn_divergence", "body.4", 2, [0, 1])
+    rep = f("replica_divergence", "body.4.running_mean", 4, [1])
+    (incident,) = group([bn1, bn4, rep])
+    assert incident.consequences() == [rep]
+    assert "consequence of the BatchNorm statistics that differ from step 2" in advise_all([bn1, bn4, rep])[2].cause

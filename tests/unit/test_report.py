@@ -89,6 +89,9 @@ def test_context_decides_the_cause():
     div, bn_later = finding("replica_divergence", step=3), finding("bn_divergence", step=4)
     later = kb.advise_all([div, bn_later])[1]
     assert "consequence of the replica divergence from step 3" in later.cause and "SyncBatchNorm" not in later.fix
+    # ... and the fix the report prints is the root's to fix first, even where the finding has its own
+    assert later.consequence_of == "DD201 replica_divergence at step 3"
+    assert kb.shown_fix("use SyncBatchNorm", later) == later.fix and kb.shown_fix("own", kb.advise(div)) == "own"
     # The seed is wrong about clipping after DDP: the advice follows PyTorch.
     assert "no rescaling" in kb.advise(finding("loss_nonfinite")).fix
 
