@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
+import textwrap
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
@@ -82,7 +82,9 @@ def faults_pages() -> dict[str, str]:
         by = ", ".join(f"[{c.code} {c.name}](../findings/{c.name}.md)" for c in found_by)
         rows.append(f"| [`{name}`]({name}.md) | {cls.description} | {by} |")
         params = "\n".join(f"| `{p.name}` | {p.type.__name__} | `{p.default!r}` | {p.help} |" for p in cls.params)
+        doc = " ".join((sys.modules[cls.__module__].__doc__ or "").split())
         lines = [f"# Fault `{name}`", "", cls.description[0].upper() + cls.description[1:] + ".", "",
+                 *(["## How it acts", "", doc.replace("``", "`"), ""] if doc else []),
                  "## Reproduces", "", *[f"- [{c.code} {c.name}](../findings/{c.name}.md): {c.title}" for c in found_by],
                  "", "## Parameters", "", "| parameter | type | default | meaning |", "|---|---|---|---|", params
                  or "| (none) | | | |", "", "## Use it", "",
@@ -105,7 +107,7 @@ def cli_page() -> str:
 
     from distdebug.cli import main
 
-    out = [GENERATED + "# Command line", "",
+    out = [GENERATED.replace("from the code", f"from the code (click {_click_version()})") + "# Command line", "",
            "Every command and option, as `--help` prints it (generated from the click commands).", ""]
 
     def walk(cmd: click.Command, path: list[str], parent: click.Context | None) -> None:
@@ -123,6 +125,13 @@ def cli_page() -> str:
     return "\n".join(out)
 
 
+def _click_version() -> str:
+    """click's major.minor: its help layout changes between versions (8.2 reworked flag defaults)."""
+    from importlib.metadata import version
+
+    return ".".join(version("click").split(".")[:2])
+
+
 def exit_codes_page() -> str:
     codes = sorted(_attribute_docs(ROOT / "distdebug" / "config.py", "EXIT_"), key=lambda x: -int(x[1]))
     rows = [f"| {value} | `{name}` | {doc} |" for name, value, doc in codes]
@@ -131,11 +140,19 @@ def exit_codes_page() -> str:
         "`distdebug attach` exits with the training's own exit code, but for these, which are distdebug's "
         "(from `distdebug/config.py`). A failing training's own code always wins over 121 and 122.", "",
         "| code | name | when |", "|---|---|---|", *rows,
-        "| 2 | | a usage error: one line on stderr saying what is wrong and what to do |",
+        "| 2 | | a usage error (an unknown option, a bad value, a missing script): one line on stderr saying what "
+        "is wrong and what to do |",
+        "| 1 | | a user error that is not usage (a folder that is no run directory, an unwritable path): one line |",
         "| 70 | | distdebug's own internal error (rerun with `DISTDEBUG_DEBUG=1` for the traceback) |",
         "| 130 | | interrupted (Ctrl-C) |", "",
-        "`distdebug report` exits 0, or 121 under `--fail-on`; `distdebug diff` exits 1 when the ranks (or runs) "
-        "differ; `distdebug lint` exits 1 on an error-level pitfall.", ""])
+        "The other commands:", "",
+        "| command | exits 1 when |", "|---|---|",
+        "| `report` | a folder is no run (findings never: 0, or 121 under `--fail-on`) |",
+        "| `diff` | the ranks (or the two runs) differ |",
+        "| `stacks` | some rank did not answer in time |",
+        "| `doctor` | a check failed |",
+        "| `lint` | an error-level pitfall was found (2: the script is not there) |",
+        "| `faults replay` | a cell failed: a miss, a false alarm, an error |", ""])
 
 
 def environment_page() -> str:
@@ -147,6 +164,11 @@ def environment_page() -> str:
         "launcher's contract with its ranks, set by `distdebug attach` for you; the ones a person sets are "
         "`DISTDEBUG_DEBUG` (tracebacks of distdebug's own errors) and the test suite's switches.", "",
         "| variable | meaning |", "|---|---|", *rows, "",
+        "The test suite's switches (read by the tests, never by distdebug): "
+        + ", ".join(f"`{v}`" for v in _test_switches()) + " (see [contributing](../project/contributing.md)).", "",
+        "attach also reads torchrun's `PET_*` variables, each the environment form of one of its options (see the "
+        "[command line](cli.md)), and sets for the ranks `TORCH_FR_BUFFER_SIZE` (NCCL's flight recorder, read on a "
+        "hang) unless it is set, and under `--deterministic` `CUBLAS_WORKSPACE_CONFIG`.", "",
         "The PyTorch variables distdebug checks (`NCCL_*`, `TORCH_NCCL_*`, `GLOO_*`, `MASTER_*`) are in the "
         "[doctor guide](../guides/doctor.md) and the card [DD501 env_check](findings/env_check.md).", ""])
 
@@ -194,12 +216,32 @@ def json_page() -> str:
         "[command line](cli.md)); each prints one object or list, and their keys are what the text shows.", ""])
 
 
+def _test_switches() -> list[str]:
+    """``DISTDEBUG_*`` names the tests and CI read that distdebug itself does not."""
+    own = {str(v) for _, v, _ in _attribute_docs(ROOT / "distdebug" / "envvars.py", "")}
+    found: set[str] = set()
+    for path in [*(ROOT / "tests").rglob("*.py"), ROOT / ".ci" / "run"]:
+        found |= set(re.findall(r"\bDISTDEBUG_[A-Z_]+[A-Z]\b", path.read_text()))
+    return sorted(found - own)
+
+
+def explain_example() -> str:
+    """``distdebug explain DD102`` as the terminal prints it: run-free, so --check keeps it current."""
+    from distdebug import cards
+    from distdebug.report import cardview
+
+    card = cards.lookup("DD102")
+    assert card is not None
+    return "$ distdebug explain DD102\n" + cardview.text(card) + "\n"
+
+
 def reference() -> dict[str, str]:
     pages = {**findings_pages(), **faults_pages()}
     pages["reference/cli.md"] = cli_page()
     pages["reference/exit-codes.md"] = exit_codes_page()
     pages["reference/environment.md"] = environment_page()
     pages["reference/json.md"] = json_page()
+    pages["_generated/examples/explain-nan_origin.txt"] = explain_example()
     return pages
 
 
@@ -208,6 +250,11 @@ def write(pages: dict[str, str], check: bool, docs: Path = DOCS) -> int:
     for rel, text in pages.items():
         path = docs / rel
         if path.exists() and path.read_text() == text:
+            continue
+        if check and rel == "reference/cli.md" and path.exists() and \
+                f"(click {_click_version()})" not in path.read_text().split("\n")[0]:
+            print(f"docs/gen.py: reference/cli.md was generated with another click than {_click_version()}: not "
+                  "compared (CI's click decides)", file=sys.stderr)
             continue
         stale.append(rel)
         if not check:
@@ -230,9 +277,18 @@ def write(pages: dict[str, str], check: bool, docs: Path = DOCS) -> int:
 EXAMPLES = DOCS / "_generated" / "examples"
 
 
-def _run(cmd: list[str], cwd: Path, env: dict[str, str], out: str | None = None) -> str:
-    r = subprocess.run([sys.executable, "-m", "distdebug", *cmd], cwd=cwd, env=env, capture_output=True, text=True,
+WORK = Path("/tmp/distdebug-docs")
+"""Where the example runs write: a fixed path, so that the outputs read the same on every machine."""
+
+
+def _run(cmd: list[str], env: dict[str, str], out: str | None = None, expect: tuple[int, ...] = (0,)) -> str:
+    """One distdebug command, run from the checkout as a user would; its exit code must be one expected (a failed
+    run never becomes an example without a word)."""
+    r = subprocess.run([sys.executable, "-m", "distdebug", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
+    if r.returncode not in expect:
+        raise SystemExit(f"docs/gen.py: distdebug {' '.join(cmd)} exited {r.returncode}, expected {expect}:\n"
+                         f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
     return r.stdout + (r.stderr if out == "both" else "")
 
 
@@ -266,42 +322,176 @@ def readme(check: bool) -> int:
     return 0
 
 
-def examples() -> int:
-    """Real runs of the recipes, their output written as the docs show it (paths made neutral)."""
-    EXAMPLES.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "COLUMNS": "100", "TERM": "dumb"}
-    # A fixed, short folder, so that the paths the outputs print read the same in every regeneration.
-    work = Path(tempfile.gettempdir()) / "distdebug-docs"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+MAIN = "recipes/ddp_convnet.py"
+"""The quick start's job: the main recipe, run from the checkout."""
+
+SCENARIOS: list[tuple[str, list[str], str, list[str], list[str], int]] = [
+    # (name, attach's options, the script, its options, the detectors whose findings the example shows, exit code)
+    ("straggler", ["--inject", "straggler"], MAIN, ["--steps", "20"], ["straggler"], 0),
+    ("skip-step", ["--inject", "skip_step"], MAIN, ["--steps", "8"], ["replica_divergence"], 0),
+    ("loss-spike", ["--nproc-per-node", "3", "--inject", "loss_spike:rank=2,step=15"], MAIN, ["--steps", "20"],
+     ["loss_spike"], 0),
+    ("rerun", ["--rerun-on-anomaly", "--inject", "transient_compute"], MAIN, ["--steps", "8"], ["rerun"], 0),
+    ("hang", ["--inject", "hang", "--stall-timeout", "4"], MAIN, ["--steps", "8"], ["hang"], 124),
+    ("pipeline-hang", ["--stall-timeout", "5"], "recipes/pipeline_parallel.py",
+     ["--stall-rank", "1", "--stall-step", "3"], ["hang"], 124),
+    # every rank busy in its own work past the stall timeout: a warning, and the job goes on
+    ("busy-stall", ["--stall-timeout", "4"], "tests/data/scripts/hang.py", ["--busy", "2", "12"], ["hang"], 0),
+    # a rank that completed the script and aborted at interpreter exit (128 + SIGABRT)
+    ("teardown", [], "tests/data/scripts/teardown.py", ["--abort-at-exit", "1"], ["teardown"], 134),
+]
+"""The faults whose findings the guides show, each as a real run of the main recipe."""
+
+FIRST = {"busy-stall": 1}
+"""Scenarios whose example shows only their first findings (a stall's warning repeats every stall timeout)."""
+
+
+def first_findings(text: str, n: int) -> str:
+    """The first ``n`` findings of ``findings_of``'s text (each a head line and its continuation)."""
+    heads = [i for i, line in enumerate(text.splitlines(keepends=True)) if _HEAD.match(line)]
+    if len(heads) <= n:
+        return text
+    return "".join(text.splitlines(keepends=True)[:heads[n]])
+
+
+_HEAD = re.compile(r"^distdebug(?:\[rank \d+\]|:) (?:INFO|WARNING|ERROR|CRITICAL)(?: step \d+)? (\w+)\b")
+
+
+def findings_of(output: str, detector: str, width: int = 110) -> str:
+    """The findings of ``detector`` as a run printed them (a rank's one-line echo, the launcher's verdict and its
+    fix), each wrapped at ``width`` with a two-space indent: what the guides show of a run's output."""
+    out: list[str] = []
+    taking = False
+    for line in output.splitlines():
+        m = _HEAD.match(line)
+        if m:
+            taking = m.group(1) == detector
+        elif not (line.startswith(" ") or line.startswith("distdebug:   ")):
+            taking = False
+        if taking:
+            out += textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False) or [""]
+    return "".join(f"{line}\n" for line in out)
+
+
+def report_lines(report: str, start: str) -> str:
+    """The report's paragraph that begins with ``start`` (a line of its own, wrapped by the terminal's width),
+    up to the next line that begins another paragraph or a table."""
+    out: list[str] = []
+    for line in report.splitlines():
+        if out and (not line.strip() or line[0] in " \u250f\u2503\u2501" or re.match(
+                r"^(harness cost|harness overhead|the harness takes|disk:|thinned by|Profiler|Ranks|Findings)", line)):
+            break
+        if out or line.startswith(start):
+            out.append(line.rstrip())
+    return "".join(f"{line}\n" for line in out)
+
+
+def stacks_example(env: dict[str, str]) -> str:
+    """``distdebug stacks`` on a job that is stuck right now: rank 1 of the hang script sleeps in step 3 while
+    rank 0 waits in its all_reduce; attach reports the hang and keeps waiting (``--on-hang report``), the
+    example asks every rank for its stack, then the job is ended (its process group, by id)."""
+    import signal
+    import time
+
+    run = WORK / "stuck"
+    proc = subprocess.Popen([sys.executable, "-m", "distdebug", "attach", "--run-dir", str(run), "--stall-timeout",
+                             "4", "--on-hang", "report", "tests/data/scripts/hang.py", "--sleep-at", "3",
+                             "--steps", "6"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        recipe = ["-m", "distdebug.recipes.ddp_convnet"]  # the installed copy's recipe, as the quick start runs it
-        attach = _run(["attach", "--run-dir", "clean", *recipe], work, env, "both")
-        (EXAMPLES / "quickstart-attach.txt").write_text(attach)
-        (EXAMPLES / "quickstart-report.txt").write_text(_run(["report", "clean"], work, env))
-        _run(["attach", "--run-dir", "nan", "--inject", "nan_grad", *recipe], work, env)
-        (EXAMPLES / "nan-report.txt").write_text(_run(["report", "nan"], work, env))
-        _run(["report", "nan", "--html", "nan.html"], work, env)
-        (EXAMPLES / "explain-nan_origin.txt").write_text(_run(["explain", "DD102"], work, env))
-        _run(["attach", "--run-dir", "bn", "--fail-on", "error", *recipe, "--steps", "8", "--no-broadcast-buffers"],
-             work, env)
-        (EXAMPLES / "incident-report.txt").write_text(_run(["report", "bn"], work, env))
-        gate = subprocess.run([sys.executable, "-m", "distdebug", "report", "bn", "--fail-on", "error"], cwd=work,
-                              env=env, capture_output=True, text=True)
-        (EXAMPLES / "fail-on.txt").write_text(f"$ distdebug report RUN --fail-on error > /dev/null; echo $?\n"
-                                              f"{gate.stderr}{gate.returncode}\n")
-        browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-        if browser:
-            static = DOCS / "_static"
-            static.mkdir(exist_ok=True)
-            subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                            "--window-size=1280,1600", f"--screenshot={static / 'report.png'}",
-                            (work / "nan.html").as_uri()], capture_output=True, timeout=120)
-        else:
-            print("docs/gen.py: no chromium: the report's picture was not retaken", file=sys.stderr)
+        deadline = time.monotonic() + 120
+        def stalled() -> bool:  # a rank recorded its stall: the job is stuck now
+            return any('"stall"' in p.read_text(errors="replace") for p in run.glob("rank-*/events.jsonl"))
+
+        while time.monotonic() < deadline and not stalled() and proc.poll() is None:
+            time.sleep(1)
+        return "$ distdebug stacks --no-native RUN\n" + _run(["stacks", "--no-native", str(run)], env, expect=(0, 1))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def examples() -> int:
+    """Real runs of the main recipe, their output written as the docs show it."""
+    EXAMPLES.mkdir(parents=True, exist_ok=True)
+    # This machine's own launcher, NCCL and distdebug settings stay out: 2 ranks on CPU, as the quick start says.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "NCCL_", "DISTDEBUG_", "TORCH_NCCL_"))}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="", COLUMNS="120", TERM="dumb")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        print("docs/gen.py: no chromium (apt-get install chromium): the report's picture cannot be retaken",
+              file=sys.stderr)
+        return 1
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir()
+    recipe = [MAIN]
+    try:
+        attach = _run(["attach", "--run-dir", str(WORK / "clean"), *recipe], env, "both")
+        (EXAMPLES / "quickstart-attach.txt").write_text(attach)
+        (EXAMPLES / "quickstart-report.txt").write_text(_run(["report", str(WORK / "clean")], env))
+        nan = _run(["attach", "--run-dir", str(WORK / "nan"), "--inject", "nan_grad", *recipe], env, "both")
+        (EXAMPLES / "nan-stderr.txt").write_text(findings_of(nan, "nan_origin"))
+        (EXAMPLES / "nan-report.txt").write_text(_run(["report", str(WORK / "nan")], env))
+        _run(["report", str(WORK / "nan"), "--html", str(WORK / "nan.html")], env)
+        bn = _run(["attach", "--run-dir", str(WORK / "bn"), "--fail-on", "error", *recipe, "--steps", "8",
+                   "--no-broadcast-buffers"], env, "both", expect=(121,))
+        (EXAMPLES / "bn-stderr.txt").write_text(findings_of(bn, "bn_divergence"))
+        (EXAMPLES / "incident-report.txt").write_text(_run(["report", str(WORK / "bn")], env))
+        gate = _run(["report", str(WORK / "bn"), "--fail-on", "error"], env, "both", expect=(121,))
+        (EXAMPLES / "fail-on.txt").write_text("$ distdebug report RUN --fail-on error > /dev/null; echo $?\n"
+                                              + gate[gate.index("distdebug: --fail-on"):] + "121\n")
+        for name, before, script, after, detectors, code in SCENARIOS:
+            out = _run(["attach", "--run-dir", str(WORK / name), *before, script, *after], env, "both", (code,))
+            text = "".join(findings_of(out, d) for d in detectors)
+            if not text:
+                raise SystemExit(f"docs/gen.py: the {name} run printed no {', '.join(detectors)} finding:\n"
+                                 f"{out[-3000:]}")
+            (EXAMPLES / f"{name}-stderr.txt").write_text(first_findings(text, FIRST.get(name, 99)))
+        _run(["attach", "--run-dir", str(WORK / "budget"), "--run-dir-budget", "512K", *recipe, "--steps", "3000"],
+             env)
+        (EXAMPLES / "thinned.txt").write_text(report_lines(_run(["report", str(WORK / "budget")], env),
+                                                           "thinned by the run-directory budget"))
+        _run(["attach", "--run-dir", str(WORK / "ab"), "--measure-overhead", *recipe, "--steps", "400"], env)
+        ab = _run(["report", str(WORK / "ab")], env)
+        (EXAMPLES / "overhead.txt").write_text(report_lines(ab, "harness overhead"))
+        (EXAMPLES / "harness-cost.txt").write_text(report_lines(ab, "harness cost per step"))
+        never = _run(["attach", "--run-dir", str(WORK / "never"), "--inject", "bitflip_param",
+                      "recipes/fsdp2_transformer.py", "--steps", "6"], env, "both", (122,))
+        (EXAMPLES / "never-acted.txt").write_text("".join(
+            f"{w}\n" for line in never.splitlines() if "never acted" in line
+            for w in textwrap.wrap(line, 110, subsequent_indent="  ", break_on_hyphens=False)))
+        (EXAMPLES / "stacks.txt").write_text(stacks_example(env))
+        link = ["attach", "--run-dir", str(WORK / "link"), "--nproc-per-node", "3", "--inject",
+                "slow_link:a=1,b=2,delay=0.02", "distdebug/doctor/worker.py", "--bandwidth"]
+        out = _run(link, env, "both")
+        (EXAMPLES / "slow-link.txt").write_text(f"$ distdebug attach {' '.join(link[3:])}\n"
+                                                + findings_of(out, "link_matrix"))
+        replay = ["faults", "replay", "--fault", "nan_grad", "--recipe", "ddp"]
+        out = _run(replay, env, "both")
+        (EXAMPLES / "replay-summary.txt").write_text(f"$ distdebug {' '.join(replay)}\n" + "".join(
+            f"{line}\n" for line in out.splitlines() if "clean runs clean" in line))
+        (EXAMPLES / "skip-step-diff.txt").write_text("$ distdebug diff RUN\n"
+                                                     + _run(["diff", str(WORK / "skip-step")], env, expect=(1,)))
+        bad = {**env, "GLOO_SOCKET_IFNAME": "distdebug_missing0"}
+        (EXAMPLES / "doctor-bad-env.txt").write_text("$ GLOO_SOCKET_IFNAME=distdebug_missing0 distdebug doctor\n"
+                                                     + _run(["doctor"], bad, expect=(1,)))
+        out = _run(["attach", "--run-dir", str(WORK / "bad-env"), *recipe, "--steps", "2"], bad, "both",
+                   expect=tuple(range(1, 256)))
+        (EXAMPLES / "env-check-stderr.txt").write_text(findings_of(out, "env_check"))
+        spec = ["attach", "--inject", "nan_grad:rnak=1", *recipe]
+        (EXAMPLES / "bad-inject.txt").write_text(f"$ distdebug {' '.join(spec)}\n" + _run(spec, env, "both", (2,)))
+        static = DOCS / "_static"
+        static.mkdir(exist_ok=True)
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        "--virtual-time-budget=5000", "--window-size=1280,2600",
+                        f"--screenshot={static / 'report.png'}",
+                        (WORK / "nan.html").as_uri()], capture_output=True, timeout=120, check=True)
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
     print(f"docs/gen.py: examples written to {EXAMPLES.relative_to(ROOT)}")
     return readme(False)
 

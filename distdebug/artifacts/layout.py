@@ -1,6 +1,6 @@
 """Every path inside a run directory comes from a template here, so readers and writers agree.
 
-``FILES`` lists them all with what each holds; the README's run-directory section is checked
+``FILES`` lists them all with what each holds; the docs' run-directory page (docs/reference/run-directory.md) is checked
 against it (tests/unit/test_layout_readme.py), so a new file is documented or the suite fails.
 """
 

@@ -12,7 +12,9 @@ CARD = Card(
     meaning="A step another detector flagged (a NaN, a replica that parted) was re-executed on its rank from a "
             "capture of its inputs and parameters. Reproducible: the code or the data did it. Not reproducible: a "
             "transient fault of the machine (silent data corruption). The parameters reading differently again: "
-            "stored corruption or a read error.",
+            "stored corruption or a read error. Not re-executed (an info note says why): a model's first step, "
+            "before it is discovered; a forward with gradients off; a compiled module; a DeepSpeed engine's "
+            "backward; a sharded model (FSDP2, DTensor), whose forward gathers from its peers.",
     subjects="`re-execution of step N`",
     causes=("the step's code or batch (reproducible)", "the machine: a transient compute fault (not reproducible)",
             "memory that corrupts what it stores (stored corruption)"),

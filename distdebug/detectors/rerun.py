@@ -82,13 +82,13 @@ class Rerun(ExchangeUser, Detector):
             return
         for root in ctx.models:
             if is_deepspeed_engine(root):
-                continue  # the engine owns the backward: not re-executed (README)
+                continue  # the engine owns the backward: not re-executed (docs/guides/nan-and-spikes.md)
             # The step in progress is the session's (its last boundary + 1); the collectives it counted tell
             # a forward that communicates.
             rec = Recorder(unwrap(root)[0], keep=self.config.keep, step_of=lambda: session.step + 1,
                            collectives=lambda: session.progress.collective_seq)
             if not rec.params or rec.sharded:
-                continue  # sharded (FSDP2, DTensor): the forward gathers from peers; not captured (README)
+                continue  # sharded (FSDP2, DTensor): the forward gathers from peers; not captured (docs: NaN guide)
             inner = rec.module
             self.hook(inner, "forward_pre", rec.forward_pre, with_kwargs=True)
             self.hook(inner, "forward", rec.forward_post, with_kwargs=True)
@@ -231,7 +231,7 @@ class Rerun(ExchangeUser, Detector):
         reason = (f"the flag came after its capture was reused (captures of the last {self.config.keep} steps are "
                   "held: rerun.keep)" if late else
                   "no forward call of the model was captured in that step (a model's first step, before it is "
-                  "discovered; a forward with gradients off; a compiled module: README)")
+                  "discovered; a forward with gradients off; a compiled module: distdebug explain DD206)")
         self.ctx.report(Finding(
             severity=Severity.INFO, detector=self.name, ranks=[rank], step=step, subject=f"re-execution of step {step}",
             message=f"step {step} on rank {rank} ({why}) not re-executed: {reason}",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from rich.console import Console
@@ -21,7 +20,7 @@ SEVERITY_STYLE = {"critical": "bold white on red", "error": "bold red", "warning
 
 def render(summary: RunSummary, console: Console | None = None) -> None:
     # Piped output defaults to 80 columns, which folds every row of a per-rank table.
-    console = console or Console(width=None if Console().is_terminal else _width())
+    console = console or Console(width=None if Console().is_terminal else 140)
     console.print(f"[bold]distdebug report[/bold]  {esc(summary.run_dir)}")
     if len(summary.run_dirs) > 1:
         console.print(f"merged from {len(summary.run_dirs)} run directories (one per node): "
@@ -184,15 +183,6 @@ def render_incidents(summary: RunSummary, console: Console) -> None:
             console.print(f"   [bold]fix[/bold]: {esc(inc['fix'])}")
         if root.get("code"):
             console.print(f"   [dim]what it means: distdebug explain {root['code']}[/dim]")
-
-
-def _width() -> int:
-    """The width of a report that is not on a terminal (a file, a pipe, CI's log): COLUMNS where it is set, else
-    140."""
-    try:
-        return max(60, int(os.environ.get("COLUMNS", "")))
-    except ValueError:
-        return 140
 
 
 def _coded(text: str) -> str:

@@ -51,7 +51,10 @@ def test_windows_hold_exactly_the_requested_steps_on_every_rank_and_are_analysed
         assert cost["one_off"] == []  # the window's start and export are in its price, not said twice
         assert [w["steps"] for w in cost["profiler_windows"]] == ["3-5", "8-8"]
         assert all(w["extra_ms"] > 0 for w in cost["profiler_windows"])
-        assert cost["per_step_ms"].get("profiler", 0.0) < 0.2
+        # A window's price counted as steady would add tens of ms a step (its export alone is hundreds of ms); a
+        # set lookup is microseconds, and a loaded 2-core machine's preemptions add a few tenths of a ms (0.43
+        # was seen in CI): the line between them, not a speed target (those live in bench/).
+        assert cost["per_step_ms"].get("profiler", 0.0) < 1.0
         record = kinds(tmp_path, int(rank), "harness_cost")[-1]
         (spent, times), = record["one_off_ms"].values()  # counted once a window, claimed from the profiler
         assert times == 2 and spent > 0

@@ -25,7 +25,7 @@ class Replay(NanOriginState):
 
     def _choose_watch(self, ctx: RankContext, blockers: list[str]) -> None:
         """On-demand watch where the step's forward can be re-executed on this rank alone, else full watch
-        (config.watch, and the README's list of what re-execution cannot do)."""
+        (config.watch, and the list of what re-execution cannot do in docs/guides/nan-and-spikes.md)."""
         layout = ctx.layout
         if getattr(layout, "sharded", None):
             blockers.append("tensor parallelism")
