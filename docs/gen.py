@@ -3,8 +3,9 @@
     python docs/gen.py              # the reference: a page per finding kind (the cards), per fault (the fault
                                     # registry), the CLI (the click commands), exit codes and variables
     python docs/gen.py --check      # the same, but fail (exit 1, naming the files) if a page is not up to date
-    python docs/gen.py --examples   # the example outputs, from real runs of the recipes (about 2 minutes on
-                                    # 2 cores): docs/_generated/examples/*.txt and the HTML report's picture
+    python docs/gen.py --examples   # the example outputs, from real runs (about 10 minutes on 2 cores):
+                                    # docs/_generated/examples/*.txt and the HTML report's picture
+    python docs/gen.py --examples --slow-only   # only the slow ones (DeepSpeed's resume, the frameworks)
 
 CI runs ``--check`` before building the docs with warnings as errors, so a card, a fault, an option or an exit
 code changed in the code and not here fails the build. The examples are real runs' output, committed; they
@@ -342,6 +343,11 @@ SCENARIOS: list[tuple[str, list[str], str, list[str], list[str], int]] = [
 ]
 """The faults whose findings the guides show, each as a real run of the main recipe."""
 
+FRAMEWORK_REPLAYS = [("tests/data/scripts/fw_lightning.py", ["--steps", "16"]),
+                     ("tests/data/scripts/fw_accelerate.py", ["--steps", "16"]),
+                     ("tests/data/scripts/fw_hf_trainer.py", ["--steps", "16", "--resume"])]
+"""Every fault replayed on a script of each framework (about 100 s each on 2 cores)."""
+
 FIRST = {"busy-stall": 1}
 """Scenarios whose example shows only their first findings (a stall's warning repeats every stall timeout)."""
 
@@ -415,12 +421,57 @@ def stacks_example(env: dict[str, str]) -> str:
             proc.wait()
 
 
-def examples() -> int:
-    """Real runs of the main recipe, their output written as the docs show it."""
-    EXAMPLES.mkdir(parents=True, exist_ok=True)
+def checkpoint_example(env: dict[str, str]) -> str:
+    """A DeepSpeed checkpoint saved at step 3, one value of its model file changed on disk (its modification time
+    kept), and the restart that resumes from it: checkpoint_roundtrip names the tensor, the rank and the save."""
+    import torch
+
+    ckpt = WORK / "ckpt"
+    script = ["recipes/deepspeed_zero.py", "--checkpoint-dir", str(ckpt)]
+    _run(["attach", "--run-dir", str(WORK / "runs" / "a"), *script, "--checkpoint-at", "3", "--steps", "4"], env)
+    (path,) = ckpt.rglob("mp_rank_00_model_states.pt")
+    stat = path.stat()
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    name, tensor = next((k, v) for k, v in state["module"].items() if v.is_floating_point())
+    with torch.no_grad():
+        tensor.view(-1)[0] += 1
+    torch.save(state, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    out = _run(["attach", "--run-dir", str(WORK / "runs" / "b"), *script, "--resume", "--steps", "6"], env, "both")
+    return findings_of(out, "checkpoint_roundtrip")
+
+
+def slow_examples(env: dict[str, str]) -> None:
+    """The examples that take minutes (DeepSpeed's checkpoint and resume, the frameworks' replays):
+    ``--examples --slow-only`` reruns just these."""
+    (EXAMPLES / "checkpoint-stderr.txt").write_text(checkpoint_example(env))
+    lines = []
+    for script, args in FRAMEWORK_REPLAYS:
+        out = _run(["faults", "replay", script, *args], env, "both")
+        lines += [f"$ distdebug faults replay {script} {' '.join(args)}\n",
+                  *(f"{line}\n" for line in out.splitlines() if "clean runs clean" in line)]
+    (EXAMPLES / "frameworks-replay.txt").write_text("".join(lines))
+
+
+def _example_env() -> dict[str, str]:
     # This machine's own launcher, NCCL and distdebug settings stay out: 2 ranks on CPU, as the quick start says.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "NCCL_", "DISTDEBUG_", "TORCH_NCCL_"))}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="", COLUMNS="120", TERM="dumb")
+    return env
+
+
+def examples(slow_only: bool = False) -> int:
+    """Real runs of the main recipe, their output written as the docs show it."""
+    EXAMPLES.mkdir(parents=True, exist_ok=True)
+    env = _example_env()
+    if slow_only:
+        shutil.rmtree(WORK, ignore_errors=True)
+        WORK.mkdir()
+        try:
+            slow_examples(env)
+        finally:
+            shutil.rmtree(WORK, ignore_errors=True)
+        return 0
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         print("docs/gen.py: no chromium (apt-get install chromium): the report's picture cannot be retaken",
@@ -470,6 +521,7 @@ def examples() -> int:
         out = _run(link, env, "both")
         (EXAMPLES / "slow-link.txt").write_text(f"$ distdebug attach {' '.join(link[3:])}\n"
                                                 + findings_of(out, "link_matrix"))
+        slow_examples(env)
         replay = ["faults", "replay", "--fault", "nan_grad", "--recipe", "ddp"]
         out = _run(replay, env, "both")
         (EXAMPLES / "replay-summary.txt").write_text(f"$ distdebug {' '.join(replay)}\n" + "".join(
@@ -500,10 +552,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="fail if a generated page is out of date")
     p.add_argument("--examples", action="store_true", help="regenerate the example outputs from real runs")
+    p.add_argument("--slow-only", action="store_true", help="with --examples: only the examples that take minutes")
     p.add_argument("--docs", type=Path, default=DOCS, help="the docs folder to write or check (a copy, in tests)")
     args = p.parse_args()
     if args.examples:
-        return examples()
+        return examples(args.slow_only)
     if args.docs.resolve() != DOCS:
         return write(reference(), args.check, args.docs)
     return write(reference(), args.check) or readme(args.check)
