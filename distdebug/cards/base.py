@@ -195,20 +195,18 @@ class Card:
                 continue
         return self.variants[-1]
 
-    def advise(self, f: Finding, c: Context | None = None) -> Advice:
+    def advise(self, f: Finding, c: Context | None = None, v: Variant | None = None) -> Advice:
+        """The advice of the finding's case (``v``: that case, where the caller has already found it)."""
         c = c or Context()
-        v = self.variant(f, c)
+        v = v or self.variant(f, c)
         fix = (f.fix or "") if v.own_fix and f.fix else fill(v.fix, f, c)
         return Advice(fill(v.symptom, f, c), fill(v.cause, f, c), fill(v.check, f, c), fix or (f.fix or ""))
 
     def kind_of(self, f: Finding) -> str:
-        """The finding's causal kind: its variant's where that says one (no root is known here)."""
-        for v in self.variants:
-            if v.kind is None:
-                continue
-            try:
-                if v.when(f, Context()):
-                    return v.kind
-            except Exception:
-                continue
-        return self.kind
+        """The finding's causal kind: its case's where that says one (no root is known here), else the card's."""
+        return self.variant(f, Context()).kind or self.kind
+
+    @property
+    def kinds(self) -> set[str]:
+        """Every kind this card's findings can be: the card's and its cases' (config_lint's broadcast_buffers)."""
+        return {self.kind, *(v.kind for v in self.variants if v.kind)}

@@ -14,22 +14,16 @@ from distdebug.cards.base import generic
 from distdebug.cards.kinds import CAUSES, caused_by
 
 
-def _names_of(kinds: list[str] | tuple[str, ...], but: str = "") -> list[str]:
+def _names_of(kinds: list[str] | tuple[str, ...]) -> list[str]:
     """The cards whose kind (or a variant's kind) is one of ``kinds``."""
-    out = []
-    for c in cards.CARDS.values():
-        own = {c.kind, *(v.kind for v in c.variants if v.kind)}
-        if own & set(kinds) and c.name != but:
-            out.append(f"{c.code} {c.name}")
-    return out
+    return [f"{c.code} {c.name}" for c in cards.CARDS.values() if c.kinds & set(kinds)]
 
 
 def causal(card: Card) -> tuple[list[str], list[str]]:
     """(what can cause this card's findings, what they can cause), as ``CODE name`` lists from the causal
     model (cards.kinds). A variant of another kind counts too (config_lint's broadcast_buffers)."""
-    kinds = {card.kind, *(v.kind for v in card.variants if v.kind)}
-    causes = sorted({n for k in kinds for n in _names_of(caused_by(k))})
-    effects = sorted({n for k in kinds for n in _names_of(CAUSES.get(k, ()))})
+    causes = sorted({n for k in card.kinds for n in _names_of(caused_by(k))})
+    effects = sorted({n for k in card.kinds for n in _names_of(CAUSES.get(k, ()))})
     return causes, effects
 
 

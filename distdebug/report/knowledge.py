@@ -46,9 +46,12 @@ def advise(f: Finding, *, run_dir: str = "RUN", root: Finding | None = None) -> 
     """The advice for one finding. ``root``: the root of the incident it follows from (another detector's
     finding), if any; the advice then says it is probably that root's consequence."""
     c = Context(run_dir=run_dir, root=root)
-    a = cards.advise(f, c)
     card = cards.get(f.detector)
-    if root is None or card is None or card.variant(f, c).explains_root:
+    if card is None:
+        return cards.advise(f, c)
+    v = card.variant(f, c)
+    a = card.advise(f, c, v)
+    if root is None or v.explains_root:
         return a
     rc = cards.get(root.detector)
     noun = rc.noun if rc is not None else f"the {root.detector} finding"
