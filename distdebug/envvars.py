@@ -21,6 +21,10 @@ TARGET_IS_MODULE = "DISTDEBUG_TARGET_IS_MODULE"
 NODE_RANK = "DISTDEBUG_NODE_RANK"
 """The ``--node-rank`` this launcher was given (c10d rendezvous may assign another group rank)."""
 
+ENV_CHECKED = "DISTDEBUG_ENV_CHECKED"
+"""JSON of the NCCL_*/TORCH_NCCL_*/GLOO_* variables the node's launcher checked (env_check) before it started the
+ranks: a rank checks again only those whose value changed since (``detectors.env_check``)."""
+
 PARENT_WATCH = "DISTDEBUG_PARENT_WATCH"
 """``0`` disables the watchdog that ends a rank whose launcher died (default on)."""
 
@@ -71,8 +75,8 @@ REPLAY_BACKUP = "DISTDEBUG_REPLAY_BACKUP"
 torch.save to each path outside the replay's work dir, whether the path existed and the file that was there
 (fault_injection.sandbox.before_save), so that the replay puts it back between runs."""
 
-ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, PARENT_WATCH, STALL_TIMEOUT, STARTUP_TIMEOUT, DETERMINISTIC,
-       INJECT, REPLICA_GROUPS, MEASURE_OVERHEAD, REPLAY_BACKUP)
+ALL = (RUN_DIR, DETECTORS, TARGET_IS_MODULE, NODE_RANK, ENV_CHECKED, PARENT_WATCH, STALL_TIMEOUT, STARTUP_TIMEOUT,
+       DETERMINISTIC, INJECT, REPLICA_GROUPS, MEASURE_OVERHEAD, REPLAY_BACKUP)
 
 
 def device_path_forced() -> bool:

@@ -355,7 +355,7 @@ def first_findings(text: str, n: int) -> str:
     return "".join(text.splitlines(keepends=True)[:heads[n]])
 
 
-_HEAD = re.compile(r"^distdebug(?:\[rank \d+\]|:) (?:INFO|WARNING|ERROR|CRITICAL)(?: step \d+)? (\w+)\b")
+_HEAD = re.compile(r"^distdebug(?:\[(?:rank|node) \d+\]|:) (?:INFO|WARNING|ERROR|CRITICAL)(?: step \d+)? (\w+)\b")
 
 
 def findings_of(output: str, detector: str, width: int = 110) -> str:

@@ -1,8 +1,9 @@
 """bad_env: a dangerous communication variable set in every rank before the process group starts
 (by default GLOO_SOCKET_IFNAME naming an interface this host does not have).
 
-What must catch it is the environment check (``distdebug doctor``'s checks, which attach runs too,
-once per node, before the script's first line).
+What must catch it is the environment check (``distdebug doctor``'s checks, which attach makes too: once
+per node in its launcher, and again in a node's local rank 0, before the script's first line, for a variable
+whose value changed since, as this fault's does).
 """
 
 from __future__ import annotations

@@ -299,7 +299,8 @@ class Run:
     nodes: dict[int, dict]
     ranks: dict[int, RankStream]
     findings: list[dict] = field(default_factory=list)
-    """Run-level finding records (cross-rank verdicts), from findings.jsonl."""
+    """Run-level finding records: the cross-rank verdicts (findings.jsonl) and what each node's launcher found
+    before its ranks started (its node file's ``findings``: env_check)."""
 
     warnings: list[str] = field(default_factory=list)
     """Damage found while reading (an unreadable manifest, skipped lines): said, never silently skipped."""
@@ -330,6 +331,8 @@ def load_run(run_dir: Path) -> Run:
         if data is not None:
             nodes[int(data.get("node_rank", len(nodes)))] = data
     findings, damaged = read_events(layout.run_findings_path(run_dir))
+    for _, data in sorted(nodes.items()):  # what each node's launcher found before its ranks started (env_check)
+        findings += [f for f in data.get("findings") or () if isinstance(f, dict)]
     warnings = []
     manifest_path = layout.manifest_path(run_dir)
     manifest = read_json(manifest_path)

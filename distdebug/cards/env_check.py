@@ -1,24 +1,25 @@
-"""env_check: a variable with a known-dangerous value in a rank's environment."""
+"""env_check: a variable with a known-dangerous value in the environment every rank of a node starts with."""
 
 from __future__ import annotations
 
 from distdebug.cards.base import ENVIRONMENT, Card, Variant
 
 CARD = Card(
-    code="DD501", name="env_check", family="environment", source="detector (once, at start on every rank); the "
-    "same checks as `distdebug doctor`",
-    title="dangerous NCCL_*/TORCH_NCCL_*/GLOO_*/MASTER_* variables in each rank (as distdebug doctor)",
+    code="DD501", name="env_check", family="environment", source="detector (once per node, by its launcher before the "
+    "ranks start); the same checks as `distdebug doctor`",
+    title="dangerous NCCL_*/TORCH_NCCL_*/GLOO_*/MASTER_* variables in the ranks' environment (as distdebug doctor)",
     severities=("info", "warning", "error"),
-    meaning="A variable in a rank's environment is known to break or slow distributed training: a socket "
-            "interface that does not exist, NCCL's error handling switched off (a failed collective then hangs "
-            "instead of ending the job), NCCL_DEBUG writing a line per collective, a transport disabled.",
-    subjects="the variable's name",
+    meaning="A variable in the environment the node's ranks start with is known to break or slow distributed "
+            "training: a socket interface that does not exist, NCCL's error handling switched off (a failed "
+            "collective then hangs instead of ending the job), NCCL_DEBUG writing a line per collective, a "
+            "transport disabled.",
+    subjects="the variable's name (filed under the node's first rank)",
     causes=("a launcher or container environment copied from another cluster", "a debugging variable left on"),
     check="`distdebug doctor --nproc-per-node N`",
     fix="fix or unset the flagged variable (the finding says how)",
     kind="environment", noun="the environment variable",
     faults=("bad_env",),
-    cost="once at start: reads the environment",
+    cost="once per node, before the ranks start: reads the environment and the host's interfaces",
     variants=(
         Variant("any", ENVIRONMENT,
                 "the environment (the usual cause of distributed failures): a variable with a known-dangerous value",

@@ -1,1 +1,2 @@
-"""Environment checks (``distdebug doctor``), also run inside every rank by attach's env_check."""
+"""Environment checks (``distdebug doctor``), also made by attach's launcher on each node
+(env_check) before its ranks start."""

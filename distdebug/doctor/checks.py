@@ -239,7 +239,7 @@ def local_inputs() -> tuple[list[str], bool, int | None, int | None]:
 
 
 def variable_checks(env: dict[str, str] | None = None) -> list[Check]:
-    """The cheap checks (no torch, no subprocess) that attach also runs inside every rank."""
+    """The cheap checks (no torch, no subprocess) that attach's launcher also makes on each node (env_check)."""
     env = dict(os.environ) if env is None else env
     interfaces, has_ib, _, _ = local_inputs()
     return check_variables(env, interfaces, has_ib) + check_master(env, check_port_free=False)

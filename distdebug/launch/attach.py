@@ -102,6 +102,11 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
     os.environ[envvars.DETECTORS] = json.dumps(detectors)
     os.environ[envvars.TARGET_IS_MODULE] = "1" if cfg.module else "0"
     os.environ[envvars.NODE_RANK] = str(cfg.node_rank)
+    from distdebug.detectors.env_check import checked
+
+    # what attach checked itself (_env_check); empty: nothing, a rank's env_check checks everything
+    checks = any(d.get("target") == "env_check" for d in detectors)
+    os.environ[envvars.ENV_CHECKED] = json.dumps(checked()) if checks else ""
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
     os.environ[envvars.STARTUP_TIMEOUT] = repr(float(cfg.startup_allowance))
     os.environ[envvars.RUN_DIR_BUDGET] = str(cfg.run_dir_budget)
@@ -118,6 +123,29 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
     if not _installed(root):
         # Running from a source tree that is not installed: workers must still import the bootstrap.
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+
+
+def _env_check(node_rank: int, nproc: Any) -> list[dict[str, Any]]:
+    """The node's environment checks (detectors.env_check), made once by its launcher before the ranks start:
+    each warn or fail printed (with its fix) and returned as finding records for the node's file, where the
+    reader finds them. Filed under the node's first rank as ``--node-rank`` numbers it."""
+    from distdebug.artifacts import schema
+    from distdebug.detectors.env_check import node_findings
+
+    try:
+        first = node_rank * int(nproc)
+    except (TypeError, ValueError):  # a per-device count (gpu, auto) is not known here
+        first = node_rank
+    try:
+        found = node_findings(first)
+    except Exception as e:  # a check is never worth a job
+        print(f"distdebug: environment checks off ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return []
+    for f in found:
+        fix = f"\ndistdebug:   fix: {f.fix}" if f.fix else ""
+        print(f"distdebug[node {node_rank}] {f.severity.value.upper()} {f.detector}: {f.subject}: {f.message}{fix}",
+              file=sys.stderr, flush=True)
+    return [schema.record(schema.FINDING, **f.to_dict()) for f in found]
 
 
 def _installed(root: Path) -> bool:
@@ -187,6 +215,8 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         "node_rank": cfg.node_rank, "host": socket.gethostname(), "pid": os.getpid(),
         "started": time.time(), "launcher": launcher,
     }
+    if "env_check" in names:  # before any rank starts: a rank that fails at once cannot outrun its explanation
+        node_info["findings"] = _env_check(cfg.node_rank, nproc)
     _write_or_say(node_file, node_info)
 
     _worker_env(cfg, run_dir, detectors)

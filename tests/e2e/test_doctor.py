@@ -32,12 +32,17 @@ def test_attach_explains_a_missing_socket_interface_before_the_raw_error(tmp_pat
     r = distdebug("attach", "--run-dir", str(tmp_path), str(RECIPES / "manual_allreduce.py"), "--steps", "2",
                   env=make_env(GLOO_SOCKET_IFNAME="distdebug_missing0"), timeout=120)
     assert r.returncode != 0
-    assert "env_check: GLOO_SOCKET_IFNAME: GLOO_SOCKET_IFNAME=distdebug_missing0 names no interface" in r.stderr
-    (f,) = [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "finding"]
-    assert (f["detector"], f["severity"], f["subject"]) == ("env_check", "error", "GLOO_SOCKET_IFNAME")
+    # Said by the node's launcher before any rank started: never raced by a rank that fails at once (torch's
+    # agent then stops the others, once before a local rank 0 still importing torch could say it).
+    said = r.stderr.index("distdebug[node 0] ERROR env_check: GLOO_SOCKET_IFNAME: GLOO_SOCKET_IFNAME="
+                          "distdebug_missing0 names no interface")
+    assert said < r.stderr.index("Traceback") and "distdebug:   fix: set GLOO_SOCKET_IFNAME to one of" in r.stderr
+    assert [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "finding"] == []  # said once
+    rep = json.loads(distdebug("report", str(tmp_path), "--json").stdout)
+    (f,) = [x for x in rep["findings"] if x["detector"] == "env_check"]
+    assert (f["severity"], f["subject"], f["ranks"]) == ("error", "GLOO_SOCKET_IFNAME", [0])
     assert f["fix"].startswith("set GLOO_SOCKET_IFNAME to one of")
     # The job-level verdict: the process group never formed (not a hang in some collective).
-    rep = json.loads(distdebug("report", str(tmp_path), "--json").stdout)
     [h] = [x for x in rep["findings"] if x["detector"] == "hang"]
     # Both ranks raise there; the launcher may end one before it records it (then the message says so).
     assert (h["subject"], h["step"]) == ("init_process_group", None) and h["ranks"] and set(h["ranks"]) <= {0, 1}

@@ -83,3 +83,28 @@ def test_differences_across_ranks_and_slow_links():
     matrix[(2, 5)] = 2.0
     assert slow_links(matrix) == [(2, 5, 10.0)]
     assert slow_links({(0, 1): 1.0}) == []  # one link: nothing to compare with
+
+
+def test_a_rank_checks_again_only_what_changed_since_its_launcher_checked():
+    # attach's launcher checks once per node before the ranks start (a rank that fails at once cannot outrun
+    # the explanation) and hands its ranks what it saw; a rank checks a variable only if its value changed
+    # since: torch's agent setting the safe TORCH_NCCL_ASYNC_ERROR_HANDLING, or a fault spoiling a variable.
+    import json
+
+    from distdebug.detectors.env_check import changed_since, checked, node_findings
+
+    launcher = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "INFO", "PATH": "/bin", "MASTER_ADDR": "nowhere.invalid"}
+    seen = json.dumps(checked(launcher))
+    assert json.loads(seen) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "INFO"}  # what the checks read, only
+    assert changed_since(seen, {**launcher, "RANK": "1", "MASTER_PORT": "x"}) == set()  # nothing to check again
+    agent = {**launcher, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert changed_since(seen, agent) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    assert node_findings(0, agent, only={"TORCH_NCCL_ASYNC_ERROR_HANDLING"}) == []  # the agent's value is safe
+    spoiled = {**launcher, "GLOO_SOCKET_IFNAME": "distdebug_missing0"}
+    assert changed_since(seen, spoiled) == {"GLOO_SOCKET_IFNAME"}
+    (f,) = node_findings(4, spoiled, only=changed_since(seen, spoiled))
+    assert (f.detector, f.ranks, f.subject, f.severity.value) == ("env_check", [4], "GLOO_SOCKET_IFNAME", "error")
+    assert changed_since(seen, {k: v for k, v in launcher.items() if k != "NCCL_DEBUG"}) == {"NCCL_DEBUG"}  # unset
+    assert changed_since(None, launcher) is None and changed_since("not json", launcher) is None  # no launcher
+    # MASTER_*: the agent sets the ranks' own from its rendezvous; the launcher's are not checked (doctor does)
+    assert node_findings(0, launcher) == []
