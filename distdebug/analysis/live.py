@@ -10,6 +10,7 @@ few recent step times, counts. A file of a million steps costs its bytes once, a
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ class RankLive:
     """Wall time of its newest record."""
     times: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_STEPS))
     """Wall times of its most recent step records."""
+    score: float | None = None
+    """Its relative speed from rank 0's last ``straggler_scores`` (1.0: as fast as the fastest; None: none yet)."""
 
     @property
     def steps_per_s(self) -> float | None:
@@ -91,6 +94,8 @@ class Follower:
         self.only = set(ranks) if ranks is not None else None
         self.ranks: dict[int, RankLive] = {}
         self._follow: dict[Path, Follow] = {}
+        self.scores: dict[int, float] = {}
+        """Rank -> its relative speed, from rank 0's last straggler_scores record."""
 
     def _files(self) -> list[tuple[int, Path]]:
         out = []
@@ -110,12 +115,23 @@ class Follower:
                     stream, follow = got
                     self._follow[path] = follow
                     for rec in stream.records:
-                        live.feed(rec)
+                        self._feed(live, rec)
+                    if stream.digest.straggler:  # the index keeps the last scores
+                        self._feed(live, stream.digest.straggler)
                     continue
                 follow = self._follow[path] = Follow(path)
             for rec in follow.read():
-                live.feed(rec)
+                self._feed(live, rec)
+        for rank, live in self.ranks.items():
+            live.score = self.scores.get(rank)
         return dict(sorted(self.ranks.items()))
+
+    def _feed(self, live: RankLive, rec: dict[str, Any]) -> None:
+        live.feed(rec)
+        if rec.get("kind") == schema.STRAGGLER_SCORES:  # rank 0's, about every rank
+            for r, row in (rec.get("ranks") or {}).items():
+                if isinstance(row, dict) and isinstance(row.get("score"), (int, float)):
+                    self.scores[int(r)] = float(row["score"])
 
 
 def running(ranks: dict[int, RankLive], run_dirs: list[Path] | None = None) -> bool:
@@ -141,15 +157,32 @@ def launchers_ended(run_dirs: list[Path]) -> bool:
     return True
 
 
+SLOW_SCORE = 0.9
+"""A rank the straggler detector scores below this (its work 11% longer than the fastest's) is named the slowest."""
+SLOW_STEP = 1.2
+"""Without scores: a last step this much longer than the other ranks' median names its rank."""
+
+
 def slowest(ranks: list[RankLive]) -> RankLive | None:
-    """The rank with the fewest steps, else the longest last step (None when all are alike or unknown)."""
+    """The rank furthest behind (the fewest steps); else the rank the straggler detector scores slowest, when it
+    is; else, without scores, a last step well above the others' (None when all are alike or unknown).
+
+    Why not simply the longest last step: ranks that synchronise every step wait for the slowest, so their step
+    times are equal to the millisecond, and the longest was whichever rank waited longest for the straggler,
+    named instead of it. The scores (rank 0's ``straggler_scores``) measure each rank's own work."""
     stepping = [r for r in ranks if r.step_time_s is not None]
     if len(stepping) < 2:
         return None
     lowest = min(r.step for r in stepping)
     if any(r.step != lowest for r in stepping):
         return min(stepping, key=lambda r: (r.step, -(r.step_time_s or 0.0)))
-    return max(stepping, key=lambda r: r.step_time_s or 0.0)
+    scored = [r for r in stepping if r.score is not None]
+    if len(scored) >= 2:
+        slow = min(scored, key=lambda r: (r.score or 0.0, r.rank))
+        return slow if (slow.score or 0.0) < SLOW_SCORE else None
+    slow = max(stepping, key=lambda r: (r.step_time_s or 0.0, -r.rank))
+    others = statistics.median(r.step_time_s or 0.0 for r in stepping if r is not slow)
+    return slow if (slow.step_time_s or 0.0) > SLOW_STEP * others else None
 
 
 def node_line(ranks: list[RankLive], now: float | None = None) -> str:
@@ -167,8 +200,9 @@ def node_line(ranks: list[RankLive], now: float | None = None) -> str:
     parts.append(f"{min(rates):.3g} steps/s" if rates else "- steps/s")
     parts.append(f"loss {losses[0]:.4g}" if losses else "loss -")
     if slow is not None:
-        parts.append(f"slowest rank {slow.rank} ({slow.step_time_s * 1000:.0f} ms)" if slow.step_time_s else
-                     f"slowest rank {slow.rank}")
+        parts.append(f"slowest rank {slow.rank} (score {slow.score:.2f})" if slow.score is not None and slow.step ==
+                     step else f"slowest rank {slow.rank} ({slow.step_time_s * 1000:.0f} ms)" if slow.step_time_s
+                     else f"slowest rank {slow.rank}")
     parts.append(f"findings {found}" + (f" (worst: {worst})" if worst else ""))
     stalled = [r.rank for r in ranks if r.status == "stalled"]
     if stalled:

@@ -46,3 +46,31 @@ def test_each_file_is_read_from_where_it_stopped_and_a_half_written_record_waits
     rows = snapshot_rows(ranks, now=110.6)
     assert [(r["rank"], r["step"], r["status"], r["last_record_s_ago"]) for r in rows] == [
         (0, 6, "running", 10.0), (1, 5, "exited 0", 9.6)]
+
+
+def test_the_slowest_rank_of_synchronous_ranks_is_the_one_the_straggler_scores_name_not_the_longest_step(tmp_path):
+    # Ranks that synchronise every step wait for the slowest: their step times are equal to the millisecond, and
+    # the longest was the rank that waited longest (rank 0 here, waiting for rank 1 sleeping in its forward).
+    # Rank 0's straggler_scores measure each rank's own work: they name rank 1. Its clean twin: alike scores and
+    # alike step times name no one.
+    def write(run, scores, times):
+        for rank in (0, 1):
+            layout.rank_dir(run, rank).mkdir(parents=True)
+            body = rec(kind="start", rank=rank, node=0, time=100.0) + b"".join(
+                rec(kind="step", rank=rank, step=s, loss=1.0, step_time_s=times[rank], time=100.0 + s / 5)
+                for s in range(1, 9))
+            if rank == 0 and scores:
+                body += rec(kind="straggler_scores", rank=0, step=8,
+                            ranks={str(r): {"score": v, "work_s": 0.01} for r, v in scores.items()})
+            layout.events_path(run, rank).write_bytes(body)
+        return Follower([run]).poll()
+
+    ranks = write(tmp_path / "straggler", {0: 1.0, 1: 0.05}, {0: 0.2104, 1: 0.2101})
+    assert ranks[1].score == 0.05 and ranks[0].score == 1.0  # rank 0's record, about both ranks
+    line = node_line(list(ranks.values()))
+    assert "slowest rank 1 (score 0.05)" in line and "slowest rank 0" not in line, line
+    clean = write(tmp_path / "clean", {0: 1.0, 1: 0.97}, {0: 0.0201, 1: 0.0203})
+    assert "slowest" not in node_line(list(clean.values()))
+    # no scores (the straggler detector off): equal step times name no one; a step well above the others does
+    assert "slowest" not in node_line(list(write(tmp_path / "none", {}, {0: 0.2104, 1: 0.2101}).values()))
+    assert "slowest rank 0 (300 ms)" in node_line(list(write(tmp_path / "apart", {}, {0: 0.3, 1: 0.1}).values()))
