@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
@@ -184,6 +186,63 @@ def _fields(path: Path, cls: str) -> list[tuple[str, str, str]]:
             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]
 
 
+NESTED: dict[str, list[tuple[str, str]]] = {
+    "harness_cost": [
+        ("ranks", "rank (a string) -> that rank's figures (the table below)"),
+        ("rank", "the rank whose share of its median step is the largest"),
+        ("fraction", "that rank's steady cost over its median step"),
+        ("total_per_step_ms", "that rank's steady cost a step, in ms"),
+        ("median_step_ms", "that rank's median step, in ms"),
+        ("advice", "past 3% of the median step: which detector costs most and how to trade it; else null")],
+    "harness_cost.ranks[R]": [
+        ("steps", "steps the figures are over"),
+        ("median_step_ms", "the rank's median step, in ms"),
+        ("per_step_ms", "detector (or `session`: the step's read, the wrappers) -> ms a step on the training thread,"
+                        " costliest first"),
+        ("total_per_step_ms", "their sum"),
+        ("fraction", "the sum over the median step"),
+        ("threads_cpu_per_step_ms", "the harness's own threads -> their CPU ms a step"),
+        ("host_reads_per_step", "device-to-host reads a step (the harness allows itself one)"),
+        ("startup_ms", "what step 1 cost: discovery, hooks, the first fingerprints"),
+        ("one_off", "what was paid once: `what`, `ms`, `times` (a re-executed step, ...)"),
+        ("profiler_windows", "each profiler window: its `steps` and the `extra_ms` its steps took above the median"),
+        ("whole_run_per_step_ms", "the steady cost with start-up and the one-offs spread over every step"),
+        ("whole_run_fraction", "that over the median step")],
+    "overhead": [
+        ("fraction", "the harness's share of the wall time: the pairs' mean difference over the mean step off"),
+        ("ci", "its 95% interval, [low, high]"),
+        ("median_fraction", "the same from the median steps"),
+        ("p95_fraction", "the same from the 95th percentiles"),
+        ("per_step_ms", "the mean difference a step, in ms"),
+        ("step_ms_off", "the mean step with the detectors off, in ms"),
+        ("step_ms_on", "the mean step with them on, in ms"),
+        ("steps", "steps measured"),
+        ("pairs", "on/off pairs"),
+        ("unit", "steps a unit of a pair (`--overhead-block`)"),
+        ("left_out", "pairs left out because the harness did one-off work in them"),
+        ("cpu_fraction", "CPU jobs: the training thread's CPU time, as `fraction`"),
+        ("cpu_ci", "its 95% interval"),
+        ("cpu_per_step_ms", "the CPU ms a step"),
+        ("cpu_step_ms_off", "the training thread's CPU ms a step with the detectors off"),
+        ("rank", "the rank these figures are (the lowest that measured)"),
+        ("ranks", "rank (a string) -> its own figures, as above")],
+    "discovery": [
+        ("models", "each model found: `class`, `wrapper`, `wrappers`, `options`, `parameters`, `parameter_bytes`, "
+                   "`batchnorm_modules`, `syncbatchnorm_modules`"),
+        ("optimizers", "each optimizer: `class`, `param_groups`, `parameters`, `lr`"),
+        ("process_group", "`backend`, `world_size`, `rank`"),
+        ("step_source", "what marks a step: `optimizer` (its step), or the script's loop where no optimizer steps"),
+        ("layout", "the parallel layout: `label`, the data-parallel groups and their source, device meshes, tensor "
+                   "and pipeline parallel, `job_label`")],
+    "injected[]": [
+        ("v", "the record format's version"), ("kind", "`injected`"), ("rank", "the rank it acted on"),
+        ("time", "when (seconds since the epoch)"), ("fault", "the fault's name"),
+        ("step", "the step it acted at, where it is tied to one"),
+        ("...", "what it did, in the fault's own words (`param`, `module`, `var`, ...)")],
+}
+"""The report's nested objects, key by key; ``docs/gen.py --examples`` checks each against a real run's keys."""
+
+
 def json_page() -> str:
     summary = ROOT / "distdebug" / "analysis" / "summary.py"
 
@@ -208,8 +267,60 @@ def json_page() -> str:
         "| `severity` | the worst member's |", "| `title` | `detector: subject` of the root |",
         "| `fix` | the root's own fix, else its advice's |", "| `root` | the root finding (as in `findings[]`) |",
         "| `members` | the root, then every finding that followed from it |", "",
+        *[line for name, rows in NESTED.items() for line in (
+            f"## `{name}`", "", "| key | meaning |", "|---|---|",
+            *[f"| `{k}` | {d.replace('|', '/')} |" for k, d in rows], "")],
+        "## From real runs", "",
+        "Excerpts of `report --json` (regenerated by `python docs/gen.py --examples`): a NaN run's first incident "
+        "and its injected fault, the discovery of the main recipe, one rank's harness cost and the A/B of a run "
+        "under `--measure-overhead`.", "",
+        *[line for name in JSON_EXAMPLES for line in (
+            f"```{{literalinclude}} ../_generated/examples/{name}", ":language: json", "```", "")],
         "Other commands with `--json`: `diff`, `top --once`, `stacks`, `doctor`, `lint` (see the "
-        "[command line](cli.md)); each prints one object or list, and their keys are what the text shows.", ""])
+        "[command line](cli.md)); each prints one object or list, and their keys are what the text shows. "
+        "`diff --json` of a run where rank 1 skipped a step, and `doctor --json` with a bad variable:", "",
+        *[line for name in OTHER_JSON for line in (
+            f"```{{literalinclude}} ../_generated/examples/{name}", ":language: json", "```", "")]])
+
+
+JSON_EXAMPLES = ["json-incident.json", "json-injected.json", "json-discovery.json", "json-harness-cost.json",
+                 "json-overhead.json"]
+OTHER_JSON = ["json-diff.json", "json-doctor.json"]
+
+
+def _json_examples(env: dict[str, str]) -> None:
+    """The JSON page's excerpts from the example runs (WORK's nan, clean, ab, skip-step), and a check that every key
+    of the nested objects the page describes (NESTED) is described, and nothing else."""
+    def report(name: str) -> dict[str, Any]:
+        return json.loads(_run(["report", "--json", str(WORK / name)], env))
+
+    def check(what: str, obj: dict[str, Any]) -> None:
+        told = {k for k, _ in NESTED[what]} - {"..."}
+        missing, extra = set(obj) - told, told - set(obj)
+        if missing and "..." not in {k for k, _ in NESTED[what]} or extra:
+            raise SystemExit(f"docs/gen.py: the JSON page's {what} differs from a real run's: undescribed "
+                             f"{sorted(missing)}, absent {sorted(extra)} (docs/gen.py NESTED)")
+
+    def dump(name: str, obj: Any) -> None:
+        (EXAMPLES / name).write_text(json.dumps(obj, indent=2) + "\n")
+
+    nan, clean, ab = report("nan"), report("clean"), report("ab")
+    incident = dict(nan["incidents"][0])
+    incident["members"] = incident["members"][:2]  # the root and the first that followed
+    dump("json-incident.json", incident)
+    check("injected[]", nan["injected"][0])
+    dump("json-injected.json", nan["injected"])
+    check("discovery", clean["discovery"])
+    dump("json-discovery.json", clean["discovery"])
+    cost = ab["harness_cost"]
+    check("harness_cost", cost)
+    check("harness_cost.ranks[R]", cost["ranks"]["0"])
+    dump("json-harness-cost.json", {**cost, "ranks": {"0": cost["ranks"]["0"], "...": "each rank likewise"}})
+    check("overhead", ab["overhead"])
+    dump("json-overhead.json", {**ab["overhead"], "ranks": {"0": "rank 0's own figures, as above", "...": "..."}})
+    dump("json-diff.json", json.loads(_run(["diff", "--json", str(WORK / "skip-step")], env, expect=(1,))))
+    bad = {**env, "GLOO_SOCKET_IFNAME": "distdebug_missing0"}
+    dump("json-doctor.json", json.loads(_run(["doctor", "--json"], bad, expect=(1,))))
 
 
 def _test_switches() -> list[str]:
@@ -277,10 +388,11 @@ WORK = Path("/tmp/distdebug-docs")
 """Where the example runs write: a fixed path, so that the outputs read the same on every machine."""
 
 
-def _run(cmd: list[str], env: dict[str, str], out: str | None = None, expect: tuple[int, ...] = (0,)) -> str:
-    """One distdebug command, run from the checkout as a user would; its exit code must be one expected (a failed
-    run never becomes an example without a word)."""
-    r = subprocess.run([sys.executable, "-m", "distdebug", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+def _run(cmd: list[str], env: dict[str, str], out: str | None = None, expect: tuple[int, ...] = (0,),
+         cwd: Path = ROOT) -> str:
+    """One distdebug command, run from the checkout (or ``cwd``) as a user would; its exit code must be one expected
+    (a failed run never becomes an example without a word)."""
+    r = subprocess.run([sys.executable, "-m", "distdebug", *cmd], cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=600)
     if r.returncode not in expect:
         raise SystemExit(f"docs/gen.py: distdebug {' '.join(cmd)} exited {r.returncode}, expected {expect}:\n"
@@ -416,6 +528,111 @@ def stacks_example(env: dict[str, str]) -> str:
             proc.wait()
 
 
+def sandbox_example(env: dict[str, str]) -> str:
+    """``faults replay`` on a user's folder: the DDP tutorial's script (it resumes from its snapshot when the file is
+    there), its snapshot kept outside the folder, version control beside it: what each run starts from and what is
+    put back between runs, said before the matrix."""
+    project = WORK / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    shutil.copy(ROOT / "tests" / "data" / "scripts" / "ddp_tutorial.py", project / "train.py")
+    (WORK / "checkpoints").mkdir()
+    cmd = ["faults", "replay", "--fault", "nan_grad", "--work-dir", str(WORK / "replay"), "train.py", "--snapshot",
+           str(WORK / "checkpoints" / "snapshot.pt"), "--epochs", "2"]
+    out = _run(cmd, env, "both", cwd=project)
+    return f"~/project$ distdebug {' '.join(cmd)}\n" + out.lstrip("\n")
+
+
+def status_example(env: dict[str, str]) -> str:
+    """attach on a terminal (a pseudo-terminal): the node's status line as it last read before the job ended, on a
+    run with a straggler (rank 1 sleeps 0.2 s in its forward from step 3)."""
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "distdebug", "attach", "--run-dir", str(WORK / "status"),
+                             "--inject", "straggler:delay=0.2", MAIN, "--steps", "30"], cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    raw = b""
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the terminal's other end closed: attach is gone
+                break
+            if not chunk:
+                break
+            raw += chunk
+        code = proc.wait(timeout=60)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    if code != 0:
+        raise SystemExit(f"docs/gen.py: the status line's run exited {code}:\n{raw.decode(errors='replace')[-2000:]}")
+    frames = [f.strip() for f in re.split(r"[\r\n]|\x1b\[K", raw.decode(errors="replace"))
+              if f.strip().startswith("distdebug: node 0 | step ") and "findings 1" in f]
+    if not frames:
+        raise SystemExit("docs/gen.py: attach on a terminal showed no status line with the straggler's finding")
+    return frames[-1] + "\n"
+
+
+def volume_example(env: dict[str, str]) -> tuple[str, str]:
+    """A 2-rank job printing 1,000 bytes a step into a 4 MiB tmpfs (its output file there, its run directory on a
+    disk with room), the guard's window shortened to 3 s: the log-volume warning on attach's stderr, and the
+    report's ``disk:`` line (the prediction beside what the job then wrote). Mounting needs root."""
+    fs = WORK / "fs"
+    fs.mkdir()
+    script = WORK / "chatty.py"
+    script.write_text(CHATTY)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4096k", "tmpfs", str(fs)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"docs/gen.py: cannot mount a tmpfs ({(r.stderr or r.stdout).strip()}): the log-volume "
+                         "example needs root")
+    try:
+        with open(fs / "job.out", "wb") as stdout:
+            r2 = subprocess.run([sys.executable, "-m", "distdebug", "attach", "--run-dir", str(WORK / "volume"),
+                                 "--expected-hours", "24", str(script), "300", "0.04", "1000"], cwd=ROOT,
+                                env={**env, "DISTDEBUG_VOLUME_WINDOW_S": "3"}, stdout=stdout, stderr=subprocess.PIPE,
+                                text=True, timeout=300)
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+    if r2.returncode != 0:
+        raise SystemExit(f"docs/gen.py: the log-volume run exited {r2.returncode}:\n{r2.stderr[-2000:]}")
+    warning = findings_of(r2.stderr, "log_volume")
+    disk = report_lines(_run(["report", str(WORK / "volume")], env), "disk:")
+    if not warning or not disk:
+        raise SystemExit(f"docs/gen.py: the log-volume run gave no warning or no disk line:\n{r2.stderr[-2000:]}")
+    return warning, disk
+
+
+CHATTY = '''"""A job that prints 1,000 bytes a step a rank at a steady pace: docs/gen.py's log-volume example."""
+import sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+steps, dt, width = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+start = time.time()
+for i in range(steps):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    print(f"step {i:6d} " + "x" * (width - 13), flush=True)
+    time.sleep(max(0.0, start + (i + 1) * dt - time.time()))
+dist.destroy_process_group()
+'''
+
+
 def checkpoint_example(env: dict[str, str]) -> str:
     """A DeepSpeed checkpoint saved at step 3, one value of its model file changed on disk (its modification time
     kept), and the restart that resumes from it: checkpoint_roundtrip names the tensor, the rank and the save."""
@@ -529,6 +746,12 @@ def examples(slow_only: bool = False) -> int:
         out = _run(["attach", "--run-dir", str(WORK / "bad-env"), *recipe, "--steps", "2"], bad, "both",
                    expect=tuple(range(1, 256)))
         (EXAMPLES / "env-check-stderr.txt").write_text(findings_of(out, "env_check"))
+        _json_examples(env)
+        (EXAMPLES / "replay-sandbox.txt").write_text(sandbox_example(env))
+        (EXAMPLES / "status-line.txt").write_text(status_example(env))
+        warning, disk = volume_example(env)
+        (EXAMPLES / "log-volume-stderr.txt").write_text(warning)
+        (EXAMPLES / "disk-line.txt").write_text(disk)
         spec = ["attach", "--inject", "nan_grad:rnak=1", *recipe]
         (EXAMPLES / "bad-inject.txt").write_text(f"$ distdebug {' '.join(spec)}\n" + _run(spec, env, "both", (2,)))
         static = DOCS / "_static"
@@ -543,13 +766,45 @@ def examples(slow_only: bool = False) -> int:
     return readme(False)
 
 
+BENCH = DOCS / "_generated" / "bench"
+BENCHES = [("run-dir-budget.txt", ["bench/run_dir_budget.py"]),
+           ("read-at-scale.txt", ["bench/read_at_scale.py", "--cold"]),
+           ("fingerprint-throughput.txt", ["bench/fingerprint_throughput.py"]),
+           ("diff-offline.txt", ["bench/diff_offline.py"]),
+           ("trace-analysis.txt", ["bench/trace_analysis.py"])]
+"""The benchmarks whose printout the measured-limits page shows (the first two about 5 and 8 minutes on 2 cores, the
+others one or two; --cold drops the page cache before each read: root)."""
+
+
+def benches(only: list[str]) -> int:
+    """Run each benchmark the docs show (all, or those named); its printout (less its progress lines) is what the
+    page includes. A benchmark that fails, or that judges itself and does not print PASS, is not written."""
+    BENCH.mkdir(parents=True, exist_ok=True)
+    env = _example_env()
+    for name, cmd in BENCHES:
+        if only and not any(o in cmd[0] for o in only):
+            continue
+        r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        lines = [line for line in r.stdout.splitlines() if not line.startswith("  written ")]
+        if r.returncode != 0 or not lines or lines[-1] == "FAIL":
+            raise SystemExit(f"docs/gen.py: {' '.join(cmd)} exited {r.returncode}:\n"
+                             f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        (BENCH / name).write_text(f"$ python {' '.join(cmd)}\n" + "".join(f"{line}\n" for line in lines))
+        print(f"docs/gen.py: {' '.join(cmd)} written to {(BENCH / name).relative_to(ROOT)}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="fail if a generated page is out of date")
     p.add_argument("--examples", action="store_true", help="regenerate the example outputs from real runs")
     p.add_argument("--slow-only", action="store_true", help="with --examples: only the examples that take minutes")
+    p.add_argument("--bench", nargs="*", metavar="NAME", default=None,
+                   help="rerun the benchmarks the measured-limits page shows (all, or those whose file names NAME)")
     p.add_argument("--docs", type=Path, default=DOCS, help="the docs folder to write or check (a copy, in tests)")
     args = p.parse_args()
+    if args.bench is not None:
+        return benches(args.bench)
     if args.examples:
         return examples(args.slow_only)
     if args.docs.resolve() != DOCS:

@@ -6,7 +6,7 @@ later as a raw trace from init_process_group or as a hang. The same checks as ``
 (``node_findings``, called by ``launch.attach``) before it starts its ranks: torch's launcher hands every
 rank of a node the launcher's environment, so one check per node sees what every rank will see.
 Every warn or fail becomes a finding with its fix, printed on stderr before the first rank starts and kept
-in the node's record (``node-N.json``), which the reader counts among the run's findings.
+in the node's record (``nodes/node-000.json``), which the reader counts among the run's findings.
 
 Made inside a rank (its local rank 0, in ``setup``), as it once was, the line raced the script: a rank that
 fails at once (on the very interface this check names) makes torch's agent stop the other ranks, and a
