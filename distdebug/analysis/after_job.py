@@ -167,7 +167,7 @@ def _layout(run: Run, out: AfterJob) -> None:
         if start is None:
             continue
         out.world_size = start.get("world_size", out.world_size)
-        out.layout[str(rank)] = {k: start.get(k) for k in ("node", "local_rank", "host", "pid", "attempt")}
+        out.layout[str(rank)] = {k: start.get(k) for k in ("node", "local_rank", "host", "pid", "ppid", "attempt")}
 
 
 def print_notes(result: AfterJob) -> None:

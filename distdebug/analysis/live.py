@@ -116,8 +116,8 @@ class Follower:
                     self._follow[path] = follow
                     for rec in stream.records:
                         self._feed(live, rec)
-                    if stream.digest.straggler:  # the index keeps the last scores
-                        self._feed(live, stream.digest.straggler)
+                    if stream.digest.straggler:  # the index keeps the last scores (only them: not a newer record)
+                        self._scores(stream.digest.straggler)
                     continue
                 follow = self._follow[path] = Follow(path)
             for rec in follow.read():
@@ -128,10 +128,16 @@ class Follower:
 
     def _feed(self, live: RankLive, rec: dict[str, Any]) -> None:
         live.feed(rec)
-        if rec.get("kind") == schema.STRAGGLER_SCORES:  # rank 0's, about every rank
-            for r, row in (rec.get("ranks") or {}).items():
-                if isinstance(row, dict) and isinstance(row.get("score"), (int, float)):
-                    self.scores[int(r)] = float(row["score"])
+        kind = rec.get("kind")
+        if kind == schema.STRAGGLER_SCORES:
+            self._scores(rec)
+        elif kind == schema.START and live.rank == 0:  # a restart: the last attempt's scores say nothing of this one
+            self.scores = {}
+
+    def _scores(self, rec: dict[str, Any]) -> None:
+        """Rank 0's straggler_scores record, about every rank: the newest replaces the last whole."""
+        self.scores = {int(r): float(row["score"]) for r, row in (rec.get("ranks") or {}).items()
+                       if isinstance(row, dict) and isinstance(row.get("score"), (int, float))}
 
 
 def running(ranks: dict[int, RankLive], run_dirs: list[Path] | None = None) -> bool:
@@ -161,11 +167,14 @@ SLOW_SCORE = 0.9
 """A rank the straggler detector scores below this (its work 11% longer than the fastest's) is named the slowest."""
 SLOW_STEP = 1.2
 """Without scores: a last step this much longer than the other ranks' median names its rank."""
+BEHIND = 2
+"""Steps a rank must lag the others by to be named behind: the files are read one after another, so a rank one
+step short is routine in a healthy job."""
 
 
 def slowest(ranks: list[RankLive]) -> RankLive | None:
-    """The rank furthest behind (the fewest steps); else the rank the straggler detector scores slowest, when it
-    is; else, without scores, a last step well above the others' (None when all are alike or unknown).
+    """The rank furthest behind (``BEHIND`` steps or more); else the rank the straggler detector scores slowest,
+    when it is; else, without scores, a last step well above the others' (None when all are alike or unknown).
 
     Why not simply the longest last step: ranks that synchronise every step wait for the slowest, so their step
     times are equal to the millisecond, and the longest was whichever rank waited longest for the straggler,
@@ -174,7 +183,7 @@ def slowest(ranks: list[RankLive]) -> RankLive | None:
     if len(stepping) < 2:
         return None
     lowest = min(r.step for r in stepping)
-    if any(r.step != lowest for r in stepping):
+    if max(r.step for r in stepping) - lowest >= BEHIND:
         return min(stepping, key=lambda r: (r.step, -(r.step_time_s or 0.0)))
     scored = [r for r in stepping if r.score is not None]
     if len(scored) >= 2:
@@ -200,9 +209,11 @@ def node_line(ranks: list[RankLive], now: float | None = None) -> str:
     parts.append(f"{min(rates):.3g} steps/s" if rates else "- steps/s")
     parts.append(f"loss {losses[0]:.4g}" if losses else "loss -")
     if slow is not None:
-        parts.append(f"slowest rank {slow.rank} (score {slow.score:.2f})" if slow.score is not None and slow.step ==
-                     step else f"slowest rank {slow.rank} ({slow.step_time_s * 1000:.0f} ms)" if slow.step_time_s
-                     else f"slowest rank {slow.rank}")
+        behind = max(r.step for r in ranks) - slow.step
+        parts.append(f"slowest rank {slow.rank} ({behind} steps behind)" if behind >= BEHIND else
+                     f"slowest rank {slow.rank} (score {slow.score:.2f})" if slow.score is not None else
+                     f"slowest rank {slow.rank} ({slow.step_time_s * 1000:.0f} ms)" if slow.step_time_s else
+                     f"slowest rank {slow.rank}")
     parts.append(f"findings {found}" + (f" (worst: {worst})" if worst else ""))
     stalled = [r.rank for r in ranks if r.status == "stalled"]
     if stalled:

@@ -50,7 +50,8 @@ FILES: tuple[tuple[str, str], ...] = (
     (MANIFEST, "command, launcher options, versions (python, torch, deepspeed, CUDA, NCCL, cuDNN), host, "
                "environment with secrets redacted; after the job the world size and rank -> node/host/pid"),
     (NODE_TEMPLATE, "per launcher agent: host, start/end, exit code, first failure, the log-volume guard's "
-                    "prediction beside what was then written"),
+                    "prediction beside what was then written; while the job runs, the environment check's findings "
+                    "(env_check, made before the ranks start; filed to findings.jsonl at the end)"),
     (RUN_FINDINGS, "run-level verdicts (hangs, failed collectives, a killed rank, the offline replica check, "
                    "teardown, dangerous environment, a file system that would fill), append-only"),
     (DOCTOR, "distdebug doctor's results (rank 0 writes them): environment, differences, bandwidth, link matrix"),

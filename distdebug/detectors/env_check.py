@@ -5,8 +5,11 @@ later as a raw trace from init_process_group or as a hang. The same checks as ``
 (``doctor.checks.check_variables``: no subprocess, no torch) are made by each node's launcher agent
 (``node_findings``, called by ``launch.attach``) before it starts its ranks: torch's launcher hands every
 rank of a node the launcher's environment, so one check per node sees what every rank will see.
-Every warn or fail becomes a finding with its fix, printed on stderr before the first rank starts and kept
-in the node's record (``nodes/node-000.json``), which the reader counts among the run's findings.
+Every warn or fail becomes a finding with its fix, printed on stderr before the first rank starts (with the
+host: on several nodes, which one has the bad variable) and kept in the node's record (``nodes/node-000.json``)
+until the job ends; then, filed under the global rank of the node's local rank 0 (``own_first_rank``: only then
+has the rendezvous numbered the ranks), it is appended to the run's findings (``findings.jsonl``). A launcher
+killed before that leaves it in its node file, unfiled, where the reader still finds it.
 
 Made inside a rank (its local rank 0, in ``setup``), as it once was, the line raced the script: a rank that
 fails at once (on the very interface this check names) makes torch's agent stop the other ranks, and a
@@ -44,18 +47,29 @@ def checked(env: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in sorted(env.items()) if k.startswith(PREFIXES)}
 
 
-def node_findings(rank: int, env: dict[str, str] | None = None, only: set[str] | None = None) -> list[Finding]:
-    """The findings of this host's checks of ``env`` (default: this process's); ``rank``: the rank they are
-    filed under (the node's first); ``only``: just the checks of these variables."""
+def node_findings(ranks: list[int], env: dict[str, str] | None = None, only: set[str] | None = None,
+                  where: dict[str, Any] | None = None) -> list[Finding]:
+    """The findings of this host's checks of ``env`` (default: this process's); ``ranks``: what they are filed
+    under (a rank's own; the launcher's, before its ranks have numbers: none, ``where`` says the host and node);
+    ``only``: just the checks of these variables."""
     from distdebug.doctor.checks import FAIL, PASS, check_variables, local_inputs
 
     interfaces, has_ib, _, _ = local_inputs()
     return [Finding(
         severity=Severity.ERROR if c.status == FAIL else Severity.WARNING, detector=NAME,
-        ranks=[rank], step=None, subject=c.name, message=c.detail, fix=c.fix or None,
-        evidence={"check": c.name, "status": c.status},
+        ranks=list(ranks), step=None, subject=c.name, message=c.detail, fix=c.fix or None,
+        evidence={"check": c.name, "status": c.status, **(where or {})},
     ) for c in check_variables(checked(env), interfaces, has_ib)
         if c.status != PASS and (only is None or c.name in only)]
+
+
+def own_first_rank(layout: dict[str, dict[str, Any]], launcher_pid: int) -> int | None:
+    """The global rank of the local rank 0 this launcher started (its start record's parent pid is the launcher's),
+    in its last attempt: what the launcher's findings are filed under once the ranks have numbers (torch's c10d
+    rendezvous numbers the nodes itself, and --node-rank may be absent). None: no such rank recorded its start."""
+    mine = [(info.get("attempt") or 0, int(r)) for r, info in layout.items()
+            if info.get("ppid") == launcher_pid and info.get("local_rank") == 0]
+    return max(mine)[1] if mine else None
 
 
 def changed_since(seen: str | None, env: dict[str, str] | None = None) -> set[str] | None:
@@ -81,7 +95,7 @@ class EnvCheck(Detector):
         only = changed_since(envvars.get(envvars.ENV_CHECKED))
         if only == set():
             return  # the node's launcher checked exactly this
-        for f in node_findings(ctx.rank, only=only):
+        for f in node_findings([ctx.rank], only=only):
             ctx.report(f)
 
     def on_step(self, event: Any) -> Iterable[Finding]:

@@ -238,13 +238,6 @@ def local_inputs() -> tuple[list[str], bool, int | None, int | None]:
     return interfaces, has_ib, shm, (None if nofile == resource.RLIM_INFINITY else nofile)
 
 
-def variable_checks(env: dict[str, str] | None = None) -> list[Check]:
-    """The cheap checks (no torch, no subprocess) that attach's launcher also makes on each node (env_check)."""
-    env = dict(os.environ) if env is None else env
-    interfaces, has_ib, _, _ = local_inputs()
-    return check_variables(env, interfaces, has_ib) + check_master(env, check_port_free=False)
-
-
 ASSUMED_RANKS = 8
 """Ranks a node runs, for the volume check when no launcher says (a node of eight GPUs)."""
 

@@ -96,7 +96,7 @@ def _launcher_info(cfg: AttachConfig, nproc: str) -> dict[str, Any]:
     }
 
 
-def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]]) -> None:
+def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]], env_checked: bool) -> None:
     """Set the DISTDEBUG_* contract in this process; torch's agent passes it to every worker."""
     os.environ[envvars.RUN_DIR] = str(run_dir)
     os.environ[envvars.DETECTORS] = json.dumps(detectors)
@@ -105,8 +105,7 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
     from distdebug.detectors.env_check import checked
 
     # what attach checked itself (_env_check); empty: nothing, a rank's env_check checks everything
-    checks = any(d.get("target") == "env_check" for d in detectors)
-    os.environ[envvars.ENV_CHECKED] = json.dumps(checked()) if checks else ""
+    os.environ[envvars.ENV_CHECKED] = json.dumps(checked()) if env_checked else ""
     os.environ[envvars.STALL_TIMEOUT] = repr(float(cfg.stall_timeout))
     os.environ[envvars.STARTUP_TIMEOUT] = repr(float(cfg.startup_allowance))
     os.environ[envvars.RUN_DIR_BUDGET] = str(cfg.run_dir_budget)
@@ -125,27 +124,48 @@ def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
 
 
-def _env_check(node_rank: int, nproc: Any) -> list[dict[str, Any]]:
-    """The node's environment checks (detectors.env_check), made once by its launcher before the ranks start:
-    each warn or fail printed (with its fix) and returned as finding records for the node's file, where the
-    reader finds them. Filed under the node's first rank as ``--node-rank`` numbers it."""
+def _env_check(node_rank: int) -> list[dict[str, Any]] | None:
+    """The node's environment checks (detectors.env_check), made once by its launcher before the ranks start: each
+    warn or fail printed (with its fix and the host) and returned as finding records for the node's file, with no
+    rank yet (the rendezvous has not numbered them; ``_file_env_findings`` files them after the job). None: the
+    checks could not run (said), and the ranks make them."""
     from distdebug.artifacts import schema
     from distdebug.detectors.env_check import node_findings
 
+    host = socket.gethostname()
     try:
-        first = node_rank * int(nproc)
-    except (TypeError, ValueError):  # a per-device count (gpu, auto) is not known here
-        first = node_rank
-    try:
-        found = node_findings(first)
+        found = node_findings([], where={"host": host, "node": node_rank})
     except Exception as e:  # a check is never worth a job
-        print(f"distdebug: environment checks off ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-        return []
+        print(f"distdebug: environment checks off in the launcher ({type(e).__name__}: {e}); the ranks make them",
+              file=sys.stderr, flush=True)
+        return None
     for f in found:
         fix = f"\ndistdebug:   fix: {f.fix}" if f.fix else ""
-        print(f"distdebug[node {node_rank}] {f.severity.value.upper()} {f.detector}: {f.subject}: {f.message}{fix}",
+        print(f"distdebug[host {host}] {f.severity.value.upper()} {f.detector}: {f.subject}: {f.message}{fix}",
               file=sys.stderr, flush=True)
+    for f in found:  # in the run's report, beside other nodes' findings: which host
+        f.message = f"{f.message} (host {host})"
     return [schema.record(schema.FINDING, **f.to_dict()) for f in found]
+
+
+def _file_env_findings(run_dir: Path, node_info: dict[str, Any], layout_map: dict[str, dict[str, Any]]) -> None:
+    """After the job: the launcher's environment findings filed under the global rank of the local rank 0 it
+    started, appended to the run's findings, and taken out of the node's file (one place each). Unfiled (no rank
+    of its recorded its start) they still go; a disk that refuses the append leaves them in the node's file."""
+    from distdebug.artifacts.writer import append_run_findings
+    from distdebug.detectors.env_check import own_first_rank
+    from distdebug.findings import Finding
+
+    records = node_info.get("findings") or []
+    if not records:
+        return
+    first = own_first_rank(layout_map, os.getpid())
+    found = [Finding.from_dict({**r, "ranks": [first] if first is not None else []}) for r in records]
+    try:
+        append_run_findings(run_dir, found)
+    except OSError:
+        return
+    node_info.pop("findings", None)
 
 
 def _installed(root: Path) -> bool:
@@ -215,11 +235,13 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         "node_rank": cfg.node_rank, "host": socket.gethostname(), "pid": os.getpid(),
         "started": time.time(), "launcher": launcher,
     }
-    if "env_check" in names:  # before any rank starts: a rank that fails at once cannot outrun its explanation
-        node_info["findings"] = _env_check(cfg.node_rank, nproc)
+    # before any rank starts: a rank that fails at once cannot outrun its explanation
+    env_found = _env_check(cfg.node_rank) if "env_check" in names else None
+    if env_found:
+        node_info["findings"] = env_found
     _write_or_say(node_file, node_info)
 
-    _worker_env(cfg, run_dir, detectors)
+    _worker_env(cfg, run_dir, detectors, env_checked=env_found is not None)
     from distdebug.launch.volume import VolumeGuard
 
     guard: VolumeGuard | None = None
@@ -275,6 +297,11 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         message = teardown_summary([f for f in result.findings if f.detector == "teardown"])
     elif code == 0 and result.never_acted:
         code, message = EXIT_NEVER_ACTED, never_acted_message(result.never_acted, result.why_not)
+    try:
+        _file_env_findings(run_dir, node_info, result.layout)
+    except Exception as e:  # never worth the job's exit: they stay in the node's file, unfiled
+        print(f"distdebug: could not file the environment findings ({type(e).__name__}: {e})", file=sys.stderr,
+              flush=True)
     node_info.update(ended=time.time(), exit_code=code, message=message,
                      volume=guard.summary_within(10.0) if guard is not None else None)
     _write_or_say(node_file, node_info)

@@ -7,6 +7,7 @@ fails). Any thread may emit (the exchange's and the watchdog's report here too).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -82,7 +83,7 @@ class Outlet:
         self.emit(schema.record(
             schema.START, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
             local_world_size=i.local_world_size, node=i.node, attempt=i.attempt, host=i.host, pid=i.pid,
-            time=time.time(), detectors=detectors,
+            ppid=os.getppid(), time=time.time(), detectors=detectors,
         ))
 
     def end(self, exit_code: int, steps: int, alive: dict[str, Any], released: list[str]) -> None:

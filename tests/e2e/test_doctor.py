@@ -7,6 +7,7 @@ Needs: no ranks for the environment checks and lint (one process); 2 ranks for t
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -34,13 +35,15 @@ def test_attach_explains_a_missing_socket_interface_before_the_raw_error(tmp_pat
     assert r.returncode != 0
     # Said by the node's launcher before any rank started: never raced by a rank that fails at once (torch's
     # agent then stops the others, once before a local rank 0 still importing torch could say it).
-    said = r.stderr.index("distdebug[node 0] ERROR env_check: GLOO_SOCKET_IFNAME: GLOO_SOCKET_IFNAME="
-                          "distdebug_missing0 names no interface")
+    said = r.stderr.index(f"distdebug[host {socket.gethostname()}] ERROR env_check: GLOO_SOCKET_IFNAME: "
+                          "GLOO_SOCKET_IFNAME=distdebug_missing0 names no interface")
     assert said < r.stderr.index("Traceback") and "distdebug:   fix: set GLOO_SOCKET_IFNAME to one of" in r.stderr
     assert [x for x in read_events(layout.events_path(tmp_path, 0))[0] if x["kind"] == "finding"] == []  # said once
     rep = json.loads(distdebug("report", str(tmp_path), "--json").stdout)
-    (f,) = [x for x in rep["findings"] if x["detector"] == "env_check"]
+    (f,) = [x for x in rep["findings"] if x["detector"] == "env_check"]  # filed once, under the node's local rank 0
     assert (f["severity"], f["subject"], f["ranks"]) == ("error", "GLOO_SOCKET_IFNAME", [0])
+    assert f["evidence"]["host"] == socket.gethostname() and f"(host {socket.gethostname()})" in f["message"]
+    assert "findings" not in json.loads(layout.node_path(tmp_path, 0).read_text())  # filed: one place each
     assert f["fix"].startswith("set GLOO_SOCKET_IFNAME to one of")
     # The job-level verdict: the process group never formed (not a hang in some collective).
     [h] = [x for x in rep["findings"] if x["detector"] == "hang"]

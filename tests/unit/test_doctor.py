@@ -91,7 +91,7 @@ def test_a_rank_checks_again_only_what_changed_since_its_launcher_checked():
     # since: torch's agent setting the safe TORCH_NCCL_ASYNC_ERROR_HANDLING, or a fault spoiling a variable.
     import json
 
-    from distdebug.detectors.env_check import changed_since, checked, node_findings
+    from distdebug.detectors.env_check import changed_since, checked, node_findings, own_first_rank
 
     launcher = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "INFO", "PATH": "/bin", "MASTER_ADDR": "nowhere.invalid"}
     seen = json.dumps(checked(launcher))
@@ -99,12 +99,21 @@ def test_a_rank_checks_again_only_what_changed_since_its_launcher_checked():
     assert changed_since(seen, {**launcher, "RANK": "1", "MASTER_PORT": "x"}) == set()  # nothing to check again
     agent = {**launcher, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert changed_since(seen, agent) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}
-    assert node_findings(0, agent, only={"TORCH_NCCL_ASYNC_ERROR_HANDLING"}) == []  # the agent's value is safe
+    assert node_findings([0], agent, only={"TORCH_NCCL_ASYNC_ERROR_HANDLING"}) == []  # the agent's value is safe
     spoiled = {**launcher, "GLOO_SOCKET_IFNAME": "distdebug_missing0"}
     assert changed_since(seen, spoiled) == {"GLOO_SOCKET_IFNAME"}
-    (f,) = node_findings(4, spoiled, only=changed_since(seen, spoiled))
+    (f,) = node_findings([4], spoiled, only=changed_since(seen, spoiled))
     assert (f.detector, f.ranks, f.subject, f.severity.value) == ("env_check", [4], "GLOO_SOCKET_IFNAME", "error")
     assert changed_since(seen, {k: v for k, v in launcher.items() if k != "NCCL_DEBUG"}) == {"NCCL_DEBUG"}  # unset
     assert changed_since(None, launcher) is None and changed_since("not json", launcher) is None  # no launcher
     # MASTER_*: the agent sets the ranks' own from its rendezvous; the launcher's are not checked (doctor does)
-    assert node_findings(0, launcher) == []
+    assert node_findings([0], launcher) == []
+    # the launcher's findings, made before the rendezvous numbers the ranks, are filed after the job under the
+    # global rank of the local rank 0 it started (its children: their parent pid), in the last attempt; another
+    # launcher's ranks on the same host (two "nodes" on one machine, a c10d numbering) are not its own
+    layout = {"0": {"local_rank": 0, "ppid": 11, "attempt": 0}, "1": {"local_rank": 1, "ppid": 11, "attempt": 0},
+              "2": {"local_rank": 0, "ppid": 22, "attempt": 0}, "3": {"local_rank": 1, "ppid": 22, "attempt": 0}}
+    assert (own_first_rank(layout, 11), own_first_rank(layout, 22), own_first_rank(layout, 33)) == (0, 2, None)
+    restarted = {**layout, "0": {"local_rank": 0, "ppid": 22, "attempt": 1}, "2": {"local_rank": 0, "ppid": 11,
+                                                                                   "attempt": 1}}
+    assert own_first_rank(restarted, 11) == 2  # after a restart the rendezvous may number the nodes otherwise

@@ -74,3 +74,32 @@ def test_the_slowest_rank_of_synchronous_ranks_is_the_one_the_straggler_scores_n
     # no scores (the straggler detector off): equal step times name no one; a step well above the others does
     assert "slowest" not in node_line(list(write(tmp_path / "none", {}, {0: 0.2104, 1: 0.2101}).values()))
     assert "slowest rank 0 (300 ms)" in node_line(list(write(tmp_path / "apart", {}, {0: 0.3, 1: 0.1}).values()))
+
+
+def test_a_rank_one_step_short_is_routine_two_behind_is_named_and_a_restart_forgets_the_last_scores(tmp_path):
+    from distdebug.analysis.live import RankLive, slowest
+
+    def live(rank, step, score=None, t=0.1):
+        return RankLive(rank, node=0, step=step, step_time_s=t, score=score)
+
+    # the files are read one after another: one step short is a healthy job, and a near-1 score names no one
+    assert slowest([live(0, 101, 0.98), live(1, 100, 1.0)]) is None
+    assert "slowest" not in node_line([live(0, 101, 0.98), live(1, 100, 1.0)])
+    assert "slowest rank 1 (2 steps behind)" in node_line([live(0, 102, 1.0), live(1, 100, 1.0)])
+    # rank 0's newest scores replace the last whole; its restart forgets them
+    for rank in (0, 1):
+        layout.rank_dir(tmp_path, rank).mkdir(parents=True)
+    steps = b"".join(rec(kind="step", rank=1, step=s, loss=1.0, step_time_s=0.1, time=100.0 + s) for s in (1, 2))
+    layout.events_path(tmp_path, 1).write_bytes(rec(kind="start", rank=1, node=0, time=100.0) + steps)
+    layout.events_path(tmp_path, 0).write_bytes(
+        rec(kind="start", rank=0, node=0, time=100.0) + steps.replace(b'"rank": 1', b'"rank": 0')
+        + rec(kind="straggler_scores", rank=0, step=2, ranks={"0": {"score": 1.0}, "1": {"score": 0.3}}))
+    f = Follower([tmp_path])
+    assert f.poll()[1].score == 0.3
+    with layout.events_path(tmp_path, 0).open("ab") as out:
+        out.write(rec(kind="straggler_scores", rank=0, step=4, ranks={"0": {"score": 1.0}}))
+    assert f.poll()[1].score is None  # not in the newest record: not its old score
+    with layout.events_path(tmp_path, 0).open("ab") as out:
+        out.write(rec(kind="straggler_scores", rank=0, step=6, ranks={"0": {"score": 1.0}, "1": {"score": 0.3}})
+                  + rec(kind="start", rank=0, node=0, time=200.0, attempt=1))
+    assert f.poll()[1].score is None  # a restart: the last attempt's straggler is not this one's
