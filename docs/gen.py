@@ -543,7 +543,7 @@ def sandbox_example(env: dict[str, str]) -> str:
     cmd = ["faults", "replay", "--fault", "nan_grad", "--work-dir", str(WORK / "replay"), "train.py", "--snapshot",
            str(WORK / "checkpoints" / "snapshot.pt"), "--epochs", "2"]
     out = _run(cmd, env, "both", cwd=project)
-    return f"~/project$ distdebug {' '.join(cmd)}\n" + out.lstrip("\n")
+    return f"{project}$ distdebug {' '.join(cmd)}\n" + out.lstrip("\n")
 
 
 def status_example(env: dict[str, str]) -> str:

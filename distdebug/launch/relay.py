@@ -15,6 +15,38 @@ from distdebug import envvars
 from distdebug.artifacts import layout
 from distdebug.runtime.wake import wake_all
 
+PREFIX = "distdebug-wake-"
+"""The folders' names: the prefix, the launcher's pid, a dash, mkdtemp's random part."""
+
+
+def sweep(tmp: Path) -> list[Path]:
+    """Remove the wake-up folders of launchers that are gone (a launcher killed by SIGKILL cannot remove its own;
+    its orphaned ranks remove their pipes and, the last, the empty folder: this catches what is left). A folder
+    whose pid runs is left alone (a live launcher, or the pid reused: left for later). What was removed."""
+    gone: list[Path] = []
+    try:
+        folders = [p for p in tmp.iterdir() if p.name.startswith(PREFIX)]
+    except OSError:
+        return gone
+    for folder in folders:
+        pid_s = folder.name[len(PREFIX):].split("-", 1)[0]
+        if not pid_s.isdigit() or _alive(int(pid_s)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            gone.append(folder)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
 
 class StacksRelay:
     """Makes the node-local folder (its path in ``DISTDEBUG_WAKE_DIR`` for the ranks), watches the request
@@ -31,8 +63,9 @@ class StacksRelay:
         self._thread = threading.Thread(target=self._loop, name="distdebug-stacks-relay", daemon=True)
 
     def start(self) -> None:
+        sweep(Path(tempfile.gettempdir()))
         try:
-            self.folder = Path(tempfile.mkdtemp(prefix="distdebug-wake-"))
+            self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         except OSError:
             os.environ[envvars.WAKE_DIR] = ""  # empty: the ranks poll
             return

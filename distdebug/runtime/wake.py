@@ -28,6 +28,7 @@ class WakePipe:
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.path = fifo_path(folder, rank)
+        self.parent = os.getppid()
         try:
             self.path.unlink()  # a previous attempt's pipe (an elastic restart of this rank)
         except FileNotFoundError:
@@ -69,6 +70,11 @@ class WakePipe:
         if mine:  # not the pipe a restarted attempt of this rank made in its place
             try:
                 self.path.unlink()
+            except OSError:
+                pass
+        if os.getppid() != self.parent:  # the launcher is gone and cannot remove its folder: the last rank does
+            try:
+                self.path.parent.rmdir()  # only when empty: the other ranks' pipes keep it
             except OSError:
                 pass
 

@@ -196,6 +196,8 @@ class RankWatchdog:
                 s.harness_finding(Severity.CRITICAL, "launcher",
                                    "the launcher process died; ending this rank so that it is not left behind")
             finally:  # even if saying so fails (stderr may be a pipe nobody reads any more)
+                if self._wake is not None:  # its pipe, and the launcher's folder once empty (runtime.wake)
+                    self._wake.close()
                 os._exit(137)
         if self.stall_timeout <= 0:
             return

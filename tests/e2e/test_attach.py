@@ -255,6 +255,10 @@ def test_killed_launcher_leaves_no_ranks_behind(tmp_path):
         proc.wait()
         gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=15)
         assert not alive, f"ranks left behind: {[p.pid for p in alive]}"
+        # nor its wake-up folder: the orphaned ranks removed their pipes, and the last one the folder
+        import tempfile
+
+        assert list(Path(tempfile.gettempdir()).glob(f"distdebug-wake-{proc.pid}-*")) == []
     finally:
         kill_tree(proc.pid)
 

@@ -53,3 +53,31 @@ def test_the_relay_wakes_its_ranks_once_per_new_request(tmp_path, monkeypatch):
     assert not folder.exists()
     # Its cost: one stat of the request file a wake-up for the whole node (three ranks here), not one a rank.
     assert 2 <= relay.stats <= elapsed / 0.05 + 2
+
+
+def test_a_killed_launchers_folder_goes_with_its_last_orphaned_rank_or_the_next_launcher(tmp_path):
+    # A launcher killed by SIGKILL cannot remove its wake-up folder. Its ranks, orphaned, remove their pipes and
+    # the last one the empty folder (a rank of a live launcher never does: a restarted rank makes its pipe there
+    # again); what is still left, the next launcher on the host sweeps: a folder whose launcher pid is gone. Its
+    # clean twins: a live launcher's folder, and anything else in the temporary directory, stay.
+    import subprocess
+
+    from distdebug.launch.relay import PREFIX, sweep
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that ran and is gone
+    mine = tmp_path / f"{PREFIX}{os.getpid()}-live"
+    gone = tmp_path / f"{PREFIX}{dead.pid}-dead"
+    other = tmp_path / "distdebug-docs"
+    for d in (mine, gone, other):
+        d.mkdir()
+    os.mkfifo(gone / "rank-00001.wake")  # a rank killed before it could remove its pipe
+    assert sweep(tmp_path) == [gone]
+    assert mine.exists() and other.exists() and not gone.exists()
+    # the rank's side: alive parent, the folder stays; orphaned (its parent pid no longer its parent), it goes
+    a, b = WakePipe(mine, 0), WakePipe(mine, 1)
+    a.close()
+    assert mine.exists()
+    b.parent = -1  # as if its launcher had died (the rank re-parented)
+    b.close()
+    assert not mine.exists()
