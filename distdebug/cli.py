@@ -211,6 +211,11 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
               help="Capture each step (inputs, generator states, parameters before it) so that a rank flagged at a "
                    "step (a NaN born there, its loss spiking) re-executes it: reproducible (a code path or the "
                    "data) or not (a transient fault: suspect the machine). Costs a copy of the model a step.")
+@click.option("--parity", "parity", type=click.Choice(["record", "twin"]), default=None,
+              help="Record what 'distdebug parity' compares between two runs (each parameter's and gradient's "
+                   "sketch and norm, the loss, at steps 1-8 and each power of two); twin: also flip the last bit "
+                   "of a random half of every parameter after each step: the reference's twin, whose distance "
+                   "from the reference is the band of benign rounding (its results differ on purpose).")
 @click.option("--deterministic", is_flag=True, default=False,
               help="Seed Python's, numpy's and torch's generators with 0 and turn on torch's deterministic "
                    "algorithms before the script runs.")
@@ -473,6 +478,48 @@ def diff(run: str | None, other: str | None, step: int | None, as_json: bool, no
     else:
         diffview.render(result)
     return 0 if result["identical"] else 1
+
+
+@main.command(short_help="Does a run compute what a reference run computes? The first step and tensor that departs.")
+@click.argument("ref")
+@click.argument("cand")
+@click.option("--twin", required=True, metavar="RUN",
+              help="The reference run again with 'attach --parity twin': its distance from the reference is the band "
+                   "of benign rounding each quantity is judged against.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def parity(ref: str, cand: str, twin: str, as_json: bool) -> int:
+    """Compare CAND with REF step by step, each recorded quantity against a band computed from REF's twin.
+
+    \b
+    distdebug attach --parity record --nproc-per-node 1 train.py ...   the reference (REF)
+    distdebug attach --parity twin --nproc-per-node 1 train.py ...     its twin (TWIN)
+    distdebug attach --parity record --nproc-per-node 4 train.py ...   the candidate (CAND)
+    distdebug parity REF CAND --twin TWIN
+    Exit code 0: equivalent; 1: departs; 2: cannot compare (says why).
+    """
+    from distdebug.analysis import parity as parity_mod
+    from distdebug.artifacts.reader import load_run
+    from distdebug.artifacts.runs import resolve_run
+
+    try:
+        a, b, c = (parity_mod.recorded(load_run(resolve_run(r))) for r in (ref, twin, cand))
+        result = parity_mod.compare_runs(a, b, c)
+    except parity_mod.CannotCompare as e:
+        raise UserError(f"parity: cannot compare: {e}", 2) from None
+    v = result.verdict
+    if as_json:
+        import dataclasses
+        import json
+
+        click.echo(json.dumps({"equivalent": v.equivalent, "steps": result.steps, "ref_world": result.ref_world,
+                               "cand_world": result.cand_world, "cause": result.cause,
+                               "first": dataclasses.asdict(v.first) if v.first else None,
+                               "largest": dataclasses.asdict(v.largest) if v.largest else None,
+                               "loss_departs": v.loss_departs, "compared": v.compared, "missing": v.missing,
+                               "text": v.text()}, indent=2))
+    else:
+        click.echo(result.text())
+    return 0 if v.equivalent else 1
 
 
 @main.command("detectors", short_help="List the detectors: code, name, on by default or not, what each finds.")

@@ -128,6 +128,8 @@ class AttachConfig:
     """``0,2;1,3``: the data-parallel groups (ranks holding replicas of the same part of the model), for a
     layout the harness cannot infer; overrides what discovery found (runtime.layout)."""
     rerun_on_anomaly: bool = False
+    parity: str | None = None
+    """``--parity record|twin``: add the parity recorder (detectors.parity), as the reference's twin or not."""
     """Capture every step so that a rank flagged at a step re-executes it (detectors.rerun): reproducible or
     a transient fault. Adds the ``rerun`` detector to the run's detectors."""
     run_dir_budget: int = RUN_DIR_BUDGET

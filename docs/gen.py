@@ -153,6 +153,7 @@ def exit_codes_page() -> str:
         "| command | exits 1 when |", "|---|---|",
         "| `report` | a folder is no run (findings never: 0, or 121 under `--fail-on`) |",
         "| `diff` | the ranks (or the two runs) differ |",
+        "| `parity` | the candidate departs from the reference (2: they cannot be compared, said why) |",
         "| `stacks` | some rank did not answer in time |",
         "| `doctor` | a check failed |",
         "| `lint` | an error-level pitfall was found (2: the script is not there) |",
@@ -642,6 +643,23 @@ dist.destroy_process_group()
 '''
 
 
+def parity_example(env: dict[str, str]) -> tuple[str, str]:
+    """``distdebug parity`` on real runs of tests/data/scripts/parity_mlp.py: the reference (1 rank), its twin, the
+    same script on 2 ranks (equivalent), and on 2 ranks with the loss not divided by the world size (departs)."""
+    script = "tests/data/scripts/parity_mlp.py"
+    for name, mode, nproc, extra in (("ref", "record", "1", []), ("twin", "twin", "1", []),
+                                     ("cand", "record", "2", []), ("summed", "record", "2", ["--sum-grads"])):
+        _run(["attach", "--run-dir", str(WORK / "parity" / name), "--parity", mode, "--nproc-per-node", nproc,
+              script, *extra], env)
+    runs = [str(WORK / "parity" / n) for n in ("ref", "cand", "summed", "twin")]
+    ok = _run(["parity", runs[0], runs[1], "--twin", runs[3]], env)
+    bad = _run(["parity", runs[0], runs[2], "--twin", runs[3]], env, expect=(1,))
+    wrap = lambda text: "".join(f"{w}\n" for line in text.splitlines()  # noqa: E731
+                                for w in textwrap.wrap(line, 110, subsequent_indent="  ", break_on_hyphens=False))
+    return (f"$ distdebug parity REF CAND --twin TWIN\n{wrap(ok)}",
+            f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}")
+
+
 def checkpoint_example(env: dict[str, str]) -> str:
     """A DeepSpeed checkpoint saved at step 3, one value of its model file changed on disk (its modification time
     kept), and the restart that resumes from it: checkpoint_roundtrip names the tensor, the rank and the save."""
@@ -755,6 +773,9 @@ def examples(slow_only: bool = False) -> int:
         out = _run(["attach", "--run-dir", str(WORK / "bad-env"), *recipe, "--steps", "2"], bad, "both",
                    expect=tuple(range(1, 256)))
         (EXAMPLES / "env-check-stderr.txt").write_text(findings_of(out, "env_check"))
+        ok, bad = parity_example(env)
+        (EXAMPLES / "parity-equivalent.txt").write_text(ok)
+        (EXAMPLES / "parity-departs.txt").write_text(bad)
         _json_examples(env)
         (EXAMPLES / "replay-sandbox.txt").write_text(sandbox_example(env))
         (EXAMPLES / "status-line.txt").write_text(status_example(env))
@@ -780,13 +801,9 @@ BENCHES = [("run-dir-budget.txt", ["bench/run_dir_budget.py"]),
            ("read-at-scale.txt", ["bench/read_at_scale.py", "--cold"]),
            ("fingerprint-throughput.txt", ["bench/fingerprint_throughput.py"]),
            ("diff-offline.txt", ["bench/diff_offline.py"]),
-           ("trace-analysis.txt", ["bench/trace_analysis.py"]),
-           ("attach-overhead.txt", ["bench/attach_overhead.py"]),
-           ("rerun-capture.txt", ["bench/rerun_capture.py"]),
-           ("hook-floor.txt", ["bench/hook_floor.py"])]
+           ("trace-analysis.txt", ["bench/trace_analysis.py"])]
 """The benchmarks whose printout the measured-limits page shows (on 2 cores: run_dir_budget about 5 minutes,
-read_at_scale 8, attach_overhead 10, rerun_capture a few, the others under one; --cold drops the page cache before
-each read: root)."""
+read_at_scale 8, the others under one; --cold drops the page cache before each read: root)."""
 
 
 def benches(only: list[str]) -> int:

@@ -69,10 +69,11 @@ def mix(index: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4)
-def _projection(seed: int, k: int, m: int) -> torch.Tensor:
-    """The k x m Gaussian matrix of ``seed``, drawn on the CPU (the same on every device), in float64."""
+def _projection(seed: int, k: int, m: int, device: str) -> torch.Tensor:
+    """The k x m Gaussian matrix of ``seed``, drawn on the CPU (the same on every device), in float64, kept on
+    ``device`` (copied there once, not at every tensor)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(k, m, generator=g, dtype=torch.float64) / math.sqrt(k)
+    return (torch.randn(k, m, generator=g, dtype=torch.float64) / math.sqrt(k)).to(device)
 
 
 def fold(values: torch.Tensor, index: torch.Tensor, seed: int, m: int = M) -> torch.Tensor:
@@ -88,7 +89,7 @@ def fold(values: torch.Tensor, index: torch.Tensor, seed: int, m: int = M) -> to
 
 def project(z: torch.Tensor, seed: int, k: int = K) -> torch.Tensor:
     """``y`` of step 2: the k-number sketch of a fold (or of a sum of shards' folds)."""
-    return _projection(seed, k, z.numel()).to(z.device) @ z
+    return _projection(seed, k, z.numel(), str(z.device)) @ z
 
 
 def sketch(t: torch.Tensor, seed: int = 0, offset: int = 0, k: int = K, m: int = M) -> torch.Tensor:

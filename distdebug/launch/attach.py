@@ -96,6 +96,9 @@ def _launcher_info(cfg: AttachConfig, nproc: str) -> dict[str, Any]:
     }
 
 
+PARITY_RECORDER = "distdebug.detectors.parity:ParityRecorder"
+
+
 def _worker_env(cfg: AttachConfig, run_dir: Path, detectors: list[dict[str, Any]], env_checked: bool) -> None:
     """Set the DISTDEBUG_* contract in this process; torch's agent passes it to every worker."""
     os.environ[envvars.RUN_DIR] = str(run_dir)
@@ -199,6 +202,8 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     if cfg.rerun_on_anomaly and "rerun" not in names:
         names = [*names, "rerun"]
     detectors = registry.resolve(names, cfg.detector_options, cfg.shorthand_options)
+    if cfg.parity is not None:  # a recorder, not a detector: reached by its import path (detectors.parity)
+        detectors.append({"target": PARITY_RECORDER, "params": {"twin": cfg.parity == "twin"}})
     # Refused before any run directory is made: bad input leaves no empty run for `latest` to point at.
     nproc = cfg.nproc_per_node or _default_nproc()
     _check_nproc(nproc)

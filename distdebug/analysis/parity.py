@@ -1,0 +1,269 @@
+"""Does the candidate run compute what the reference computes? The comparison's arithmetic (issue 50).
+
+Two layouts of one training (1 rank against N, DDP against FSDP2) never agree bit for bit: sums run in another
+order. So each compared quantity (the global loss, the global gradient norm, each recorded tensor's sketch:
+``fingerprint.sketch``) is judged against a band computed from the runs themselves, not a guessed tolerance:
+a **twin** of the reference, the same run with the last bit of its gradients perturbed every step, shows how
+far benign rounding carries a run apart, and how that grows with the steps. For each quantity ``x``:
+
+- ``d_twin(x, t)``: the reference against its twin at step ``t``; ``d_cand(x, t)``: against the candidate;
+- the band ``B(x, t) = max(floor(x), max over s <= t of d_twin(x, s))``: what rounding has shown it can do by
+  then (a running maximum: noise that once reached a size may again), never below an analytic floor (a few
+  units in the last place of the quantity: a twin may happen to agree exactly at a step);
+- the ratio ``r(x, t) = d_cand(x, t) / (K * B(x, t))``: the candidate departs at the first step where some
+  ratio exceeds 1.
+
+``K`` (``SLACK``) covers what the twin cannot: the candidate's own rounding is not the twin's perturbation,
+only of its size. Its value is for the clean pairs to fix (issue 50's benchmark: the bound at most 20x the
+benign difference, no false alarm); this module takes it as given.
+
+The verdict localises: the first step, and at it the first tensor in the model's order whose ratio exceeds 1
+(gradients are compared before parameters: a wrong gradient makes the parameters wrong one update later), and
+the step at which the loss departs. Nothing here reads a run directory or torch: numbers in, a verdict out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SLACK = 8.0
+"""K: how far beyond the twin's band a candidate may be before it departs (to be fixed on the clean pairs)."""
+ULPS = 4
+"""The band's analytic floor, in units in the last place of the quantity's size (float32's by default)."""
+EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float64": 2.0 ** -52}
+
+Series = Mapping[int, float]
+"""step -> a distance between two runs (or a quantity's size, for the floor)."""
+
+
+@dataclass
+class Departure:
+    quantity: str
+    """``loss``, ``grad_norm``, or a tensor's name (``grad:layer.weight``, ``param:layer.weight``)."""
+    step: int
+    observed: float
+    """The candidate's distance from the reference at that step."""
+    bound: float
+    """``SLACK`` times the band there."""
+
+    @property
+    def ratio(self) -> float:
+        return self.observed / self.bound if self.bound > 0 else math.inf
+
+
+@dataclass
+class Verdict:
+    equivalent: bool
+    largest: Departure | None
+    """The largest observed/bound over every quantity and step (equivalent or not)."""
+    first: Departure | None = None
+    """Where it departs first: the earliest step, then the first quantity in the model's order."""
+    loss_departs: int | None = None
+    """The first step the loss itself is out of its band (None: never)."""
+    compared: int = 0
+    """Quantity-steps compared."""
+    missing: list[str] = field(default_factory=list)
+    """Quantities one run has and the other lacks (not compared: said)."""
+
+    def text(self) -> str:
+        if self.largest is None:
+            return "nothing to compare: no quantity recorded by both runs at the same step"
+        big = self.largest
+        if self.equivalent:
+            return (f"equivalent (largest observed/bound {big.ratio:.2g} at step {big.step}, {big.quantity}; "
+                    f"{self.compared} compared)")
+        assert self.first is not None
+        f = self.first
+        loss = (f"; the loss departs at step {self.loss_departs}" if self.loss_departs is not None
+                else "; the loss stays within its band")
+        return (f"departs at step {f.step}: first {f.quantity} at observed/bound {f.ratio:.3g} "
+                f"({f.observed:.3g} against {f.bound:.3g}){loss}")
+
+
+def band(twin: Series, floor: Series, upto: Iterable[int]) -> dict[int, float]:
+    """``B(t)`` for each step of ``upto``: the running maximum of the twin's distance at or before ``t``, never
+    below ``floor[t]``. A step the twin lacks carries the last maximum on."""
+    out: dict[int, float] = {}
+    running = 0.0
+    known = sorted(twin)
+    i = 0
+    for t in sorted(upto):
+        while i < len(known) and known[i] <= t:
+            running = max(running, twin[known[i]])
+            i += 1
+        out[t] = max(running, floor.get(t, 0.0))
+    return out
+
+
+def floor_of(size: Series, dtype: str = "float32", ulps: int = ULPS) -> dict[int, float]:
+    """The analytic floor of a quantity whose size (a loss's magnitude, a tensor's norm) is ``size``: ``ulps``
+    units in the last place of it in ``dtype``."""
+    eps = EPS[dtype]
+    return {t: ulps * eps * abs(v) for t, v in size.items()}
+
+
+def compare(cand: Mapping[str, Series], twin: Mapping[str, Series], sizes: Mapping[str, Series],
+            order: list[str], slack: float = SLACK, dtype: str = "float32") -> Verdict:
+    """The verdict over every quantity: ``cand[x][t]`` the candidate's distance from the reference, ``twin[x][t]``
+    the twin's, ``sizes[x][t]`` the quantity's size in the reference (for the floor); ``order``: the quantities
+    in the order a departure is named in at one step (gradients in the model's order, then parameters, then the
+    global figures they feed)."""
+    missing = sorted(set(cand) ^ set(twin))
+    rank = {q: i for i, q in enumerate(order)}
+    departures: list[Departure] = []
+    largest: Departure | None = None
+    compared = 0
+    for q in sorted(set(cand) & set(twin), key=lambda q: (rank.get(q, len(rank)), q)):
+        steps = sorted(cand[q])
+        b = band(twin[q], floor_of(sizes.get(q, {}), dtype), steps)
+        for t in steps:
+            bound = slack * b[t]
+            d = Departure(q, t, cand[q][t], bound)
+            compared += 1
+            if largest is None or d.ratio > largest.ratio:
+                largest = d
+            if d.ratio > 1:
+                departures.append(d)
+    first = min(departures, key=lambda d: (d.step, rank.get(d.quantity, len(rank)), d.quantity), default=None)
+    loss = min((d.step for d in departures if d.quantity == "loss"), default=None)
+    return Verdict(equivalent=first is None, largest=largest, first=first, loss_departs=loss, compared=compared,
+                   missing=missing)
+
+
+def gradient_scale(ref_norms: Mapping[str, float], cand_norms: Mapping[str, float],
+                   tolerance: float = 0.05) -> float | None:
+    """The factor every gradient of the candidate is of the reference's, when they all agree on one far from 1
+    (gradients summed instead of averaged over N ranks: N; a loss divided by the world size twice: 1/N); None
+    when the tensors disagree on a factor or it is 1 (within ``tolerance``)."""
+    ratios = [cand_norms[n] / ref_norms[n] for n in ref_norms if n in cand_norms and ref_norms[n] > 0]
+    if len(ratios) < 2:
+        return None
+    mid = sorted(ratios)[len(ratios) // 2]
+    if abs(mid - 1) <= tolerance or any(abs(r / mid - 1) > tolerance for r in ratios):
+        return None
+    return mid
+
+
+# ---------------------------------------------------------------------------------------------- two run directories
+@dataclass
+class Recorded:
+    """What one run's ``parity`` records hold (attach --parity), by step."""
+
+    world: int
+    twin: bool
+    seed: int | None
+    names: list[str]
+    loss: dict[int, float]
+    """The loss: the mean of the ranks' at each recorded step."""
+    global_grad_norm: dict[int, float]
+    sketches: dict[int, dict[str, list[float]]]
+    """step -> ``grad:NAME`` / ``param:NAME`` -> its sketch (the lowest rank's: gradients are reduced, so every
+    data-parallel rank holds the same)."""
+    norms: dict[int, dict[str, float]]
+
+
+class CannotCompare(Exception):
+    """Two runs that cannot be compared, with why (``distdebug parity`` exits 2)."""
+
+
+def recorded(run: Any) -> Recorded:
+    """The parity records of a run (``artifacts.reader.load_run``'s), or why there are none."""
+    from distdebug.artifacts import schema
+
+    per_rank = {r: [x for x in s.last_attempt() if x.get("kind") == schema.PARITY] for r, s in run.ranks.items()}
+    per_rank = {r: recs for r, recs in per_rank.items() if recs}
+    if not per_rank:
+        raise CannotCompare(f"{run.path} has no parity records: run it with distdebug attach --parity")
+    first = [x for x in per_rank[min(per_rank)] if "grad" in x]  # the rank that recorded the tensors: rank 0
+    if not first:
+        raise CannotCompare(f"{run.path}: its parity records hold no tensors (sharded parameters are not recorded yet)")
+    losses: dict[int, list[float]] = {}
+    for recs in per_rank.values():
+        for x in recs:
+            if isinstance(x.get("loss"), (int, float)):
+                losses.setdefault(int(x["step"]), []).append(float(x["loss"]))
+    sketches: dict[int, dict[str, list[float]]] = {}
+    norms: dict[int, dict[str, float]] = {}
+    for x in first:
+        step, names = int(x["step"]), list(x["names"])
+        sketches[step] = {**{f"grad:{n}": v for n, v in zip(names, x["grad"], strict=True)},
+                          **{f"param:{n}": v for n, v in zip(names, x["param"], strict=True)}}
+        norms[step] = {**{f"grad:{n}": v for n, v in zip(names, x["grad_norm"], strict=True)},
+                       **{f"param:{n}": v for n, v in zip(names, x["param_norm"], strict=True)}}
+    world = len(run.ranks)
+    return Recorded(world=world, twin=bool(first[0].get("twin")), seed=first[0].get("seed"),
+                    names=list(first[-1]["names"]), loss={t: sum(v) / len(v) for t, v in losses.items()},
+                    global_grad_norm={int(x["step"]): float(x["global_grad_norm"]) for x in first},
+                    sketches=sketches, norms=norms)
+
+
+def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:
+    """Each quantity's distance between two runs at each step both recorded."""
+    out: dict[str, dict[int, float]] = {"loss": {}, "grad_norm": {}}
+    for t in steps:
+        if t in a.loss and t in b.loss:
+            out["loss"][t] = abs(a.loss[t] - b.loss[t])
+        if t in a.global_grad_norm and t in b.global_grad_norm:
+            out["grad_norm"][t] = abs(a.global_grad_norm[t] - b.global_grad_norm[t])
+        for q, sa in a.sketches.get(t, {}).items():
+            sb = b.sketches.get(t, {}).get(q)
+            if sb is not None and len(sa) == len(sb):
+                out.setdefault(q, {})[t] = math.sqrt(sum((x - y) ** 2 for x, y in zip(sa, sb, strict=True)))
+    return {q: d for q, d in out.items() if d}
+
+
+@dataclass
+class Parity:
+    verdict: Verdict
+    steps: list[int]
+    ref_world: int
+    cand_world: int
+    cause: str | None = None
+
+    def text(self) -> str:
+        head = (f"parity of {self.cand_world} rank(s) against {self.ref_world} over steps "
+                f"{self.steps[0]}-{self.steps[-1]} ({len(self.steps)} recorded): {self.verdict.text()}")
+        return head + (f"\nlikely cause: {self.cause}" if self.cause else "") + (
+            f"\nnot compared (in one run only): {', '.join(self.verdict.missing[:8])}"
+            + (" ..." if len(self.verdict.missing) > 8 else "") if self.verdict.missing else "")
+
+
+def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = SLACK) -> Parity:
+    """The candidate against the reference, judged by the reference's twin (``attach --parity twin``)."""
+    if ref.twin or not twin.twin:
+        raise CannotCompare("the twin must be the run made with --parity twin, the reference with --parity record")
+    if cand.twin:
+        raise CannotCompare("the candidate was made with --parity twin: its results differ on purpose")
+    if len({ref.seed, twin.seed, cand.seed}) != 1:
+        raise CannotCompare(f"the runs' sketch seeds differ ({ref.seed}, {twin.seed}, {cand.seed})")
+    steps = sorted(set(ref.sketches) & set(twin.sketches) & set(cand.sketches))
+    if not steps:
+        raise CannotCompare("no step was recorded by all three runs")
+    d_cand, d_twin = distances(ref, cand, steps), distances(ref, twin, steps)
+    sizes: dict[str, dict[int, float]] = {"loss": {t: abs(ref.loss.get(t, 0.0)) for t in steps},
+                                          "grad_norm": {t: ref.global_grad_norm.get(t, 0.0) for t in steps}}
+    for t in steps:
+        for q, v in ref.norms.get(t, {}).items():
+            sizes.setdefault(q, {})[t] = v
+    # at one step, the tensor is named before the global figures it feeds (the loss is told apart: loss_departs)
+    order = [*[f"grad:{n}" for n in ref.names], *[f"param:{n}" for n in ref.names], "grad_norm", "loss"]
+    verdict = compare(d_cand, d_twin, sizes, order, slack)
+    cause = None
+    if verdict.first is not None:
+        t = verdict.first.step
+        grads = {q: v for q, v in ref.norms.get(t, {}).items() if q.startswith("grad:")}
+        factor = gradient_scale(grads, {q: v for q, v in cand.norms.get(t, {}).items() if q.startswith("grad:")})
+        n = cand.world / ref.world if ref.world else 0
+        if factor is not None and n > 1 and abs(factor / n - 1) < 0.05:
+            cause = (f"every gradient is {factor:.3g}x the reference's ({cand.world} ranks against {ref.world}): "
+                     "summed over the ranks instead of averaged (a loss not divided by the world size, or "
+                     "all_reduce SUM without the division)")
+        elif factor is not None and n > 1 and abs(factor * n - 1) < 0.05:
+            cause = (f"every gradient is 1/{1 / factor:.3g} of the reference's: divided by the world size twice (an "
+                     "average of averages, or a loss divided by the world size before DDP averages)")
+        elif factor is not None:
+            cause = f"every gradient is {factor:.3g}x the reference's: a loss or learning rate scaled differently"
+    return Parity(verdict, steps, ref.world, cand.world, cause)
