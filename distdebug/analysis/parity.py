@@ -169,22 +169,36 @@ class CannotCompare(Exception):
     """Two runs that cannot be compared, with why (``distdebug parity`` exits 2)."""
 
 
-def recorded(run: Any) -> Recorded:
-    """The parity records of a run (``artifacts.reader.load_run``'s), or why there are none."""
+def _last_attempt(records: list[dict]) -> list[dict]:
     from distdebug.artifacts import schema
 
-    per_rank = {r: [x for x in s.last_attempt() if x.get("kind") == schema.PARITY] for r, s in run.ranks.items()}
+    starts = [i for i, r in enumerate(records) if r.get("kind") == schema.START]
+    return records[starts[-1]:] if starts else records
+
+
+def recorded(run: Any) -> Recorded:
+    """The parity records of a run (``artifacts.reader.load_run``'s), or why there are none. Each rank's stream is
+    read whole (a parity run is a short one: the per-step records a reader at scale skips are wanted here)."""
+    from distdebug.artifacts import layout, schema
+    from distdebug.artifacts.reader import read_stream
+
+    streams = {r: _last_attempt(read_stream(layout.events_path(run.dir_of(r), r))[0]) for r in run.ranks}
+    per_rank = {r: [x for x in recs if x.get("kind") == schema.PARITY] for r, recs in streams.items()}
     per_rank = {r: recs for r, recs in per_rank.items() if recs}
     if not per_rank:
         raise CannotCompare(f"{run.path} has no parity records: run it with distdebug attach --parity")
-    first = [x for x in per_rank[min(per_rank)] if "grad" in x]  # the rank that recorded the tensors: rank 0
+    lowest = min(per_rank)
+    first = [x for x in per_rank[lowest] if "grad" in x]  # the rank that recorded the tensors: rank 0
     if not first:
         raise CannotCompare(f"{run.path}: its parity records hold no tensors (sharded parameters are not recorded yet)")
-    losses: dict[int, list[float]] = {}
-    for recs in per_rank.values():
+    losses: dict[int, list[float]] = {}  # every step, every rank: the global loss is their mean
+    for recs in streams.values():
         for x in recs:
-            if isinstance(x.get("loss"), (int, float)):
-                losses.setdefault(int(x["step"]), []).append(float(x["loss"]))
+            if x.get("kind") == schema.STEP and isinstance(x.get("loss"), (int, float)) and \
+                    isinstance(x.get("step"), int) and x.get("harness") != "off":
+                losses.setdefault(x["step"], []).append(float(x["loss"]))
+    norms_every_step = {int(x["step"]): float(x["global_grad_norm"]) for x in streams[lowest]
+                        if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("global_grad_norm"), (int, float))}
     sketches: dict[int, dict[str, list[float]]] = {}
     norms: dict[int, dict[str, float]] = {}
     for x in first:
@@ -196,18 +210,19 @@ def recorded(run: Any) -> Recorded:
     world = len(run.ranks)
     return Recorded(world=world, twin=bool(first[0].get("twin")), seed=first[0].get("seed"),
                     names=list(first[-1]["names"]), loss={t: sum(v) / len(v) for t, v in losses.items()},
-                    global_grad_norm={int(x["step"]): float(x["global_grad_norm"]) for x in first},
+                    global_grad_norm={**{int(x["step"]): float(x["global_grad_norm"]) for x in first},
+                                      **norms_every_step},
                     sketches=sketches, norms=norms)
 
 
 def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:
-    """Each quantity's distance between two runs at each step both recorded."""
-    out: dict[str, dict[int, float]] = {"loss": {}, "grad_norm": {}}
+    """Each quantity's distance between two runs: the loss and the gradient norm at every step both have, the
+    tensors at each of ``steps`` (those both recorded)."""
+    out: dict[str, dict[int, float]] = {
+        "loss": {t: abs(a.loss[t] - b.loss[t]) for t in sorted(set(a.loss) & set(b.loss))},
+        "grad_norm": {t: abs(a.global_grad_norm[t] - b.global_grad_norm[t])
+                      for t in sorted(set(a.global_grad_norm) & set(b.global_grad_norm))}}
     for t in steps:
-        if t in a.loss and t in b.loss:
-            out["loss"][t] = abs(a.loss[t] - b.loss[t])
-        if t in a.global_grad_norm and t in b.global_grad_norm:
-            out["grad_norm"][t] = abs(a.global_grad_norm[t] - b.global_grad_norm[t])
         for q, sa in a.sketches.get(t, {}).items():
             sb = b.sketches.get(t, {}).get(q)
             if sb is not None and len(sa) == len(sb):
@@ -224,11 +239,24 @@ class Parity:
     cause: str | None = None
 
     def text(self) -> str:
-        head = (f"parity of {self.cand_world} rank(s) against {self.ref_world} over steps "
-                f"{self.steps[0]}-{self.steps[-1]} ({len(self.steps)} recorded): {self.verdict.text()}")
+        head = (f"parity of {self.cand_world} rank(s) against {self.ref_world}: the loss and gradient norm at every "
+                f"step, the tensors at {len(self.steps)} recorded steps ({_steps(self.steps)}): {self.verdict.text()}")
         return head + (f"\nlikely cause: {self.cause}" if self.cause else "") + (
             f"\nnot compared (in one run only): {', '.join(self.verdict.missing[:8])}"
             + (" ..." if len(self.verdict.missing) > 8 else "") if self.verdict.missing else "")
+
+
+def _steps(steps: list[int]) -> str:
+    """``1-8, 16, 32``: runs of consecutive steps folded."""
+    parts: list[str] = []
+    for t in steps:
+        if parts and "-" not in parts[-1].rsplit(", ", 1)[-1] and int(parts[-1]) == t - 1:
+            parts[-1] = f"{parts[-1]}-{t}"
+        elif parts and "-" in parts[-1] and int(parts[-1].split("-")[1]) == t - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{t}"
+        else:
+            parts.append(str(t))
+    return ", ".join(parts)
 
 
 def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = SLACK) -> Parity:
@@ -243,8 +271,8 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
     if not steps:
         raise CannotCompare("no step was recorded by all three runs")
     d_cand, d_twin = distances(ref, cand, steps), distances(ref, twin, steps)
-    sizes: dict[str, dict[int, float]] = {"loss": {t: abs(ref.loss.get(t, 0.0)) for t in steps},
-                                          "grad_norm": {t: ref.global_grad_norm.get(t, 0.0) for t in steps}}
+    sizes: dict[str, dict[int, float]] = {"loss": {t: abs(v) for t, v in ref.loss.items()},
+                                          "grad_norm": dict(ref.global_grad_norm)}
     for t in steps:
         for q, v in ref.norms.get(t, {}).items():
             sizes.setdefault(q, {})[t] = v

@@ -30,12 +30,13 @@ HARNESS_COST = "harness_cost"  # cumulative: steps, training-thread ms per detec
 OVERHEAD_BLOCK = "overhead_block"  # attach --measure-overhead: a pair (block), on_first, on_s/off_s, on/off_cpu_s
 WRITE_FAILED = "write_failed"  # the rank's writes failed (a full disk, EIO, read-only): error, the record lost
 PARITY = "parity"          # attach --parity, at its chosen steps: each parameter's and gradient's sketch and norm
+PARITY_STEP = "parity_step"  # attach --parity, rank 0, every step: the gradients' global norm
 STEPS_THINNED = "steps_thinned"  # a window of steps past the run-directory budget's ring: first, last, steps,
 #                                  loss/step_time_s/backward_calls/collectives as [min, median, max] (retention)
 KINDS = (START, DISCOVERY, STEP, FINDING, SCRIPT_ERROR, END, PG_INIT, STALL, STALL_CLEARED, INJECTED, NOT_ACTED,
          STRAGGLER_SCORES, MEMORY, MEMORY_PEAK, TRACE, HARNESS_COST, OVERHEAD_BLOCK, PROBE, WRITE_FAILED,
-         STEPS_THINNED, PARITY)
-BULK = frozenset({STEP, MEMORY, HARNESS_COST, STRAGGLER_SCORES})
+         STEPS_THINNED, PARITY, PARITY_STEP)
+BULK = frozenset({STEP, MEMORY, HARNESS_COST, STRAGGLER_SCORES, PARITY_STEP})
 """The per-step kinds, the bulk of a stream: thinned past the budget's ring (artifacts.retention), digested for
 the readers at scale (artifacts.digest); every other kind is rare and kept as written."""
 ESSENTIAL = frozenset({START, FINDING, SCRIPT_ERROR, END, STALL, STALL_CLEARED, INJECTED, NOT_ACTED, WRITE_FAILED})

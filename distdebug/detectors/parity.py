@@ -9,6 +9,9 @@ model discovery found (by its name inside the wrappers: a DDP run's and a plain 
   two runs' distance is the distance of their sketches) and their float64 norms;
 - the rank's loss and the gradients' global norm (the norm of every gradient together).
 
+At every step rank 0 also records the gradients' global norm (``parity_step``: a per-step kind, thinned past the
+run-directory budget's ring like the step records); every rank's loss is in its step records already.
+
 All of it is device work, read with the step's other values in its one device-to-host transfer (``probe``),
 written as one ``parity`` record. Gradients are read as the optimizer used them: reduced (averaged) under DDP,
 so one rank's record is the job's.
@@ -19,7 +22,7 @@ different but mathematically equal order of sums leaves, every step, whose growt
 candidate is judged against (``analysis.parity``). A twin's results differ from its reference on purpose.
 
 Not yet recorded: sharded parameters (FSDP2, ZeRO-3, tensor parallel: a DTensor's shard would need its global
-offset), and every step's loss and gradient norm (only the chosen steps'). Cost per recorded step, on rank 0
+offset). Cost per recorded step, on rank 0
 only (the others record their loss): two passes over the parameters and gradients (the sketch's fold) and about
 5 KB of record per parameter (two sketches of 128 float64 numbers as JSON).
 """
@@ -94,30 +97,33 @@ class ParityRecorder(Detector):
 
     def probe(self, step: int) -> dict[str, Any] | None:
         ctx = self.ctx
-        if ctx is None or ctx.rank != 0 or not self.named or not self.wanted(step) or \
-                any(_sharded(p) for _, p in self.named):
+        if ctx is None or ctx.rank != 0 or not self.named or any(_sharded(p) for _, p in self.named):
             return None  # replicated (DDP): rank 0's gradients and parameters are every rank's
-        from distdebug.fingerprint.sketch import sketch
-
-        seed = self.config.seed
         with torch.no_grad():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.named]
+            grad_norm = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
+            out: dict[str, Any] = {"global_grad_norm": torch.linalg.vector_norm(grad_norm)}
+            if not self.wanted(step):
+                return out  # every step: the gradients' global norm alone
+            from distdebug.fingerprint.sketch import sketch
+
+            seed = self.config.seed
             params = [p.detach() for _, p in self.named]
-            return {
-                "grad": torch.stack([sketch(g, seed) for g in grads]),
-                "param": torch.stack([sketch(p, seed) for p in params]),
-                "grad_norm": torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]),
-                "param_norm": torch.stack([torch.linalg.vector_norm(p.double()) for p in params]),
-            }
+            return {**out, "grad": torch.stack([sketch(g, seed) for g in grads]),
+                    "param": torch.stack([sketch(p, seed) for p in params]), "grad_norm": grad_norm,
+                    "param_norm": torch.stack([torch.linalg.vector_norm(p.double()) for p in params])}
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         ctx = self.ctx
+        got = self.values(event)  # rank 0's
+        if ctx is not None and "global_grad_norm" in got:
+            ctx.emit(schema.PARITY_STEP, step=event.step, global_grad_norm=got["global_grad_norm"])
         if ctx is not None and self.named and self.wanted(event.step):
-            got = self.values(event)  # rank 0's tensors; every rank's loss (the global loss is their mean)
-            tensors = {} if not got else {
+            # rank 0's tensors; every rank's loss (the global loss is their mean: also in every step record)
+            tensors = {} if "grad" not in got else {
                 "names": [n for n, _ in self.named], "grad": got["grad"], "param": got["param"],
                 "grad_norm": got["grad_norm"], "param_norm": got["param_norm"],
-                "global_grad_norm": sum(x * x for x in got["grad_norm"]) ** 0.5}
+                "global_grad_norm": got["global_grad_norm"]}
             ctx.emit(PARITY, step=event.step, loss=event.loss, seed=self.config.seed, twin=self.config.twin,
                      **tensors)
             self.recorded += 1

@@ -25,12 +25,12 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
         assert r.returncode == 0, r.output[-3000:]
     ok = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "cand"), "--twin", str(tmp_path / "twin"))
     assert ok.returncode == 0, ok.output
-    assert "parity of 2 rank(s) against 1 over steps 1-8 (8 recorded): equivalent (largest observed/bound" \
-        in ok.stdout, ok.stdout
+    assert ("parity of 2 rank(s) against 1: the loss and gradient norm at every step, the tensors at 8 recorded "
+            "steps (1-8): equivalent (largest observed/bound") in ok.stdout, ok.stdout
     got = json.loads(distdebug("parity", "--json", str(tmp_path / "ref"), str(tmp_path / "cand"), "--twin",
                                str(tmp_path / "twin")).stdout)
     assert got["equivalent"] and got["largest"]["observed"] <= got["largest"]["bound"]
-    assert got["compared"] == 8 * (2 + 2 * 4)  # loss, gradient norm, 4 gradients and 4 parameters, 8 steps
+    assert got["compared"] == 2 * 10 + 8 * 2 * 4  # loss and gradient norm at 10 steps; 4 gradients, 4 parameters
     # the twin is a real band: it departed from the reference (its perturbation acted), by rounding's size only
     twin_vs_ref = distdebug("diff", str(tmp_path / "ref"), str(tmp_path / "twin"))
     assert twin_vs_ref.returncode == 1, twin_vs_ref.output
