@@ -645,19 +645,22 @@ dist.destroy_process_group()
 
 def parity_example(env: dict[str, str]) -> tuple[str, str]:
     """``distdebug parity`` on real runs of tests/data/scripts/parity_mlp.py: the reference (1 rank), its twin, the
-    same script on 2 ranks (equivalent), and on 2 ranks with the loss not divided by the world size (departs)."""
+    same script on 2 ranks under DDP and under FSDP2 (equivalent), and on 2 ranks with the loss not divided by the
+    world size (departs)."""
     script = "tests/data/scripts/parity_mlp.py"
     for name, mode, nproc, extra in (("ref", "record", "1", []), ("twin", "twin", "1", []),
-                                     ("cand", "record", "2", []), ("summed", "record", "2", ["--sum-grads"])):
+                                     ("cand", "record", "2", []), ("summed", "record", "2", ["--sum-grads"]),
+                                     ("fsdp2", "record", "2", ["--fsdp2"])):
         _run(["attach", "--run-dir", str(WORK / "parity" / name), "--parity", mode, "--nproc-per-node", nproc,
               script, *extra], env)
-    runs = [str(WORK / "parity" / n) for n in ("ref", "cand", "summed", "twin")]
+    runs = [str(WORK / "parity" / n) for n in ("ref", "cand", "summed", "twin", "fsdp2")]
     ok = _run(["parity", runs[0], runs[1], "--twin", runs[3]], env)
+    sharded = _run(["parity", runs[0], runs[4], "--twin", runs[3]], env)
     bad = _run(["parity", runs[0], runs[2], "--twin", runs[3]], env, expect=(1,))
     wrap = lambda text: "".join(f"{w}\n" for line in text.splitlines()  # noqa: E731
                                 for w in textwrap.wrap(line, 110, subsequent_indent="  ", break_on_hyphens=False))
-    return (f"$ distdebug parity REF CAND --twin TWIN\n{wrap(ok)}",
-            f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}")
+    return (f"$ distdebug parity REF DDP2 --twin TWIN\n{wrap(ok)}$ distdebug parity REF FSDP2 --twin TWIN\n"
+            f"{wrap(sharded)}", f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}")
 
 
 def checkpoint_example(env: dict[str, str]) -> str:

@@ -160,8 +160,8 @@ class Recorded:
     """The loss: the mean of the ranks' at each recorded step."""
     global_grad_norm: dict[int, float]
     sketches: dict[int, dict[str, list[float]]]
-    """step -> ``grad:NAME`` / ``param:NAME`` -> its sketch (the lowest rank's: gradients are reduced, so every
-    data-parallel rank holds the same)."""
+    """step -> ``grad:NAME`` / ``param:NAME`` -> the whole tensor's sketch: rank 0's of a replicated tensor
+    (gradients are reduced: every data-parallel rank holds the same), the sum of its parts' of a sharded one."""
     norms: dict[int, dict[str, float]]
 
 
@@ -187,32 +187,38 @@ def recorded(run: Any) -> Recorded:
     per_rank = {r: recs for r, recs in per_rank.items() if recs}
     if not per_rank:
         raise CannotCompare(f"{run.path} has no parity records: run it with distdebug attach --parity")
-    lowest = min(per_rank)
-    first = [x for x in per_rank[lowest] if "grad" in x]  # the rank that recorded the tensors: rank 0
-    if not first:
-        raise CannotCompare(f"{run.path}: its parity records hold no tensors (sharded parameters are not recorded yet)")
+    parts = [x for recs in per_rank.values() for x in recs if "grad" in x]  # each rank's parts of the tensors
+    if not parts:
+        raise CannotCompare(f"{run.path}: its parity records hold no tensors (ZeRO-3 partitions are not recorded)")
+    first = parts
     losses: dict[int, list[float]] = {}  # every step, every rank: the global loss is their mean
     for recs in streams.values():
         for x in recs:
             if x.get("kind") == schema.STEP and isinstance(x.get("loss"), (int, float)) and \
                     isinstance(x.get("step"), int) and x.get("harness") != "off":
                 losses.setdefault(x["step"], []).append(float(x["loss"]))
-    norms_every_step = {int(x["step"]): float(x["global_grad_norm"]) for x in streams[lowest]
-                        if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("global_grad_norm"), (int, float))}
+    squares: dict[int, float] = {}  # every step: the ranks' parts of the gradients' squared global norm
+    for recs in streams.values():
+        for x in recs:
+            if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("grad_sq_sum"), (int, float)):
+                squares[int(x["step"])] = squares.get(int(x["step"]), 0.0) + float(x["grad_sq_sum"])
     sketches: dict[int, dict[str, list[float]]] = {}
-    norms: dict[int, dict[str, float]] = {}
-    for x in first:
-        step, names = int(x["step"]), list(x["names"])
-        sketches[step] = {**{f"grad:{n}": v for n, v in zip(names, x["grad"], strict=True)},
-                          **{f"param:{n}": v for n, v in zip(names, x["param"], strict=True)}}
-        norms[step] = {**{f"grad:{n}": v for n, v in zip(names, x["grad_norm"], strict=True)},
-                       **{f"param:{n}": v for n, v in zip(names, x["param_norm"], strict=True)}}
+    squared: dict[int, dict[str, float]] = {}
+    names: list[str] = []
+    for x in sorted(parts, key=lambda x: int(x.get("rank", 0))):  # a sharded tensor's parts, summed: the whole's
+        step = int(x["step"])
+        for kind, sq in (("grad", "grad_sq"), ("param", "param_sq")):
+            for n, v, q in zip(x["names"], x[kind], x[sq], strict=True):
+                key = f"{kind}:{n}"
+                have = sketches.setdefault(step, {}).get(key)
+                sketches[step][key] = list(v) if have is None else [a + b for a, b in zip(have, v, strict=True)]
+                squared.setdefault(step, {})[key] = squared.get(step, {}).get(key, 0.0) + float(q)
+        names += [n for n in x["names"] if n not in names]
+    norms = {t: {k: math.sqrt(v) for k, v in q.items()} for t, q in squared.items()}
     world = len(run.ranks)
-    return Recorded(world=world, twin=bool(first[0].get("twin")), seed=first[0].get("seed"),
-                    names=list(first[-1]["names"]), loss={t: sum(v) / len(v) for t, v in losses.items()},
-                    global_grad_norm={**{int(x["step"]): float(x["global_grad_norm"]) for x in first},
-                                      **norms_every_step},
-                    sketches=sketches, norms=norms)
+    return Recorded(world=world, twin=bool(first[0].get("twin")), seed=first[0].get("seed"), names=names,
+                    loss={t: sum(v) / len(v) for t, v in losses.items()},
+                    global_grad_norm={t: math.sqrt(v) for t, v in squares.items()}, sketches=sketches, norms=norms)
 
 
 def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:

@@ -6,7 +6,7 @@ boundary (after the optimizer's step, before the script zeroes the gradients), f
 model discovery found (by its name inside the wrappers: a DDP run's and a plain run's names agree):
 
 - the gradient's and the parameter's sketch (``fingerprint.sketch``: 128 float64 numbers each, linear, so that
-  two runs' distance is the distance of their sketches) and their float64 norms;
+  two runs' distance is the distance of their sketches) and their float64 sums of squares;
 - the rank's loss and the gradients' global norm (the norm of every gradient together).
 
 At every step rank 0 also records the gradients' global norm (``parity_step``: a per-step kind, thinned past the
@@ -21,14 +21,17 @@ elements is flipped (float32: one unit in the last place; a generator seeded by 
 different but mathematically equal order of sums leaves, every step, whose growth over the steps is the band a
 candidate is judged against (``analysis.parity``). A twin's results differ from its reference on purpose.
 
-Not yet recorded: sharded parameters (FSDP2, ZeRO-3, tensor parallel: a DTensor's shard would need its global
-offset). Cost per recorded step, on rank 0
+Sharded parameters (DTensors: FSDP2, tensor parallel, HSDP) are recorded by every rank that holds the first
+replica of a part, sketched at the part's global place, so that the parts' sketches sum to the whole tensor's:
+a sharded candidate is compared with a whole reference without gathering anything. Not recorded: ZeRO-3's
+partitions (their global offsets are not exposed the same way). Cost per recorded step, on rank 0
 only (the others record their loss): two passes over the parameters and gradients (the sketch's fold) and about
 5 KB of record per parameter (two sketches of 128 float64 numbers as JSON).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +85,7 @@ class ParityRecorder(Detector):
         self.ctx: RankContext | None = None
         self.named: list[tuple[str, torch.Tensor]] = []
         self.recorded = 0
+        self._names: list[str] = []
 
     def attach(self, ctx: RankContext) -> None:
         from distdebug.runtime.discovery import unwrap
@@ -95,35 +99,78 @@ class ParityRecorder(Detector):
     def wanted(self, step: int) -> bool:
         return step in self.listed or bool(self.pow2 and step > 0 and step & (step - 1) == 0)
 
-    def probe(self, step: int) -> dict[str, Any] | None:
-        ctx = self.ctx
-        if ctx is None or ctx.rank != 0 or not self.named or any(_sharded(p) for _, p in self.named):
-            return None  # replicated (DDP): rank 0's gradients and parameters are every rank's
-        with torch.no_grad():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.named]
-            grad_norm = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
-            out: dict[str, Any] = {"global_grad_norm": torch.linalg.vector_norm(grad_norm)}
-            if not self.wanted(step):
-                return out  # every step: the gradients' global norm alone
-            from distdebug.fingerprint.sketch import sketch
+    def _part(self, p: torch.Tensor) -> tuple[torch.Tensor, int | torch.Tensor] | None:
+        """What of ``p`` this rank sketches, and where it sits in the whole tensor: (its values, the global flat
+        offset of a contiguous block or every element's global flat index); None: not this rank's to record.
 
-            seed = self.config.seed
-            params = [p.detach() for _, p in self.named]
-            return {**out, "grad": torch.stack([sketch(g, seed) for g in grads]),
-                    "param": torch.stack([sketch(p, seed) for p in params]), "grad_norm": grad_norm,
-                    "param_norm": torch.stack([torch.linalg.vector_norm(p.double()) for p in params])}
+        A plain tensor is replicated (DDP, or a hand-written all-reduce): rank 0 records it whole. A DTensor
+        (FSDP2, tensor parallel, HSDP) is recorded by every rank that holds the first replica of its shard: its
+        local part at its global place, so that the parts' sketches sum to the whole tensor's. A ZeRO-3 partition
+        (no global offset exposed here) is not recorded."""
+        if hasattr(p, "ds_id"):
+            return None
+        if type(p).__name__ != "DTensor":
+            return (p, 0) if self.ctx is not None and self.ctx.rank == 0 else None
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+        coord = mesh.get_coordinate()
+        if coord is None or any(isinstance(pl, Replicate) and coord[d] != 0 for d, pl in enumerate(placements)):
+            return None  # another replica of the same part records it
+        local = p.to_local()  # type: ignore[attr-defined]
+        shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+        full = list(p.shape)
+        if list(shape[1:]) == full[1:] and all(o == 0 for o in offset[1:]):
+            return local, int(offset[0]) * math.prod(full[1:]) if full else 0  # a block of whole rows
+        strides = [math.prod(full[d + 1:]) for d in range(len(full))]
+        index = torch.zeros(shape, dtype=torch.int64, device=local.device)
+        for d, (n, o) in enumerate(zip(shape, offset, strict=True)):
+            view = [1] * len(full)
+            view[d] = n
+            index += (torch.arange(o, o + n, device=local.device) * strides[d]).view(view)
+        return local, index
+
+    def probe(self, step: int) -> dict[str, Any] | None:
+        if self.ctx is None or not self.named:
+            return None
+        from distdebug.fingerprint.sketch import sketch, sketch_indexed
+
+        seed = self.config.seed
+        with torch.no_grad():
+            owned: list[tuple[str, torch.Tensor, torch.Tensor, int | torch.Tensor]] = []
+            for n, p in self.named:
+                part = self._part(p)
+                if part is None:
+                    continue
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                g = grad.to_local() if type(grad).__name__ == "DTensor" else grad  # type: ignore[attr-defined]
+                owned.append((n, part[0].detach(), g, part[1]))
+            if not owned:
+                return None
+            grad_sq = torch.stack([g.double().square().sum() for _, _, g, _ in owned])
+            out: dict[str, Any] = {"grad_sq_sum": grad_sq.sum()}
+            if not self.wanted(step):
+                return out  # every step: this rank's part of the gradients' global norm
+
+            def sk(t: torch.Tensor, where: int | torch.Tensor) -> torch.Tensor:
+                return sketch(t, seed, offset=where) if isinstance(where, int) else sketch_indexed(t, where, seed)
+
+            self._names = [n for n, *_ in owned]  # host-side: which parts the values below are
+            return {**out, "grad": torch.stack([sk(g, w) for _, _, g, w in owned]),
+                    "param": torch.stack([sk(v, w) for _, v, _, w in owned]), "grad_sq": grad_sq,
+                    "param_sq": torch.stack([v.double().square().sum() for _, v, _, _ in owned])}
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         ctx = self.ctx
-        got = self.values(event)  # rank 0's
-        if ctx is not None and "global_grad_norm" in got:
-            ctx.emit(schema.PARITY_STEP, step=event.step, global_grad_norm=got["global_grad_norm"])
+        got = self.values(event)
+        if ctx is not None and "grad_sq_sum" in got:  # this rank's part of the gradients' global norm, every step
+            ctx.emit(schema.PARITY_STEP, step=event.step, grad_sq_sum=got["grad_sq_sum"])
         if ctx is not None and self.named and self.wanted(event.step):
-            # rank 0's tensors; every rank's loss (the global loss is their mean: also in every step record)
+            # the parts this rank recorded; every rank's loss (the global loss is their mean: in every step record)
             tensors = {} if "grad" not in got else {
-                "names": [n for n, _ in self.named], "grad": got["grad"], "param": got["param"],
-                "grad_norm": got["grad_norm"], "param_norm": got["param_norm"],
-                "global_grad_norm": got["global_grad_norm"]}
+                "names": self._names, "grad": got["grad"], "param": got["param"],
+                "grad_sq": got["grad_sq"], "param_sq": got["param_sq"]}
             ctx.emit(PARITY, step=event.step, loss=event.loss, seed=self.config.seed, twin=self.config.twin,
                      **tensors)
             self.recorded += 1
@@ -137,13 +184,9 @@ class ParityRecorder(Detector):
             for i, (_, p) in enumerate(self.named):
                 bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
                         torch.float64: torch.int64}.get(p.dtype)
-                if bits is None or _sharded(p):
+                if bits is None or hasattr(p, "ds_id"):
                     continue
-                gen = torch.Generator(device=p.device).manual_seed(self.config.seed * 1_000_003 + step * 4099 + i)
-                flip = torch.randint(0, 2, p.shape, generator=gen, device=p.device, dtype=bits)
-                p.data.view(bits).bitwise_xor_(flip)
-
-
-def _sharded(p: torch.Tensor) -> bool:
-    """A DTensor (FSDP2, tensor parallel) or a ZeRO-3 partition: not recorded yet (its global offset)."""
-    return type(p).__name__ == "DTensor" or hasattr(p, "ds_id")
+                t = p.to_local() if type(p).__name__ == "DTensor" else p.data  # type: ignore[attr-defined]
+                gen = torch.Generator(device=t.device).manual_seed(self.config.seed * 1_000_003 + step * 4099 + i)
+                flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
+                t.view(bits).bitwise_xor_(flip)

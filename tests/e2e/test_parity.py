@@ -1,10 +1,11 @@
 """Tier 3 (CLI): ``distdebug parity`` on real runs (issue 50, its first slice): the same script at 1 rank (the
 reference), again at 1 rank as its twin (the last bit of every parameter perturbed each step: the band of benign
-rounding), and at 2 ranks under DDP: equivalent; the same 2 ranks with the loss not divided by the world size (its
-gradients summed, not averaged): departs at step 1, at the first gradient, with that cause named.
+rounding), and at 2 ranks under DDP and under FSDP2: equivalent; the same 2 ranks with the loss not divided by
+the world size (its gradients summed, not averaged): departs at step 1, at the first gradient, with that cause
+named.
 
-Needs: 5 launches of a tiny MLP (1, 1, 2, 2 and 2 ranks), 10 steps each: the last without --parity, to show
-that recording changes no result.
+Needs: 6 launches of a tiny MLP (1, 1, 2, 2, 2 and 2 ranks), 10 steps each: one sharded by FSDP2 (compared on
+the whole tensor), the last without --parity, to show that recording changes no result.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ SCRIPT = str(DATA / "scripts" / "parity_mlp.py")
 
 def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at_their_first_step(tmp_path):
     runs = {"ref": ("record", "1", []), "twin": ("twin", "1", []), "cand": ("record", "2", []),
-            "summed": ("record", "2", ["--sum-grads"])}
+            "summed": ("record", "2", ["--sum-grads"]), "fsdp2": ("record", "2", ["--fsdp2"])}
     for name, (mode, nproc, extra) in runs.items():
         r = distdebug("attach", "--run-dir", str(tmp_path / name), "--parity", mode, "--nproc-per-node", nproc,
                       SCRIPT, *extra)
@@ -31,6 +32,9 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
                                str(tmp_path / "twin")).stdout)
     assert got["equivalent"] and got["largest"]["observed"] <= got["largest"]["bound"]
     assert got["compared"] == 2 * 10 + 8 * 2 * 4  # loss and gradient norm at 10 steps; 4 gradients, 4 parameters
+    # FSDP2's shards, each sketched at its global place by its rank, compared with the whole reference: equivalent
+    r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "fsdp2"), "--twin", str(tmp_path / "twin"))
+    assert r.returncode == 0 and ": equivalent (largest observed/bound" in r.stdout, r.output
     # the twin is a real band: it departed from the reference (its perturbation acted), by rounding's size only
     twin_vs_ref = distdebug("diff", str(tmp_path / "ref"), str(tmp_path / "twin"))
     assert twin_vs_ref.returncode == 1, twin_vs_ref.output
