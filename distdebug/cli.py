@@ -502,8 +502,10 @@ def parity(ref: str, cand: str, twin: str, as_json: bool) -> int:
     from distdebug.artifacts.runs import resolve_run
 
     try:
-        a, b, c = (parity_mod.recorded(load_run(resolve_run(r))) for r in (ref, twin, cand))
+        loaded = [load_run(resolve_run(r)) for r in (ref, twin, cand)]
+        a, b, c = (parity_mod.recorded(run) for run in loaded)
         result = parity_mod.compare_runs(a, b, c)
+        result.sizes = parity_mod.side_by_side(parity_mod.size_of(loaded[0]), parity_mod.size_of(loaded[2]))
     except parity_mod.CannotCompare as e:
         raise UserError(f"parity: cannot compare: {e}", 2) from None
     v = result.verdict
@@ -516,7 +518,7 @@ def parity(ref: str, cand: str, twin: str, as_json: bool) -> int:
                                "first": dataclasses.asdict(v.first) if v.first else None,
                                "largest": dataclasses.asdict(v.largest) if v.largest else None,
                                "loss_departs": v.loss_departs, "compared": v.compared, "missing": v.missing,
-                               "text": v.text()}, indent=2))
+                               "sizes": result.sizes, "text": v.text()}, indent=2))
     else:
         click.echo(result.text())
     return 0 if v.equivalent else 1

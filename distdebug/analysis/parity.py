@@ -237,19 +237,63 @@ def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int,
 
 
 @dataclass
+class Size:
+    """One run's size and speed, for the side by side of two sizes (stage 2 of a scale-out)."""
+
+    world: int
+    median_step_ms: float | None
+    """The slowest rank's median step (the job runs at its pace)."""
+    peak_mb: float | None
+    """The largest per-rank peak of parameters, gradients, optimizer state and activations (the memory detector's
+    total at its largest step), in MB."""
+
+
+def size_of(run: Any) -> Size:
+    """A run's size and speed from its summary (analysis.summary)."""
+    from distdebug.analysis.summary import summarize
+
+    ranks = summarize(run).ranks
+    times = [r.median_step_time_s for r in ranks if r.median_step_time_s]
+    peaks = [r.memory_peak["total"] for r in ranks
+             if r.memory_peak and isinstance(r.memory_peak.get("total"), (int, float))]
+    return Size(world=len(ranks), median_step_ms=max(times) * 1000 if times else None,
+                peak_mb=max(peaks) / 1e6 if peaks else None)
+
+
+def side_by_side(ref: Size, cand: Size) -> str | None:
+    """Step time and peak memory per size, and the scaling efficiency: the reference's step over N times the
+    candidate's (1.0: N ranks take 1/N of the time the global batch takes on the reference's ranks). None when
+    the runs are of one size or lack the figures."""
+    if ref.world == cand.world or not ref.median_step_ms or not cand.median_step_ms:
+        return None
+    n = cand.world / ref.world
+    eff = ref.median_step_ms / (n * cand.median_step_ms)
+
+    def mem(s: Size) -> str:
+        return f", peak {s.peak_mb:.3g} MB a rank" if s.peak_mb is not None else ""
+
+    return (f"step time: {ref.world} rank(s) {ref.median_step_ms:.3g} ms{mem(ref)}; {cand.world} rank(s) "
+            f"{cand.median_step_ms:.3g} ms{mem(cand)}; scaling efficiency {eff:.0%} (the same global batch on "
+            f"{n:.3g}x the ranks)")
+
+
+@dataclass
 class Parity:
     verdict: Verdict
     steps: list[int]
     ref_world: int
     cand_world: int
     cause: str | None = None
+    sizes: str | None = None
+    """Stage 2: step time and peak memory per size, the scaling efficiency (``side_by_side``)."""
 
     def text(self) -> str:
         head = (f"parity of {self.cand_world} rank(s) against {self.ref_world}: the loss and gradient norm at every "
                 f"step, the tensors at {len(self.steps)} recorded steps ({_steps(self.steps)}): {self.verdict.text()}")
         return head + (f"\nlikely cause: {self.cause}" if self.cause else "") + (
             f"\nnot compared (in one run only): {', '.join(self.verdict.missing[:8])}"
-            + (" ..." if len(self.verdict.missing) > 8 else "") if self.verdict.missing else "")
+            + (" ..." if len(self.verdict.missing) > 8 else "") if self.verdict.missing else "") + (
+            f"\n{self.sizes}" if self.sizes else "")
 
 
 def _steps(steps: list[int]) -> str:

@@ -28,6 +28,8 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
     assert ok.returncode == 0, ok.output
     assert ("parity of 2 rank(s) against 1: the loss and gradient norm at every step, the tensors at 8 recorded "
             "steps (1-8): equivalent (largest observed/bound") in ok.stdout, ok.stdout
+    # stage 2, side by side: each size's step time and peak memory, and the scaling efficiency
+    assert "step time: 1 rank(s) " in ok.stdout and "scaling efficiency " in ok.stdout, ok.stdout
     got = json.loads(distdebug("parity", "--json", str(tmp_path / "ref"), str(tmp_path / "cand"), "--twin",
                                str(tmp_path / "twin")).stdout)
     assert got["equivalent"] and got["largest"]["observed"] <= got["largest"]["bound"]
