@@ -508,17 +508,25 @@ def parity(ref: str, cand: str, twin: str, as_json: bool) -> int:
         result.sizes = parity_mod.side_by_side(parity_mod.size_of(loaded[0]), parity_mod.size_of(loaded[2]))
     except parity_mod.CannotCompare as e:
         raise UserError(f"parity: cannot compare: {e}", 2) from None
+    except UserError as e:  # a path that is no run: cannot compare (2), not "departs" (1)
+        raise UserError(str(e), 2) from None
     v = result.verdict
     if as_json:
-        import dataclasses
         import json
+        import math
+
+        def finite(x: float) -> float | str:  # JSON has no NaN or Infinity
+            return x if math.isfinite(x) else str(x)
+
+        def dep(d: parity_mod.Departure | None) -> dict[str, object] | None:
+            return None if d is None else {"quantity": d.quantity, "step": d.step, "observed": finite(d.observed),
+                                           "bound": finite(d.bound), "ratio": finite(d.ratio)}
 
         click.echo(json.dumps({"equivalent": v.equivalent, "steps": result.steps, "ref_world": result.ref_world,
-                               "cand_world": result.cand_world, "cause": result.cause,
-                               "first": dataclasses.asdict(v.first) if v.first else None,
-                               "largest": dataclasses.asdict(v.largest) if v.largest else None,
-                               "loss_departs": v.loss_departs, "compared": v.compared, "missing": v.missing,
-                               "sizes": result.sizes, "text": v.text()}, indent=2))
+                               "cand_world": result.cand_world, "cause": result.cause, "first": dep(v.first),
+                               "largest": dep(v.largest), "loss_departs": v.loss_departs, "compared": v.compared,
+                               "missing": v.missing, "upto": result.upto, "sizes": result.sizes,
+                               "text": result.text()}, indent=2, allow_nan=False))
     else:
         click.echo(result.text())
     return 0 if v.equivalent else 1

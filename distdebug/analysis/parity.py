@@ -3,7 +3,8 @@
 Two layouts of one training (1 rank against N, DDP against FSDP2) never agree bit for bit: sums run in another
 order. So each compared quantity (the global loss, the global gradient norm, each recorded tensor's sketch:
 ``fingerprint.sketch``) is judged against a band computed from the runs themselves, not a guessed tolerance:
-a **twin** of the reference, the same run with the last bit of its gradients perturbed every step, shows how
+a **twin** of the reference, the same run with the last bit of its parameters perturbed before its first step and
+after every step, shows how
 far benign rounding carries a run apart, and how that grows with the steps. For each quantity ``x``:
 
 - ``d_twin(x, t)``: the reference against its twin at step ``t``; ``d_cand(x, t)``: against the candidate;
@@ -35,6 +36,10 @@ ULPS = 4
 """The band's analytic floor, in units in the last place of the quantity's size (float32's by default)."""
 EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float64": 2.0 ** -52}
 
+EPS_NAME = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
+            "torch.float64": "float64"}
+"""A parameter's recorded dtype -> its name in EPS."""
+
 Series = Mapping[int, float]
 """step -> a distance between two runs (or a quantity's size, for the floor)."""
 
@@ -51,6 +56,12 @@ class Departure:
 
     @property
     def ratio(self) -> float:
+        """observed / bound: 0 when both runs agree exactly, infinite for a distance that is not a number (a NaN or
+        an Inf in the candidate: never within a band)."""
+        if not math.isfinite(self.observed):
+            return math.inf
+        if self.observed == 0:
+            return 0.0
         return self.observed / self.bound if self.bound > 0 else math.inf
 
 
@@ -106,31 +117,33 @@ def floor_of(size: Series, dtype: str = "float32", ulps: int = ULPS) -> dict[int
 
 
 def compare(cand: Mapping[str, Series], twin: Mapping[str, Series], sizes: Mapping[str, Series],
-            order: list[str], slack: float = SLACK, dtype: str = "float32") -> Verdict:
+            order: list[str], slack: float = SLACK, dtype: str = "float32",
+            dtypes: Mapping[str, str] | None = None) -> Verdict:
     """The verdict over every quantity: ``cand[x][t]`` the candidate's distance from the reference, ``twin[x][t]``
     the twin's, ``sizes[x][t]`` the quantity's size in the reference (for the floor); ``order``: the quantities
     in the order a departure is named in at one step (gradients in the model's order, then parameters, then the
-    global figures they feed)."""
+    global figures they feed); ``dtypes``: a quantity's own dtype for its floor (else ``dtype``)."""
     missing = sorted(set(cand) ^ set(twin))
     rank = {q: i for i, q in enumerate(order)}
     departures: list[Departure] = []
     largest: Departure | None = None
     compared = 0
     for q in sorted(set(cand) & set(twin), key=lambda q: (rank.get(q, len(rank)), q)):
-        steps = sorted(cand[q])
-        b = band(twin[q], floor_of(sizes.get(q, {}), dtype), steps)
+        last = max(twin[q], default=0)  # past the twin's last step its band says nothing of how rounding grows
+        steps = sorted(t for t in cand[q] if t <= last)
+        b = band(twin[q], floor_of(sizes.get(q, {}), (dtypes or {}).get(q, dtype)), steps)
         for t in steps:
             bound = slack * b[t]
             d = Departure(q, t, cand[q][t], bound)
             compared += 1
             if largest is None or d.ratio > largest.ratio:
                 largest = d
-            if d.ratio > 1:
+            if not d.ratio <= 1:
                 departures.append(d)
     first = min(departures, key=lambda d: (d.step, rank.get(d.quantity, len(rank)), d.quantity), default=None)
     loss = min((d.step for d in departures if d.quantity == "loss"), default=None)
-    return Verdict(equivalent=first is None, largest=largest, first=first, loss_departs=loss, compared=compared,
-                   missing=missing)
+    return Verdict(equivalent=first is None and compared > 0, largest=largest, first=first, loss_departs=loss,
+                   compared=compared, missing=missing)
 
 
 def gradient_scale(ref_norms: Mapping[str, float], cand_norms: Mapping[str, float],
@@ -138,7 +151,8 @@ def gradient_scale(ref_norms: Mapping[str, float], cand_norms: Mapping[str, floa
     """The factor every gradient of the candidate is of the reference's, when they all agree on one far from 1
     (gradients summed instead of averaged over N ranks: N; a loss divided by the world size twice: 1/N); None
     when the tensors disagree on a factor or it is 1 (within ``tolerance``)."""
-    ratios = [cand_norms[n] / ref_norms[n] for n in ref_norms if n in cand_norms and ref_norms[n] > 0]
+    ratios = [cand_norms[n] / ref_norms[n] for n in ref_norms
+              if n in cand_norms and ref_norms[n] > 0 and cand_norms[n] > 0 and math.isfinite(cand_norms[n])]
     if len(ratios) < 2:
         return None
     mid = sorted(ratios)[len(ratios) // 2]
@@ -156,6 +170,8 @@ class Recorded:
     twin: bool
     seed: int | None
     names: list[str]
+    dtypes: dict[str, str]
+    """Parameter name -> its dtype (``float32``...): the floor of its band is in its own units in the last place."""
     loss: dict[int, float]
     """The loss: the mean of the ranks' at each recorded step."""
     global_grad_norm: dict[int, float]
@@ -183,11 +199,20 @@ def recorded(run: Any) -> Recorded:
     from distdebug.artifacts.reader import read_stream
 
     streams = {r: _last_attempt(read_stream(layout.events_path(run.dir_of(r), r))[0]) for r in run.ranks}
+    attempt = {r: int((recs[0].get("attempt") or 0) if recs and recs[0].get("kind") == schema.START else 0)
+               for r, recs in streams.items()}
+    newest = max(attempt.values(), default=0)  # ranks of an earlier attempt (an elastic scale-down) are gone
+    streams = {r: recs for r, recs in streams.items() if attempt[r] == newest}
+    for r, recs in streams.items():
+        failed = [x for x in recs if x.get("kind") == schema.FINDING and x.get("subject") == "detector:parity"]
+        if failed:
+            raise CannotCompare(f"{run.path}: the parity recorder failed on rank {r} ({failed[0].get('message')}): "
+                                "its records are incomplete")
     per_rank = {r: [x for x in recs if x.get("kind") == schema.PARITY] for r, recs in streams.items()}
     per_rank = {r: recs for r, recs in per_rank.items() if recs}
     if not per_rank:
         raise CannotCompare(f"{run.path} has no parity records: run it with distdebug attach --parity")
-    parts = [x for recs in per_rank.values() for x in recs if "grad" in x]  # each rank's parts of the tensors
+    parts = [x for recs in per_rank.values() for x in recs if "param" in x]  # each rank's parts of the tensors
     if not parts:
         raise CannotCompare(f"{run.path}: its parity records hold no tensors (ZeRO-3 partitions are not recorded)")
     first = parts
@@ -197,28 +222,38 @@ def recorded(run: Any) -> Recorded:
             if x.get("kind") == schema.STEP and isinstance(x.get("loss"), (int, float)) and \
                     isinstance(x.get("step"), int) and x.get("harness") != "off":
                 losses.setdefault(x["step"], []).append(float(x["loss"]))
-    squares: dict[int, float] = {}  # every step: the ranks' parts of the gradients' squared global norm
+    squares: dict[int, list[float]] = {}  # every step: the ranks' parts of the gradients' squared global norm
     for recs in streams.values():
         for x in recs:
             if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("grad_sq_sum"), (int, float)):
-                squares[int(x["step"])] = squares.get(int(x["step"]), 0.0) + float(x["grad_sq_sum"])
+                squares.setdefault(int(x["step"]), []).append(float(x["grad_sq_sum"]))
+    holders = sum(1 for recs in streams.values() if any(x.get("kind") == schema.PARITY_STEP for x in recs))
+    # a step only where every rank's part is there (a rank whose older steps the run-directory budget thinned
+    # would otherwise make a mean of some ranks, a norm of some parts)
+    losses = {t: v for t, v in losses.items() if len(v) == len(streams)}
+    squares = {t: v for t, v in squares.items() if len(v) == holders}
     sketches: dict[int, dict[str, list[float]]] = {}
     squared: dict[int, dict[str, float]] = {}
     names: list[str] = []
+    dtypes: dict[str, str] = {}
     for x in sorted(parts, key=lambda x: int(x.get("rank", 0))):  # a sharded tensor's parts, summed: the whole's
         step = int(x["step"])
         for kind, sq in (("grad", "grad_sq"), ("param", "param_sq")):
+            if kind not in x:  # no gradient at the boundary (DeepSpeed ZeRO's own buffers): parameters only
+                continue
             for n, v, q in zip(x["names"], x[kind], x[sq], strict=True):
                 key = f"{kind}:{n}"
                 have = sketches.setdefault(step, {}).get(key)
                 sketches[step][key] = list(v) if have is None else [a + b for a, b in zip(have, v, strict=True)]
                 squared.setdefault(step, {})[key] = squared.get(step, {}).get(key, 0.0) + float(q)
         names += [n for n in x["names"] if n not in names]
+        dtypes.update(zip(x["names"], x.get("dtypes") or ["float32"] * len(x["names"]), strict=True))
     norms = {t: {k: math.sqrt(v) for k, v in q.items()} for t, q in squared.items()}
-    world = len(run.ranks)
-    return Recorded(world=world, twin=bool(first[0].get("twin")), seed=first[0].get("seed"), names=names,
+    world = len(streams)
+    return Recorded(world=world, twin=bool(first[0].get("twin")), seed=first[0].get("seed"), names=names, dtypes=dtypes,
                     loss={t: sum(v) / len(v) for t, v in losses.items()},
-                    global_grad_norm={t: math.sqrt(v) for t, v in squares.items()}, sketches=sketches, norms=norms)
+                    global_grad_norm={t: math.sqrt(sum(v)) for t, v in squares.items()}, sketches=sketches,
+                    norms=norms)
 
 
 def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:
@@ -286,6 +321,8 @@ class Parity:
     cause: str | None = None
     sizes: str | None = None
     """Stage 2: step time and peak memory per size, the scaling efficiency (``side_by_side``)."""
+    upto: int | None = None
+    """The twin's last step, when it ran fewer steps than the reference: nothing is compared past it."""
 
     def text(self) -> str:
         head = (f"parity of {self.cand_world} rank(s) against {self.ref_world}: the loss and gradient norm at every "
@@ -293,7 +330,9 @@ class Parity:
         return head + (f"\nlikely cause: {self.cause}" if self.cause else "") + (
             f"\nnot compared (in one run only): {', '.join(self.verdict.missing[:8])}"
             + (" ..." if len(self.verdict.missing) > 8 else "") if self.verdict.missing else "") + (
-            f"\n{self.sizes}" if self.sizes else "")
+            f"\n{self.sizes}" if self.sizes else "") + (
+            f"\ncompared up to step {self.upto}, the twin's last: run the twin as long to compare the rest"
+            if self.upto is not None else "")
 
 
 def _steps(steps: list[int]) -> str:
@@ -317,9 +356,19 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
         raise CannotCompare("the candidate was made with --parity twin: its results differ on purpose")
     if len({ref.seed, twin.seed, cand.seed}) != 1:
         raise CannotCompare(f"the runs' sketch seeds differ ({ref.seed}, {twin.seed}, {cand.seed})")
+    for name, run in (("reference", ref), ("twin", twin)):
+        bad = sorted(t for t, v in run.loss.items() if not math.isfinite(v))
+        if bad:
+            raise CannotCompare(f"the {name}'s loss is not finite from step {bad[0]}: it cannot be the measure")
+    ref_last, cand_last = max(ref.loss, default=0), max(cand.loss, default=0)
+    if cand_last < ref_last:
+        raise CannotCompare(f"the candidate's steps end at {cand_last}, the reference's at {ref_last}: compare runs "
+                            "of the same length (a run that ended early is seen in its own report)")
     steps = sorted(set(ref.sketches) & set(twin.sketches) & set(cand.sketches))
     if not steps:
         raise CannotCompare("no step was recorded by all three runs")
+    if not set(ref.names) & set(cand.names):
+        raise CannotCompare("the reference and the candidate share no parameter name: not the same model")
     d_cand, d_twin = distances(ref, cand, steps), distances(ref, twin, steps)
     sizes: dict[str, dict[int, float]] = {"loss": {t: abs(v) for t, v in ref.loss.items()},
                                           "grad_norm": dict(ref.global_grad_norm)}
@@ -328,7 +377,12 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
             sizes.setdefault(q, {})[t] = v
     # at one step, the tensor is named before the global figures it feeds (the loss is told apart: loss_departs)
     order = [*[f"grad:{n}" for n in ref.names], *[f"param:{n}" for n in ref.names], "grad_norm", "loss"]
-    verdict = compare(d_cand, d_twin, sizes, order, slack)
+    kinds = {f"{k}:{n}": EPS_NAME.get(d, "float32") for n, d in ref.dtypes.items() for k in ("grad", "param")}
+    verdict = compare(d_cand, d_twin, sizes, order, slack, dtypes=kinds)
+    if verdict.compared == 0:
+        raise CannotCompare("nothing was compared: no quantity recorded by the reference, its twin and the candidate "
+                            "at the same steps")
+    upto = max(twin.loss, default=0)
     cause = None
     if verdict.first is not None:
         t = verdict.first.step
@@ -344,4 +398,5 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
                      "average of averages, or a loss divided by the world size before DDP averages)")
         elif factor is not None:
             cause = f"every gradient is {factor:.3g}x the reference's: a loss or learning rate scaled differently"
-    return Parity(verdict, steps, ref.world, cand.world, cause)
+    return Parity(verdict, steps, ref.world, cand.world, cause,
+                  upto=upto if upto < max(ref.loss, default=0) else None)

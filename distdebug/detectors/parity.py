@@ -16,10 +16,11 @@ All of it is device work, read with the step's other values in its one device-to
 written as one ``parity`` record. Gradients are read as the optimizer used them: reduced (averaged) under DDP,
 so one rank's record is the job's.
 
-``twin``: this run is the reference's twin. After each step the last bit of a random half of every parameter's
-elements is flipped (float32: one unit in the last place; a generator seeded by the step): the noise a
-different but mathematically equal order of sums leaves, every step, whose growth over the steps is the band a
-candidate is judged against (``analysis.parity``). A twin's results differ from its reference on purpose.
+``twin``: this run is the reference's twin. Before its first forward and after each step the last bit of a random
+half of every parameter's elements is flipped (float32: one unit in the last place; a generator seeded by the
+step): the noise a different but mathematically equal order of sums leaves, every step, whose growth over the
+steps is the band a candidate is judged against (``analysis.parity``). A twin's results differ from its
+reference on purpose.
 
 Sharded parameters (DTensors: FSDP2, tensor parallel, HSDP) are recorded by every rank that holds the first
 replica of a part, sketched at the part's global place, so that the parts' sketches sum to the whole tensor's:
@@ -86,6 +87,23 @@ class ParityRecorder(Detector):
         self.named: list[tuple[str, torch.Tensor]] = []
         self.recorded = 0
         self._names: list[str] = []
+        self._dtypes: list[str] = []
+        self._grads = True
+        self._first_forward: Any = None
+
+    def setup(self, ctx: RankContext) -> None:
+        if self.config.twin:  # the twin's noise starts before its first step, so that step 1 has a band too
+            self._first_forward = torch.nn.modules.module.register_module_forward_pre_hook(
+                self.guarded(self._before_first_step))
+
+    def _before_first_step(self, module: torch.nn.Module, args: Any) -> None:
+        """The outermost module's first forward: its parameters perturbed as after a step 0 (before autograd has
+        seen them), then the hook is gone."""
+        if self._first_forward is None:
+            return
+        self._first_forward.remove()
+        self._first_forward = None
+        self._perturb(0, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
 
     def attach(self, ctx: RankContext) -> None:
         from distdebug.runtime.discovery import unwrap
@@ -138,28 +156,40 @@ class ParityRecorder(Detector):
 
         seed = self.config.seed
         with torch.no_grad():
-            owned: list[tuple[str, torch.Tensor, torch.Tensor, int | torch.Tensor]] = []
+            # (name, the parameter's part and place, the gradient's part and place): a DTensor's gradient may be
+            # placed otherwise than its parameter (sequence parallelism), so each is taken by its own placements
+            owned: list[tuple[str, torch.Tensor, int | torch.Tensor, torch.Tensor, int | torch.Tensor]] = []
             for n, p in self.named:
                 part = self._part(p)
                 if part is None:
                     continue
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                g = grad.to_local() if type(grad).__name__ == "DTensor" else grad  # type: ignore[attr-defined]
-                owned.append((n, part[0].detach(), g, part[1]))
+                # a missing gradient (unused this step, frozen later) is recorded as zeros: against a reference that
+                # has one, it departs by the whole gradient
+                gpart = self._part(p.grad) if p.grad is not None else (torch.zeros_like(part[0]), part[1])
+                if gpart is None:
+                    gpart = (torch.zeros_like(part[0]), part[1])
+                owned.append((n, part[0].detach(), part[1], gpart[0], gpart[1]))
             if not owned:
                 return None
-            grad_sq = torch.stack([g.double().square().sum() for _, _, g, _ in owned])
-            out: dict[str, Any] = {"grad_sq_sum": grad_sq.sum()}
+            # no gradient at all at the boundary (DeepSpeed ZeRO keeps them in its own buffers): the parameters are
+            # compared, the gradients are said to be missing rather than read as zeros
+            self._grads = any(p.grad is not None for _, p in self.named)
+            # float64 sums of squares without a float64 copy of each gradient
+            grad_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for _, _, _, g, _ in owned])
+            out: dict[str, Any] = {"grad_sq_sum": grad_sq.sum()} if self._grads else {}
             if not self.wanted(step):
-                return out  # every step: this rank's part of the gradients' global norm
+                return out or None  # every step: this rank's part of the gradients' global norm
 
             def sk(t: torch.Tensor, where: int | torch.Tensor) -> torch.Tensor:
                 return sketch(t, seed, offset=where) if isinstance(where, int) else sketch_indexed(t, where, seed)
 
             self._names = [n for n, *_ in owned]  # host-side: which parts the values below are
-            return {**out, "grad": torch.stack([sk(g, w) for _, _, g, w in owned]),
-                    "param": torch.stack([sk(v, w) for _, v, _, w in owned]), "grad_sq": grad_sq,
-                    "param_sq": torch.stack([v.double().square().sum() for _, v, _, _ in owned])}
+            self._dtypes = [str(v.dtype) for _, v, *_ in owned]
+            grads = {"grad": torch.stack([sk(g, gw) for _, _, _, g, gw in owned]), "grad_sq": grad_sq} \
+                if self._grads else {}
+            return {**out, **grads, "param": torch.stack([sk(v, w) for _, v, w, _, _ in owned]),
+                    "param_sq": torch.stack([torch.linalg.vector_norm(v, dtype=torch.float64) ** 2
+                                             for _, v, _, _, _ in owned])}
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         ctx = self.ctx
@@ -168,20 +198,20 @@ class ParityRecorder(Detector):
             ctx.emit(schema.PARITY_STEP, step=event.step, grad_sq_sum=got["grad_sq_sum"])
         if ctx is not None and self.named and self.wanted(event.step):
             # the parts this rank recorded; every rank's loss (the global loss is their mean: in every step record)
-            tensors = {} if "grad" not in got else {
-                "names": self._names, "grad": got["grad"], "param": got["param"],
-                "grad_sq": got["grad_sq"], "param_sq": got["param_sq"]}
+            tensors = {} if "param" not in got else {
+                "names": self._names, "dtypes": self._dtypes, "param": got["param"], "param_sq": got["param_sq"],
+                **({"grad": got["grad"], "grad_sq": got["grad_sq"]} if "grad" in got else {})}
             ctx.emit(PARITY, step=event.step, loss=event.loss, seed=self.config.seed, twin=self.config.twin,
                      **tensors)
             self.recorded += 1
         if self.config.twin and self.named:
-            self._perturb(event.step)
+            self._perturb(event.step, self.named)
         return ()
 
-    def _perturb(self, step: int) -> None:
+    def _perturb(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """The twin's noise: the last bit of a random half of each parameter's elements flipped (device work)."""
         with torch.no_grad():
-            for i, (_, p) in enumerate(self.named):
+            for i, (_, p) in enumerate(named):
                 bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
                         torch.float64: torch.int64}.get(p.dtype)
                 if bits is None or hasattr(p, "ds_id"):

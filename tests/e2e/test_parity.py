@@ -53,3 +53,7 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
     # what cannot be compared is said in one line, exit 2: the twin given as the candidate, a run without records
     r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "twin"), "--twin", str(tmp_path / "twin"))
     assert r.returncode == 2 and "its results differ on purpose" in r.stderr and "Traceback" not in r.stderr
+    r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "missing"), "--twin", str(tmp_path / "twin"))
+    assert r.returncode == 2 and "no run directory" in r.stderr and "Traceback" not in r.stderr
+    r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "bare"), "--twin", str(tmp_path / "twin"))
+    assert r.returncode == 2 and "no parity records: run it with distdebug attach --parity" in r.stderr

@@ -78,3 +78,44 @@ def test_gradients_all_scaled_by_one_factor_are_told_from_a_mixed_difference():
     assert gradient_scale(ref, {k: v / 2 for k, v in ref.items()}) == 0.5
     assert gradient_scale(ref, {k: v * 1.01 for k, v in ref.items()}) is None  # rounding: no factor
     assert gradient_scale(ref, {"0.weight": 8.0, "0.bias": 0.5, "2.weight": 1.0}) is None  # one tensor only
+
+
+def test_a_nan_candidate_departs_an_exact_agreement_is_no_departure_and_the_band_stops_at_the_twin():
+    steps = range(1, 6)
+    cand, twin, sizes = runs(steps)
+    cand["loss"] = {**cand["loss"], 4: math.nan, 5: math.inf}  # the candidate's loss went NaN, then Inf
+    v = compare(cand, twin, sizes, ORDER)
+    assert not v.equivalent and (v.first.quantity, v.first.step) == ("loss", 4) and v.first.ratio == math.inf
+    # a quantity exactly 0 in every run (a LoRA factor's gradient at step 1, an unused parameter): ratio 0
+    zero = {q: {t: 0.0 for t in steps} for q in ORDER}
+    assert compare(zero, zero, {q: {t: 0.0 for t in steps} for q in ORDER}, ORDER).equivalent
+    # past the twin's last step nothing is compared (its band says nothing of how rounding grows after it)
+    short_twin = {q: {t: v for t, v in s.items() if t <= 3} for q, s in twin.items()}
+    grown = {q: {t: v * (1000 if t > 3 else 1) for t, v in s.items()} for q, s in cand.items() if q != "loss"}
+    v = compare(grown, short_twin, sizes, ORDER)
+    assert v.equivalent and v.compared == 3 * (len(ORDER) - 1)
+    # nothing compared is not "equivalent"
+    assert not compare({}, {}, {}, ORDER).equivalent
+
+
+def test_the_runs_checks_refuse_what_cannot_be_compared(tmp_path):
+    import pytest
+
+    from distdebug.analysis.parity import CannotCompare, Recorded, compare_runs
+
+    def run(twin=False, steps=range(1, 6), loss=1.0, names=("w",)):
+        sk = {t: {f"{k}:{n}": [0.1 * t, 0.2] for n in names for k in ("grad", "param")} for t in steps}
+        return Recorded(world=1, twin=twin, seed=0, names=list(names), dtypes={n: "torch.float32" for n in names},
+                        loss={t: loss for t in steps}, global_grad_norm={t: 1.0 for t in steps}, sketches=sk,
+                        norms={t: {q: 1.0 for q in s} for t, s in sk.items()})
+
+    assert compare_runs(run(), run(twin=True), run()).verdict.equivalent  # identical: equivalent
+    for ref, twin, cand, why in ((run(), run(twin=True), run(steps=range(1, 3)), "the candidate's steps end at 2"),
+                                 (run(loss=math.nan), run(twin=True), run(), "the reference's loss is not finite"),
+                                 (run(), run(twin=True), run(names=("other",)), "share no parameter name"),
+                                 (run(), run(), run(), "the twin must be"), (run(), run(twin=True), run(twin=True),
+                                                                             "differ on purpose")):
+        with pytest.raises(CannotCompare, match=why):
+            compare_runs(ref, twin, cand)
+    # a gradient scale where most of the candidate's norms are 0 (ZeRO's gradients gone at the boundary): no factor
+    assert gradient_scale({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 0.0, "b": 0.0, "c": 3.0}) is None
