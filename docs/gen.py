@@ -602,8 +602,7 @@ def volume_example(env: dict[str, str]) -> tuple[str, str]:
     report's ``disk:`` line (the prediction beside what the job then wrote). Mounting needs root."""
     fs = WORK / "fs"
     fs.mkdir()
-    script = WORK / "chatty.py"
-    script.write_text(CHATTY)
+    script = ROOT / "tests" / "data" / "scripts" / "chatty.py"
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4096k", "tmpfs", str(fs)], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"docs/gen.py: cannot mount a tmpfs ({(r.stderr or r.stdout).strip()}): the log-volume "
@@ -625,22 +624,6 @@ def volume_example(env: dict[str, str]) -> tuple[str, str]:
     return warning, disk
 
 
-CHATTY = '''"""A job that prints 1,000 bytes a step a rank at a steady pace: docs/gen.py's log-volume example."""
-import sys, time
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-steps, dt, width = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-start = time.time()
-for i in range(steps):
-    opt.zero_grad()
-    model(torch.randn(4, 8)).pow(2).mean().backward()
-    opt.step()
-    print(f"step {i:6d} " + "x" * (width - 13), flush=True)
-    time.sleep(max(0.0, start + (i + 1) * dt - time.time()))
-dist.destroy_process_group()
-'''
 
 
 def parity_example(env: dict[str, str]) -> tuple[str, str]:

@@ -18,29 +18,14 @@ import sys
 
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
-from tests.helpers import ROOT, distdebug, small_fs
+from tests.helpers import DATA, ROOT, distdebug, small_fs
 
-CHATTY = '''
-import sys, time
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-steps, dt, width = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-start = time.time()
-for i in range(steps):
-    opt.zero_grad()
-    model(torch.randn(4, 8)).pow(2).mean().backward()
-    opt.step()
-    print(f"step {i:6d} " + "x" * (width - 13), flush=True)
-    time.sleep(max(0.0, start + (i + 1) * dt - time.time()))
-dist.destroy_process_group()
-'''
+CHATTY = DATA / "scripts" / "chatty.py"
+"""Prints 1,000 bytes a step a rank, paced (shared with docs/gen.py's log-volume example)."""
 
 
 def test_a_job_whose_output_would_fill_its_file_system_is_warned_with_the_numbers(tmp_path):
-    script = tmp_path / "chatty.py"
-    script.write_text(CHATTY)
+    script = CHATTY  # prints 1,000 bytes a step a rank: 300 steps, one every 40 ms
     run_dir = tmp_path / "run"
     env = {**os.environ, "DISTDEBUG_VOLUME_WINDOW_S": "3", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     with small_fs(tmp_path / "fs", 4096) as fs:
