@@ -481,13 +481,22 @@ def diff(run: str | None, other: str | None, step: int | None, as_json: bool, no
 
 
 @main.command(short_help="Does a run compute what a reference run computes? The first step and tensor that departs.")
-@click.argument("ref")
-@click.argument("cand")
-@click.option("--twin", required=True, metavar="RUN",
+@click.argument("ref", required=False)
+@click.argument("cand", required=False)
+@click.option("--twin", default=None, metavar="RUN",
               help="The reference run again with 'attach --parity twin': its distance from the reference is the band "
                    "of benign rounding each quantity is judged against.")
+@click.option("--launch-ref", "launch_ref", default=None, metavar="'ATTACH ARGS'",
+              help="Make the runs first: the reference's attach arguments, quoted (e.g. '--nproc-per-node 1 train.py "
+                   "--batch 32'); it runs twice, as the reference and as its twin.")
+@click.option("--launch-cand", "launch_cand", default=None, metavar="'ATTACH ARGS'",
+              help="With --launch-ref: the candidate's attach arguments, quoted (e.g. '--nproc-per-node 4 train.py').")
+@click.option("--work-dir", "work_dir", type=click.Path(path_type=Path), default=None,
+              help="With --launch-ref: where the three runs go (ref, twin, cand). Default: a new folder under "
+                   "./distdebug-runs.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def parity(ref: str, cand: str, twin: str, as_json: bool) -> int:
+def parity(ref: str | None, cand: str | None, twin: str | None, launch_ref: str | None, launch_cand: str | None,
+           work_dir: Path | None, as_json: bool) -> int:
     """Compare CAND with REF step by step, each recorded quantity against a band computed from REF's twin.
 
     \b
@@ -495,8 +504,18 @@ def parity(ref: str, cand: str, twin: str, as_json: bool) -> int:
     distdebug attach --parity twin --nproc-per-node 1 train.py ...     its twin (TWIN)
     distdebug attach --parity record --nproc-per-node 4 train.py ...   the candidate (CAND)
     distdebug parity REF CAND --twin TWIN
+    or, the three runs made first:
+    distdebug parity --launch-ref '--nproc-per-node 1 train.py' --launch-cand '--nproc-per-node 4 train.py'
     Exit code 0: equivalent; 1: departs; 2: cannot compare (says why).
     """
+    if launch_ref is not None or launch_cand is not None:
+        if launch_ref is None or launch_cand is None or ref or cand or twin:
+            raise UserError("parity: give --launch-ref and --launch-cand together (the runs are made), or REF CAND "
+                            "--twin TWIN (runs made by attach --parity), not both", 2)
+        ref, twin, cand = _launch_parity_runs(launch_ref, launch_cand, work_dir)
+    elif not (ref and cand and twin):
+        raise UserError("parity: give REF CAND --twin TWIN (runs made by attach --parity), or --launch-ref and "
+                        "--launch-cand to make them", 2)
     from distdebug.analysis import parity as parity_mod
     from distdebug.artifacts.reader import load_run
     from distdebug.artifacts.runs import resolve_run
@@ -530,6 +549,31 @@ def parity(ref: str, cand: str, twin: str, as_json: bool) -> int:
     else:
         click.echo(result.text())
     return 0 if v.equivalent else 1
+
+
+def _launch_parity_runs(launch_ref: str, launch_cand: str, work_dir: Path | None) -> tuple[str, str, str]:
+    """The three runs parity compares, made with attach (a process each, as a user would): the reference, its
+    twin (the same arguments) and the candidate, under ``work_dir``. A run that fails: cannot compare (2)."""
+    import shlex
+    import subprocess
+
+    from distdebug.artifacts.runs import new_run_dir
+
+    work = work_dir if work_dir is not None else new_run_dir("parity")
+    made = []
+    for name, mode, args in (("ref", "record", launch_ref), ("twin", "twin", launch_ref),
+                             ("cand", "record", launch_cand)):
+        run_dir = work / name
+        print(f"distdebug parity: the {'reference' if name == 'ref' else name}: distdebug attach --parity {mode} "
+              f"--run-dir {run_dir} {args}", file=sys.stderr, flush=True)
+        # the runs' own output on stderr: stdout is the verdict's (--json)
+        code = subprocess.call([sys.executable, "-m", "distdebug", "attach", "--parity", mode, "--run-dir",
+                                str(run_dir), *shlex.split(args)], stdout=2)
+        if code != 0:
+            raise UserError(f"parity: cannot compare: the {name} run exited {code} (see: distdebug report "
+                            f"{run_dir})", 2)
+        made.append(str(run_dir))
+    return made[0], made[1], made[2]
 
 
 @main.command("detectors", short_help="List the detectors: code, name, on by default or not, what each finds.")

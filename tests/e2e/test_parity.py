@@ -18,14 +18,16 @@ SCRIPT = str(DATA / "scripts" / "parity_mlp.py")
 
 
 def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at_their_first_step(tmp_path):
-    runs = {"ref": ("record", "1", []), "twin": ("twin", "1", []), "cand": ("record", "2", []),
-            "summed": ("record", "2", ["--sum-grads"]), "fsdp2": ("record", "2", ["--fsdp2"])}
+    # the reference, its twin and the candidate made by parity itself, from two launch lines
+    ok = distdebug("parity", "--work-dir", str(tmp_path), "--launch-ref", f"--nproc-per-node 1 {SCRIPT}",
+                   "--launch-cand", f"--nproc-per-node 2 {SCRIPT}", timeout=400)
+    assert ok.returncode == 0, ok.output[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cand", "ref", "twin"]
+    runs = {"summed": ("record", "2", ["--sum-grads"]), "fsdp2": ("record", "2", ["--fsdp2"])}
     for name, (mode, nproc, extra) in runs.items():
         r = distdebug("attach", "--run-dir", str(tmp_path / name), "--parity", mode, "--nproc-per-node", nproc,
                       SCRIPT, *extra)
         assert r.returncode == 0, r.output[-3000:]
-    ok = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "cand"), "--twin", str(tmp_path / "twin"))
-    assert ok.returncode == 0, ok.output
     assert ("parity of 2 rank(s) against 1: the loss and gradient norm at every step, the tensors at 8 recorded "
             "steps (1-8): equivalent (largest observed/bound") in ok.stdout, ok.stdout
     # stage 2, side by side: each size's step time and peak memory, and the scaling efficiency
@@ -50,10 +52,14 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
     assert "departs at step 1: first grad:0.weight at observed/bound" in bad.stdout, bad.stdout
     assert "likely cause: every gradient is 2x the reference's (2 ranks against 1): summed over the ranks" \
         in bad.stdout, bad.stdout
-    # what cannot be compared is said in one line, exit 2: the twin given as the candidate, a run without records
+    # what cannot be compared is said in one line, exit 2: the twin given as the candidate, a path that is no run,
+    # a run without records, a launch that fails
     r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "twin"), "--twin", str(tmp_path / "twin"))
     assert r.returncode == 2 and "its results differ on purpose" in r.stderr and "Traceback" not in r.stderr
     r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "missing"), "--twin", str(tmp_path / "twin"))
     assert r.returncode == 2 and "no run directory" in r.stderr and "Traceback" not in r.stderr
     r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "bare"), "--twin", str(tmp_path / "twin"))
     assert r.returncode == 2 and "no parity records: run it with distdebug attach --parity" in r.stderr
+    r = distdebug("parity", "--work-dir", str(tmp_path / "failed"), "--launch-ref", "--nproc-per-node 1 missing.py",
+                  "--launch-cand", f"--nproc-per-node 2 {SCRIPT}")
+    assert r.returncode == 2 and "parity: cannot compare: the ref run exited" in r.stderr, r.output[-2000:]
