@@ -787,9 +787,10 @@ BENCHES = [("run-dir-budget.txt", ["bench/run_dir_budget.py"]),
            ("read-at-scale.txt", ["bench/read_at_scale.py", "--cold"]),
            ("fingerprint-throughput.txt", ["bench/fingerprint_throughput.py"]),
            ("diff-offline.txt", ["bench/diff_offline.py"]),
-           ("trace-analysis.txt", ["bench/trace_analysis.py"])]
+           ("trace-analysis.txt", ["bench/trace_analysis.py"]),
+           ("parity-pairs.txt", ["bench/parity_pairs.py"])]
 """The benchmarks whose printout the measured-limits page shows (on 2 cores: run_dir_budget about 5 minutes,
-read_at_scale 8, the others under one; --cold drops the page cache before each read: root)."""
+read_at_scale 8, parity_pairs 3, the others under one; --cold drops the page cache before each read: root)."""
 
 
 def benches(only: list[str]) -> int:

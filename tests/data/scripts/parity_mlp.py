@@ -20,11 +20,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--sum-grads", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="the model's and the data's seed")
     p.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (fully_shard) instead of DDP")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     if args.fsdp2:
         from torch.distributed.fsdp import fully_shard
@@ -35,7 +36,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     per_rank = args.global_batch // world
     for step in range(1, args.steps + 1):
-        g = torch.Generator().manual_seed(1000 + step)
+        g = torch.Generator().manual_seed(1000 * (args.seed + 1) + step)
         x = torch.randn(args.global_batch, 16, generator=g)
         y = torch.randn(args.global_batch, 4, generator=g)
         xb, yb = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
