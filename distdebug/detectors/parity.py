@@ -44,17 +44,15 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding
 
-PARITY = schema.PARITY
 
-
-def chosen_steps(spec: str) -> tuple[set[int], int]:
+def chosen_steps(spec: str) -> tuple[set[int], bool]:
     """``steps``: ``1-8`` ranges and single steps, comma-separated, and ``pow2``: every power of two. Returns
-    (the listed steps, 1 if powers of two are in, else 0)."""
+    (the listed steps, whether powers of two are in)."""
     out: set[int] = set()
-    pow2 = 0
+    pow2 = False
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         if part == "pow2":
-            pow2 = 1
+            pow2 = True
         elif "-" in part:
             a, b = part.split("-", 1)
             out |= set(range(int(a), int(b) + 1))
@@ -85,7 +83,7 @@ class ParityRecorder(Detector):
         self.listed, self.pow2 = chosen_steps(self.config.steps)
         self.ctx: RankContext | None = None
         self.named: list[tuple[str, torch.Tensor]] = []
-        self.recorded = 0
+        self._places: dict[str, tuple[int, ...] | None] = {}
         self._names: list[str] = []
         self._dtypes: list[str] = []
         self._grads = True
@@ -115,39 +113,54 @@ class ParityRecorder(Detector):
             self.named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
 
     def wanted(self, step: int) -> bool:
-        return step in self.listed or bool(self.pow2 and step > 0 and step & (step - 1) == 0)
+        return step in self.listed or (self.pow2 and step > 0 and step & (step - 1) == 0)
 
-    def _part(self, p: torch.Tensor) -> tuple[torch.Tensor, int | torch.Tensor] | None:
-        """What of ``p`` this rank sketches, and where it sits in the whole tensor: (its values, the global flat
-        offset of a contiguous block or every element's global flat index); None: not this rank's to record.
+    def _place(self, key: str, t: torch.Tensor) -> tuple[int, ...] | None:
+        """Whether this rank sketches ``t`` and where its part sits in the whole tensor, worked out once per tensor
+        (a placement does not change between steps; ``key``: the tensor's name and kind): ``()`` for a whole tensor,
+        the part's (local shape, global offset, global shape) flattened for a DTensor's, None: not this rank's.
 
         A plain tensor is replicated (DDP, or a hand-written all-reduce): rank 0 records it whole. A DTensor
         (FSDP2, tensor parallel, HSDP) is recorded by every rank that holds the first replica of its shard: its
         local part at its global place, so that the parts' sketches sum to the whole tensor's. A ZeRO-3 partition
         (no global offset exposed here) is not recorded."""
-        if hasattr(p, "ds_id"):
-            return None
-        if type(p).__name__ != "DTensor":
-            return (p, 0) if self.ctx is not None and self.ctx.rank == 0 else None
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        if key in self._places:
+            return self._places[key]
+        place: tuple[int, ...] | None
+        if hasattr(t, "ds_id"):
+            place = None
+        elif type(t).__name__ != "DTensor":
+            place = () if self.ctx is not None and self.ctx.rank == 0 else None
+        else:
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
-        coord = mesh.get_coordinate()
-        if coord is None or any(isinstance(pl, Replicate) and coord[d] != 0 for d, pl in enumerate(placements)):
-            return None  # another replica of the same part records it
-        local = p.to_local()  # type: ignore[attr-defined]
-        shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
-        full = list(p.shape)
-        if list(shape[1:]) == full[1:] and all(o == 0 for o in offset[1:]):
-            return local, int(offset[0]) * math.prod(full[1:]) if full else 0  # a block of whole rows
-        strides = [math.prod(full[d + 1:]) for d in range(len(full))]
-        index = torch.zeros(shape, dtype=torch.int64, device=local.device)
-        for d, (n, o) in enumerate(zip(shape, offset, strict=True)):
-            view = [1] * len(full)
-            view[d] = n
-            index += (torch.arange(o, o + n, device=local.device) * strides[d]).view(view)
-        return local, index
+            mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+            coord = mesh.get_coordinate()
+            if coord is None or any(isinstance(pl, Replicate) and coord[d] != 0 for d, pl in enumerate(placements)):
+                place = None  # another replica of the same part records it
+            else:
+                shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+                place = (*shape, *offset, *t.shape)
+        self._places[key] = place
+        return place
+
+    @staticmethod
+    def _where(place: tuple[int, ...], device: torch.device) -> int | torch.Tensor:
+        """Where a part sits, for its sketch (at a recorded step only): the global flat offset of a whole tensor or a
+        block of whole rows, else every element's global flat index."""
+        if not place:
+            return 0
+        n = len(place) // 3
+        shape, offset, full = place[:n], place[n:2 * n], place[2 * n:]
+        if shape[1:] == full[1:] and not any(offset[1:]):
+            return offset[0] * math.prod(full[1:]) if full else 0  # a block of whole rows
+        index = torch.zeros(shape, dtype=torch.int64, device=device)
+        for d in range(n):
+            view = [1] * n
+            view[d] = shape[d]
+            index += (torch.arange(offset[d], offset[d] + shape[d], device=device) * math.prod(full[d + 1:])).view(view)
+        return index
 
     def probe(self, step: int) -> dict[str, Any] | None:
         if self.ctx is None or not self.named:
@@ -158,17 +171,17 @@ class ParityRecorder(Detector):
         with torch.no_grad():
             # (name, the parameter's part and place, the gradient's part and place): a DTensor's gradient may be
             # placed otherwise than its parameter (sequence parallelism), so each is taken by its own placements
-            owned: list[tuple[str, torch.Tensor, int | torch.Tensor, torch.Tensor, int | torch.Tensor]] = []
+            owned: list[tuple[str, torch.Tensor, tuple[int, ...], torch.Tensor, tuple[int, ...]]] = []
             for n, p in self.named:
-                part = self._part(p)
-                if part is None:
+                place = self._place(f"param:{n}", p)
+                if place is None:
                     continue
+                value = _local(p).detach()
+                gplace = self._place(f"grad:{n}", p.grad) if p.grad is not None else None
                 # a missing gradient (unused this step, frozen later) is recorded as zeros: against a reference that
                 # has one, it departs by the whole gradient
-                gpart = self._part(p.grad) if p.grad is not None else (torch.zeros_like(part[0]), part[1])
-                if gpart is None:
-                    gpart = (torch.zeros_like(part[0]), part[1])
-                owned.append((n, part[0].detach(), part[1], gpart[0], gpart[1]))
+                grad = _local(p.grad) if gplace is not None else torch.zeros_like(value)  # type: ignore[arg-type]
+                owned.append((n, value, place, grad, place if gplace is None else gplace))
             if not owned:
                 return None
             # no gradient at all at the boundary (DeepSpeed ZeRO keeps them in its own buffers): the parameters are
@@ -180,7 +193,8 @@ class ParityRecorder(Detector):
             if not self.wanted(step):
                 return out or None  # every step: this rank's part of the gradients' global norm
 
-            def sk(t: torch.Tensor, where: int | torch.Tensor) -> torch.Tensor:
+            def sk(t: torch.Tensor, place: tuple[int, ...]) -> torch.Tensor:
+                where = self._where(place, t.device)
                 return sketch(t, seed, offset=where) if isinstance(where, int) else sketch_indexed(t, where, seed)
 
             self._names = [n for n, *_ in owned]  # host-side: which parts the values below are
@@ -201,9 +215,8 @@ class ParityRecorder(Detector):
             tensors = {} if "param" not in got else {
                 "names": self._names, "dtypes": self._dtypes, "param": got["param"], "param_sq": got["param_sq"],
                 **({"grad": got["grad"], "grad_sq": got["grad_sq"]} if "grad" in got else {})}
-            ctx.emit(PARITY, step=event.step, loss=event.loss, seed=self.config.seed, twin=self.config.twin,
+            ctx.emit(schema.PARITY, step=event.step, loss=event.loss, seed=self.config.seed, twin=self.config.twin,
                      **tensors)
-            self.recorded += 1
         if self.config.twin and self.named:
             self._perturb(event.step, self.named)
         return ()
@@ -216,7 +229,12 @@ class ParityRecorder(Detector):
                         torch.float64: torch.int64}.get(p.dtype)
                 if bits is None or hasattr(p, "ds_id"):
                     continue
-                t = p.to_local() if type(p).__name__ == "DTensor" else p.data  # type: ignore[attr-defined]
+                t = _local(p) if type(p).__name__ == "DTensor" else p.data
                 gen = torch.Generator(device=t.device).manual_seed(self.config.seed * 1_000_003 + step * 4099 + i)
                 flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
                 t.view(bits).bitwise_xor_(flip)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part; any other tensor itself."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]

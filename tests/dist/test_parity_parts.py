@@ -1,5 +1,5 @@
 """Tier 2 (gloo, 2 ranks): the parity recorder's parts of a sharded tensor (distdebug/detectors/parity.py,
-``_part``): each rank sketches its local part of a DTensor at its global place, and the parts' sketches sum to the
+``_place`` and ``_where``): each rank sketches its local part of a DTensor at its global place, and the parts' sketches sum to the
 whole tensor's sketch, for row shards (FSDP2's Shard(0), uneven), column shards (tensor parallel's Shard(1)) and a
 replicated DTensor (recorded once, by the first replica). Its clean twin: a plain tensor is rank 0's whole."""
 
@@ -25,15 +25,17 @@ def _parts(rank, world):
     full = torch.randn(5, 6, generator=g)  # 5 rows over 2 ranks: uneven
     out = {"whole": sketch(full).tolist()}
     for name, placements in (("rows", [Shard(0)]), ("cols", [Shard(1)]), ("replicated", [Replicate()])):
-        part = rec._part(distribute_tensor(full, mesh, placements))
-        if part is None:
+        dt = distribute_tensor(full, mesh, placements)
+        place = rec._place(name, dt)
+        if place is None:
             out[name] = None
             continue
-        values, where = part
+        where = rec._where(place, full.device)
+        values = dt.to_local()
         sk = sketch(values, offset=where) if isinstance(where, int) else sketch_indexed(values, where)
         out[name] = sk.tolist()
-    plain = rec._part(full)
-    out["plain"] = None if plain is None else sketch(plain[0], offset=plain[1]).tolist()
+    plain = rec._place("plain", full)
+    out["plain"] = None if plain is None else sketch(full, offset=rec._where(plain, full.device)).tolist()
     return out
 
 
