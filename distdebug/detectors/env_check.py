@@ -8,7 +8,8 @@ rank of a node the launcher's environment, so one check per node sees what every
 Every warn or fail becomes a finding with its fix, printed on stderr before the first rank starts (with the
 host: on several nodes, which one has the bad variable) and kept in the node's record (``nodes/node-000.json``)
 until the job ends; then, filed under the global rank of the node's local rank 0 (``own_first_rank``: only then
-has the rendezvous numbered the ranks), it is appended to the run's findings (``findings.jsonl``). A launcher
+has the rendezvous numbered the ranks; on one node, rank 0 even when it was stopped before recording its
+start), it is appended to the run's findings (``findings.jsonl``). A launcher
 killed before that leaves it in its node file, unfiled, where the reader still finds it.
 
 Made inside a rank (its local rank 0, in ``setup``), as it once was, the line raced the script: a rank that

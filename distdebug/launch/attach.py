@@ -151,10 +151,14 @@ def _env_check(node_rank: int) -> list[dict[str, Any]] | None:
     return [schema.record(schema.FINDING, **f.to_dict()) for f in found]
 
 
-def _file_env_findings(run_dir: Path, node_info: dict[str, Any], layout_map: dict[str, dict[str, Any]]) -> None:
+def _file_env_findings(run_dir: Path, node_info: dict[str, Any], layout_map: dict[str, dict[str, Any]],
+                       single_node: bool) -> None:
     """After the job: the launcher's environment findings filed under the global rank of the local rank 0 it
-    started, appended to the run's findings, and taken out of the node's file (one place each). Unfiled (no rank
-    of its recorded its start) they still go; a disk that refuses the append leaves them in the node's file."""
+    started, appended to the run's findings, and taken out of the node's file (one place each). On one node
+    that rank is 0 whether or not it lived to record its start (a rank that fails at once makes torch's agent
+    stop the others, a local rank 0 still importing torch among them); on several, a node none of whose ranks
+    recorded its start files them unnumbered (the message names the host). A disk that refuses the append
+    leaves them in the node's file."""
     from distdebug.artifacts.writer import append_run_findings
     from distdebug.detectors.env_check import own_first_rank
     from distdebug.findings import Finding
@@ -163,6 +167,8 @@ def _file_env_findings(run_dir: Path, node_info: dict[str, Any], layout_map: dic
     if not records:
         return
     first = own_first_rank(layout_map, os.getpid())
+    if first is None and single_node:
+        first = 0
     found = [Finding.from_dict({**r, "ranks": [first] if first is not None else []}) for r in records]
     try:
         append_run_findings(run_dir, found)
@@ -303,7 +309,7 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     elif code == 0 and result.never_acted:
         code, message = EXIT_NEVER_ACTED, never_acted_message(result.never_acted, result.why_not)
     try:
-        _file_env_findings(run_dir, node_info, result.layout)
+        _file_env_findings(run_dir, node_info, result.layout, parse_nnodes(cfg.nnodes)[1] == 1)
     except Exception as e:  # never worth the job's exit: they stay in the node's file, unfiled
         print(f"distdebug: could not file the environment findings ({type(e).__name__}: {e})", file=sys.stderr,
               flush=True)

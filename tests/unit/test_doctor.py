@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from distdebug.doctor.checks import (
     FAIL,
     PASS,
@@ -117,3 +119,23 @@ def test_a_rank_checks_again_only_what_changed_since_its_launcher_checked():
     restarted = {**layout, "0": {"local_rank": 0, "ppid": 22, "attempt": 1}, "2": {"local_rank": 0, "ppid": 11,
                                                                                    "attempt": 1}}
     assert own_first_rank(restarted, 11) == 2  # after a restart the rendezvous may number the nodes otherwise
+
+
+def test_launcher_files_its_findings_under_rank_0_on_one_node_even_if_no_rank_recorded_its_start(tmp_path):
+    # A rank that fails at once makes torch's agent stop the others: a local rank 0 still importing torch leaves
+    # no start record. On one node its global rank is 0 all the same; on several the number is unknown then.
+    from distdebug.artifacts import layout, schema
+    from distdebug.artifacts.reader import read_events
+    from distdebug.launch.attach import _file_env_findings
+
+    rec = schema.record(schema.FINDING, severity="error", detector="env_check", ranks=[], step=None,
+                        subject="GLOO_SOCKET_IFNAME", message="names no interface (host h)", fix="set it",
+                        evidence={"host": "h"})
+    for single, run, want in ((True, tmp_path / "one", [0]), (False, tmp_path / "two", [])):
+        info = {"findings": [dict(rec)]}
+        _file_env_findings(run, info, {}, single)
+        (f,) = read_events(layout.run_findings_path(run))[0]
+        assert (f["subject"], f["ranks"]) == ("GLOO_SOCKET_IFNAME", want) and "findings" not in info
+    info = {"findings": [dict(rec)]}  # a recorded start wins over the default, on one node too
+    _file_env_findings(tmp_path / "rec", info, {"3": {"local_rank": 0, "ppid": os.getpid(), "attempt": 0}}, True)
+    assert read_events(layout.run_findings_path(tmp_path / "rec"))[0][0]["ranks"] == [3]
