@@ -3,7 +3,7 @@
     python bench/parity_pairs.py                 # 5 seeds: DDP and FSDP2 on 2 ranks against 1 rank
     python bench/parity_pairs.py --seeds 2 --steps 20
 
-For each seed, tests/data/scripts/parity_mlp.py runs as the reference (1 rank), its twin (--parity twin) and
+For each seed, recipes/parity_mlp.py runs as the reference (1 rank), its twin (--parity twin) and
 two candidates on 2 ranks (DDP, FSDP2), each a real ``distdebug attach`` run; ``distdebug parity --json``
 compares each candidate with the reference. Printed per pair and seed: the verdict and the largest observed /
 bound (below 1: within the band; the issue's goal is a bound at most 20 times the benign difference, that is a
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "data" / "scripts" / "parity_mlp.py"
+SCRIPT = ROOT / "recipes" / "parity_mlp.py"
 
 
 def distdebug(*args: str) -> subprocess.CompletedProcess:

@@ -216,6 +216,9 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
                    "sketch and norm, the loss, at steps 1-8 and each power of two); twin: also flip the last bit "
                    "of a random half of every parameter after each step: the reference's twin, whose distance "
                    "from the reference is the band of benign rounding (its results differ on purpose).")
+@click.option("--parity-steps", "parity_steps", default=None, metavar="STEPS",
+              help="With --parity: the steps whose tensors are recorded (ranges, steps and pow2, comma-separated; "
+                   "default 1-8,pow2). The loss and the gradients' norm are recorded at every step.")
 @click.option("--deterministic", is_flag=True, default=False,
               help="Seed Python's, numpy's and torch's generators with 0 and turn on torch's deterministic "
                    "algorithms before the script runs.")
@@ -271,6 +274,12 @@ def attach(script: str, script_args: tuple[str, ...], detectors: str | None, run
     if measure and block is not None and block < 1:
         raise UserError(f"--overhead-block {block}: give 1 step or more per unit", 2)
     launcher["measure_overhead"] = (OVERHEAD_AUTO if block is None else block) if measure else 0
+    if launcher.get("parity_steps") is not None:
+        from distdebug.config import chosen_steps
+
+        if launcher.get("parity") is None:
+            raise UserError("--parity-steps chooses the steps of --parity's records: give --parity record or twin", 2)
+        chosen_steps(str(launcher["parity_steps"]))
     options: dict[str, dict[str, object]] = {}
     for name, (det, key) in SHORTHANDS.items():
         value = launcher.pop(name)
@@ -542,7 +551,9 @@ def parity(ref: str | None, cand: str | None, twin: str | None, launch_ref: str 
                                            "bound": finite(d.bound), "ratio": finite(d.ratio)}
 
         click.echo(json.dumps({"equivalent": v.equivalent, "steps": result.steps, "ref_world": result.ref_world,
-                               "cand_world": result.cand_world, "cause": result.cause, "first": dep(v.first),
+                               "cand_world": result.cand_world, "cause": result.cause,
+                               "causes": [{"kind": c.kind, "step": c.step, "text": c.text} for c in result.causes],
+                               "first": dep(v.first),
                                "largest": dep(v.largest), "loss_departs": v.loss_departs, "compared": v.compared,
                                "missing": v.missing, "upto": result.upto, "sizes": result.sizes,
                                "text": result.text()}, indent=2, allow_nan=False))
@@ -708,14 +719,17 @@ def faults_list() -> int:
 
 @faults.command("replay", short_help="Replay each fault and a clean twin on a script; check the findings.",
                 context_settings={"allow_interspersed_args": False})
-@click.option("--fault", "fault_names", multiple=True, help="Only this fault (repeatable). Default: every fault.")
+@click.option("--fault", "fault_names", multiple=True,
+              help="Only this fault (repeatable). Default: every fault (on SCRIPT, every fault one run can show: "
+                   "the parity faults, judged against a 1-rank reference, run when named).")
 @click.option("--skip", "skip_names", multiple=True, help="Not this fault (repeatable).")
 @click.option("--inject", "overrides", multiple=True, metavar="SPEC",
               help="Set a fault's parameters on SCRIPT instead of the fitted ones, e.g. nan_grad:param=head.weight,"
                    "step=5 (repeatable; see: distdebug faults list).")
 @click.option("--recipe", "engines", multiple=True,
-              help="Only this recipe (repeatable): ddp, manual, fsdp2, zero2, zero2_resume, doctor, and the layouts "
-                   "tp, ddp_tp, hsdp_tp, pp, pp_dp. Default: each fault's own.")
+              help="Only this recipe (repeatable): ddp, manual, fsdp2, zero2, zero2_resume, doctor, the layouts "
+                   "tp, ddp_tp, hsdp_tp, pp, pp_dp, and parity, whose faults distdebug parity judges. Default: "
+                   "each fault's own.")
 @click.option("--nproc", type=int, default=2, show_default=True, help="Ranks per run.")
 @click.option("-j", "--jobs", type=int, default=1, show_default=True,
               help="Runs side by side (each on its own rendezvous port); at most cores / ranks per run is fair.")
@@ -780,7 +794,9 @@ def faults_replay(fault_names: tuple[str, ...], skip_names: tuple[str, ...], ove
     for spec in overrides:
         cls, params = parse_spec(spec, FAULTS)
         fitted.setdefault(cls.name, {}).update(params)
-    chosen = [f for f in (fault_names or FAULTS) if f not in skip_names]
+    # on a script, the parity faults (judged by distdebug parity, against a reference) only when named
+    default = [f for f, cls in FAULTS.items() if not script or not all(ENGINES[e].parity for e in cls.engines)]
+    chosen = [f for f in (fault_names or default) if f not in skip_names]
     chosen += [f for f in fitted if f not in chosen and f not in skip_names]  # a fault given parameters runs
     if not chosen:
         raise UserError("nothing to replay: --skip leaves no fault (see: distdebug faults list)", 2)

@@ -128,10 +128,12 @@ class AttachConfig:
     """``0,2;1,3``: the data-parallel groups (ranks holding replicas of the same part of the model), for a
     layout the harness cannot infer; overrides what discovery found (runtime.layout)."""
     rerun_on_anomaly: bool = False
-    parity: str | None = None
-    """``--parity record|twin``: add the parity recorder (detectors.parity), as the reference's twin or not."""
     """Capture every step so that a rank flagged at a step re-executes it (detectors.rerun): reproducible or
     a transient fault. Adds the ``rerun`` detector to the run's detectors."""
+    parity: str | None = None
+    """``--parity record|twin``: add the parity recorder (detectors.parity), as the reference's twin or not."""
+    parity_steps: str | None = None
+    """``--parity-steps``: the steps the parity recorder records its tensors at (ParityConfig.steps)."""
     run_dir_budget: int = RUN_DIR_BUDGET
     """Bytes of the run directory per rank (events and fingerprints kept in tiers: artifacts.retention);
     0: unbounded, every record kept whole."""
@@ -331,6 +333,49 @@ class ProfilerConfig:
             raise UserError(f"--profile-steps {self.steps}: {e}", 2) from None
         if self.on_finding < 0:
             raise UserError(f"--profile-on-finding must be 0 or more, got {self.on_finding}", 2)
+
+
+def chosen_steps(spec: str) -> tuple[set[int], bool]:
+    """``1-8,16,pow2``: ranges and single steps, comma-separated, and ``pow2`` (every power of two). Returns (the
+    listed steps, whether powers of two are in); a UserError (one line, what to write) on anything else."""
+    out: set[int] = set()
+    pow2 = False
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        try:
+            if part == "pow2":
+                pow2 = True
+            elif "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                if not 1 <= a <= b:
+                    raise ValueError
+                out |= set(range(a, b + 1))
+            elif int(part) >= 1:
+                out.add(int(part))
+            else:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"--parity-steps '{spec}': '{part}' is not a step (1 or more), a range A-B or pow2; "
+                            "write e.g. 1-8,pow2 or 1-20,50,100", 2) from None
+    if not out and not pow2:
+        raise UserError(f"--parity-steps '{spec}' names no step; write e.g. 1-8,pow2", 2)
+    return out, pow2
+
+
+@dataclass(kw_only=True)
+class ParityConfig:
+    """parity (``attach --parity``, ``--parity-steps``): the recorder ``distdebug parity`` compares."""
+
+    steps: str = "1-8,pow2"
+    """The steps whose tensors are recorded: ranges and steps, comma-separated, and ``pow2`` (every power of two):
+    the first steps, where a departure starts, then how rounding grows. The loss and the gradients' global norm
+    are recorded at every step whatever this says."""
+    twin: bool = False
+    """This run is the reference's twin: the last bit of a random half of each parameter flipped every step."""
+    seed: int = 0
+    """The sketches' seed: two runs compared must use the same."""
+
+    def __post_init__(self) -> None:
+        chosen_steps(self.steps)
 
 
 def parse_replica_groups(text: str) -> list[list[int]]:

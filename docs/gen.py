@@ -83,18 +83,32 @@ def faults_pages() -> dict[str, str]:
     rows = ["| fault | what it does | caught by |", "|---|---|---|"]
     for name, cls in FAULTS.items():
         found_by = [c for c in cards.CARDS.values() if name in c.faults]
-        by = ", ".join(f"[{c.code} {c.name}](../findings/{c.name}.md)" for c in found_by)
+        cause = getattr(cls, "cause", "") if cls.catcher == "parity" else ""
+        by = ", ".join(f"[{c.code} {c.name}](../findings/{c.name}.md)" for c in found_by) or (
+            f"[distdebug parity](../../guides/parity.md): `{cause}`" if cause else "")
         rows.append(f"| [`{name}`]({name}.md) | {cls.description} | {by} |")
         params = "\n".join(f"| `{p.name}` | {p.type.__name__} | `{p.default!r}` | {p.help} |" for p in cls.params)
         doc = " ".join((sys.modules[cls.__module__].__doc__ or "").split())
+        if cause:  # judged by distdebug parity against a 1-rank reference, not by one run's detectors
+            from distdebug.analysis.parity import CAUSES
+
+            reproduces = [f"- [distdebug parity](../../guides/parity.md)'s cause class `{cause}`: {CAUSES[cause]}"]
+            use = ["Against a 1-rank reference of the same global batch (its twin made beside it), the fault in the "
+                   "candidate's launch line:", "", "```text", "distdebug parity --launch-ref '--nproc-per-node 1 "
+                   f"train.py' --launch-cand '--nproc-per-node 2 --inject {name} train.py'", "```", "",
+                   "Replayed on the parity recipe, with a clean candidate beside it, checking the step, the tensor "
+                   "and the cause parity names:", "", "```text", f"distdebug faults replay --recipe parity --fault "
+                   f"{name}", "```", ""]
+        else:
+            reproduces = [f"- [{c.code} {c.name}](../findings/{c.name}.md): {c.title}" for c in found_by]
+            use = ["On your script, with its clean twin (a run with no fault), checking the finding's rank, step and "
+                   "subject:", "", "```text", f"distdebug faults replay --fault {name} train.py", "```", "",
+                   "In one run, by hand:", "", "```text", f"distdebug attach --inject {name} train.py", "```", ""]
         lines = [f"# Fault `{name}`", "", cls.description[0].upper() + cls.description[1:] + ".", "",
                  *(["## How it acts", "", doc.replace("``", "`"), ""] if doc else []),
-                 "## Reproduces", "", *[f"- [{c.code} {c.name}](../findings/{c.name}.md): {c.title}" for c in found_by],
+                 "## Reproduces", "", *reproduces,
                  "", "## Parameters", "", "| parameter | type | default | meaning |", "|---|---|---|---|", params
-                 or "| (none) | | | |", "", "## Use it", "",
-                 "On your script, with its clean twin (a run with no fault), checking the finding's rank, step and "
-                 "subject:", "", "```text", f"distdebug faults replay --fault {name} train.py", "```", "",
-                 "In one run, by hand:", "", "```text", f"distdebug attach --inject {name} train.py", "```", "",
+                 or "| (none) | | | |", "", "## Use it", "", *use,
                  f"Replayed on the recipes: {', '.join(cls.engines)}. Expected exit codes: "
                  f"{', '.join(str(c) for c in cls.exit_codes)}.", ""]
         pages[f"reference/faults/{name}.md"] = GENERATED + "\n".join(lines)
@@ -626,24 +640,34 @@ def volume_example(env: dict[str, str]) -> tuple[str, str]:
 
 
 
-def parity_example(env: dict[str, str]) -> tuple[str, str]:
-    """``distdebug parity`` on real runs of tests/data/scripts/parity_mlp.py: the reference (1 rank), its twin, the
+def parity_example(env: dict[str, str]) -> tuple[str, str, str]:
+    """``distdebug parity`` on real runs of recipes/parity_mlp.py: the reference (1 rank), its twin, the
     same script on 2 ranks under DDP and under FSDP2 (equivalent), and on 2 ranks with the loss not divided by the
-    world size (departs)."""
-    script = "tests/data/scripts/parity_mlp.py"
+    world size (departs); 1 rank accumulating the global batch in 2 micro-batches (the reference, and its twin)
+    against 2 ranks (equivalent), and with a BatchNorm layer (departs: per-rank statistics)."""
+    script = "recipes/parity_mlp.py"
     for name, mode, nproc, extra in (("ref", "record", "1", []), ("twin", "twin", "1", []),
                                      ("cand", "record", "2", []), ("summed", "record", "2", ["--sum-grads"]),
-                                     ("fsdp2", "record", "2", ["--fsdp2"])):
+                                     ("fsdp2", "record", "2", ["--fsdp2"]),
+                                     ("acc", "record", "1", ["--accumulate", "2"]),
+                                     ("acc-twin", "twin", "1", ["--accumulate", "2"]),
+                                     ("bn", "record", "1", ["--bn"]), ("bn-twin", "twin", "1", ["--bn"]),
+                                     ("bn-cand", "record", "2", ["--bn"])):
         _run(["attach", "--run-dir", str(WORK / "parity" / name), "--parity", mode, "--nproc-per-node", nproc,
               script, *extra], env)
     runs = [str(WORK / "parity" / n) for n in ("ref", "cand", "summed", "twin", "fsdp2")]
     ok = _run(["parity", runs[0], runs[1], "--twin", runs[3]], env)
     sharded = _run(["parity", runs[0], runs[4], "--twin", runs[3]], env)
     bad = _run(["parity", runs[0], runs[2], "--twin", runs[3]], env, expect=(1,))
+    at = {n: str(WORK / "parity" / n) for n in ("acc", "acc-twin", "bn", "bn-twin", "bn-cand")}
+    acc = _run(["parity", at["acc"], runs[1], "--twin", at["acc-twin"]], env)
+    bn = _run(["parity", at["bn"], at["bn-cand"], "--twin", at["bn-twin"]], env, expect=(1,))
     wrap = lambda text: "".join(f"{w}\n" for line in text.splitlines()  # noqa: E731
                                 for w in textwrap.wrap(line, 110, subsequent_indent="  ", break_on_hyphens=False))
     return (f"$ distdebug parity REF DDP2 --twin TWIN\n{wrap(ok)}$ distdebug parity REF FSDP2 --twin TWIN\n"
-            f"{wrap(sharded)}", f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}")
+            f"{wrap(sharded)}", f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}",
+            f"$ distdebug parity ACCUMULATE2 DDP2 --twin ACCUMULATE2_TWIN\n{wrap(acc)}"
+            f"$ distdebug parity BN BN2 --twin BN_TWIN\n{wrap(bn)}")
 
 
 def checkpoint_example(env: dict[str, str]) -> str:
@@ -759,9 +783,10 @@ def examples(slow_only: bool = False) -> int:
         out = _run(["attach", "--run-dir", str(WORK / "bad-env"), *recipe, "--steps", "2"], bad, "both",
                    expect=tuple(range(1, 256)))
         (EXAMPLES / "env-check-stderr.txt").write_text(findings_of(out, "env_check"))
-        ok, bad = parity_example(env)
+        ok, bad, pairs = parity_example(env)
         (EXAMPLES / "parity-equivalent.txt").write_text(ok)
         (EXAMPLES / "parity-departs.txt").write_text(bad)
+        (EXAMPLES / "parity-accumulate-bn.txt").write_text(pairs)
         _json_examples(env)
         (EXAMPLES / "replay-sandbox.txt").write_text(sandbox_example(env))
         (EXAMPLES / "status-line.txt").write_text(status_example(env))

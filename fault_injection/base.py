@@ -69,6 +69,20 @@ class Expect:
         return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class ParityExpect:
+    """What ``distdebug parity`` must say of a candidate with a fault (a fault replayed on a parity recipe): the
+    first step it departs at, the first quantity (``grad`` / ``param``: the model's first gradient or parameter;
+    else a full ``grad:NAME``), and the class of its likely cause (a key of ``analysis.parity.CAUSES``)."""
+
+    step: int
+    quantity: str
+    cause: str
+
+    def describe(self) -> str:
+        return f"parity departs at step {self.step} at {self.quantity}, likely cause {self.cause}"
+
+
 class Pace:
     """How long a slow-rank fault (straggler, slow_dataloader) sleeps in each step: ``delay`` seconds at
     least, and at least ``factor`` times the rank's own time per step (its step time less what it slept;
@@ -278,6 +292,11 @@ class Fault(Detector):
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         """The findings this fault must cause, given the world size and its ``injected`` records."""
         return [Expect(self.catcher)]
+
+    def parity_expect(self, injected: list[dict[str, Any]]) -> ParityExpect | None:
+        """What ``distdebug parity`` must find when the replay runs this fault on a parity recipe (its engines'
+        ``parity``), given its ``injected`` records; None: it never acted (or is not replayed there)."""
+        return None
 
     def spec(self) -> str:
         vals = ",".join(f"{p.name}={getattr(self, p.name)}" for p in self.params)

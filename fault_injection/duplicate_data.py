@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from distdebug.context import RankContext
 
-from .base import Expect, Fault
+from .base import Expect, Fault, ParityExpect
 
 if TYPE_CHECKING:
     from .facts import Facts
@@ -22,7 +22,7 @@ class DuplicateData(Fault):
                    "rank gets the same batches")
     params = ()
     catcher = "data_order"
-    engines = ("ddp",)
+    engines = ("ddp", "parity")
 
     _hook: Any = None
 
@@ -83,3 +83,7 @@ class DuplicateData(Fault):
 
     def expect(self, world: int, injected: list[dict[str, Any]]) -> list[Expect]:
         return [Expect("data_order", ranks=list(range(world)), step=2, subject="input batches")] if injected else []
+
+    def parity_expect(self, injected: list[dict[str, Any]]) -> ParityExpect | None:
+        # on the parity recipe: the ranks' batches repeat each other's from the first step, the reference's do not
+        return ParityExpect(1, "grad", "data") if injected else None

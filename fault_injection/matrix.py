@@ -62,6 +62,9 @@ class Engine:
     aim: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Fault name -> spec parameters that aim it in this recipe (a pipeline's NaN is born on stage 0,
     so that the next stage receives it)."""
+    parity: bool = False
+    """Its cells are judged by ``distdebug parity`` (each candidate against the recipe at 1 rank and its twin,
+    run once for the replay: ``parity_reference``), not by a detector's findings."""
 
 
 def _script(name: str) -> Path:
@@ -90,11 +93,14 @@ ENGINES: dict[str, Engine] = {
                       aim={"bitflip_param": {"param": "w2.weight"}}),
     "pp": Engine("pipeline_parallel.py", ("--schedule", "Schedule1F1B"), aim={"nan_activation": {"rank": 0}}),
     "pp_dp": Engine("pipeline_parallel.py", ("--dp", "2"), nproc=4),
+    "parity": Engine("parity_mlp.py", parity=True),
 }
 """Engine name -> recipe. ``zero2_resume`` saves a checkpoint in one run and resumes it in the next;
 ``doctor`` is ``distdebug doctor --bandwidth``'s worker (the link matrix). The parallel layouts (issue
 21): tensor parallel on 2 ranks, DDP x TP and HSDP x TP on 4 (a bit flip in a TP shard, compared with
-its data-parallel replica only), a 2-stage pipeline, and 2 pipelines x 2 stages averaging by hand."""
+its data-parallel replica only), a 2-stage pipeline, and 2 pipelines x 2 stages averaging by hand. ``parity``
+(issue 50): a training that holds its global batch equal at any number of ranks, its faults judged by
+``distdebug parity`` against the recipe at 1 rank."""
 
 
 @dataclass
@@ -195,7 +201,7 @@ def judge(fault: Fault | None, world: int, injected: list[dict[str, Any]], findi
 def _built(detector: str) -> bool:
     from distdebug.detectors.registry import names
 
-    return detector in names() or detector in ("hang", "link_matrix", "env_diff")  # launcher- and doctor-side
+    return detector in names() or detector in ("hang", "link_matrix", "env_diff", "parity")  # launcher-, doctor-side
 
 
 def _cli() -> list[str]:
@@ -215,19 +221,25 @@ def _steps(fault: Fault | None) -> int:
 
 def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, script: list[str] | None = None,
              timeout: float = REPLAY_TIMEOUT_S, probe: bool = False, standalone: bool = False,
-             isolation: Isolation | None = None, keep: bool = False) -> Cell:
+             isolation: Isolation | None = None, keep: bool = False,
+             pair: tuple[Path, Path] | str | None = None) -> Cell:
     """Run one cell (a fault on an engine, or the clean run when fault is None) and judge it.
 
     ``probe``: the clean run also records what the script has (fault_injection.probe); ``standalone``:
     the run's rendezvous on a free port of its own (cells run side by side); ``isolation``: the script runs
     in a copy of the working directory of its own (fault_injection.sandbox), beside its run dir, removed
-    after the run unless it failed and ``keep``."""
+    after the run unless it failed and ``keep``; ``pair``: on a parity recipe, the reference's and its twin's run
+    directories (``parity_reference``), or why there are none."""
+    if isinstance(pair, str):
+        name = fault.name if fault is not None else "clean"
+        return Cell(fault=name, engine=engine_name, spec=fault.spec() if fault is not None else "", status="error",
+                    detector="parity", reason=pair)
     if isolation is None:
-        return _run_cell(fault, engine_name, work, nproc, script, timeout, probe, standalone, None)
+        return _run_cell(fault, engine_name, work, nproc, script, timeout, probe, standalone, None, pair)
     runs = work / f"{fault.name if fault is not None else 'clean'}-{engine_name}"
     cell: Cell | None = None
     try:
-        cell = _run_cell(fault, engine_name, work, nproc, script, timeout, probe, standalone, isolation)
+        cell = _run_cell(fault, engine_name, work, nproc, script, timeout, probe, standalone, isolation, pair)
         return cell
     finally:
         if cell is None or cell.ok or not keep:
@@ -235,7 +247,8 @@ def run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scri
 
 
 def _run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, script: list[str] | None,
-              timeout: float, probe: bool, standalone: bool, isolation: Isolation | None) -> Cell:
+              timeout: float, probe: bool, standalone: bool, isolation: Isolation | None,
+              pair: tuple[Path, Path] | None = None) -> Cell:
     from distdebug.artifacts.reader import load_run
     from distdebug.procs import run_tree
 
@@ -274,7 +287,7 @@ def _run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scr
             target += ["--steps", str(_steps(fault))]
     run_dir = runs / "run"
     cell.run_dir = str(run_dir)
-    argv = [*base, "--run-dir", str(run_dir)]
+    argv = [*base, "--run-dir", str(run_dir), *(["--parity", "record"] if pair is not None else [])]
     if fault is not None:
         rerun = ["--rerun-on-anomaly"] if engine_name in getattr(fault, "rerun_on", ()) else []
         argv += [*fault.attach_args, *rerun, "--inject", fault.spec()]
@@ -295,9 +308,85 @@ def _run_cell(fault: Fault | None, engine_name: str, work: Path, nproc: int, scr
     injected = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == schema.INJECTED]
     not_acted = [rec for s in run.ranks.values() for rec in s.last_attempt() if rec.get("kind") == schema.NOT_ACTED]
     # Setup-time faults act on every rank the same way: judged once per rank that acted.
-    judge(fault, world=nproc, injected=injected, findings=findings, cell=cell, not_acted=not_acted)
+    if pair is not None:
+        judge_parity(fault, pair, run_dir, injected, cell, not_acted)
+    else:
+        judge(fault, world=nproc, injected=injected, findings=findings, cell=cell, not_acted=not_acted)
     said = fault is not None and any(rec.get("fault") == fault.name for rec in not_acted)
     return judge_exit(fault, r.returncode, bool(injected), cell, said=said)
+
+
+def judge_parity(fault: Fault | None, pair: tuple[Path, Path], run_dir: Path, injected: list[dict[str, Any]],
+                 cell: Cell, not_acted: list[dict[str, Any]] | None = None) -> Cell:
+    """The verdict of a cell on a parity recipe: ``distdebug parity`` of its run (the candidate) against the
+    reference and its twin (``pair``). The clean candidate must be equivalent; a fault's must depart at the step
+    it acted in, at the quantity it names first (``Fault.parity_expect``), with its class as the likely cause."""
+    from distdebug.analysis import parity as pm
+    from distdebug.analysis.summary import acted, why_not
+    from distdebug.artifacts.reader import load_run
+
+    cell.detector = "parity"
+    try:
+        ref, twin, cand = (pm.recorded(load_run(p)) for p in (*pair, run_dir))
+        result = pm.compare_runs(ref, twin, cand)
+    except Exception as e:  # noqa: BLE001 (one cell's error, said; the replay's other cells go on)
+        why = str(e) if isinstance(e, pm.CannotCompare) else f"{type(e).__name__}: {e}"
+        cell.status, cell.reason = "error", f"parity cannot compare: {why}"
+        return cell
+    v = result.verdict
+    if fault is None:
+        cell.status = "clean" if v.equivalent else "false-alarm"
+        cell.reason = "" if v.equivalent else result.text().replace("\n", "; ")
+        return cell
+    said = [r for r in not_acted or () if r.get("fault") == fault.name]
+    expect = fault.parity_expect(injected)
+    if expect is None:
+        if said and fault.name not in acted(injected, said):
+            cell.status, cell.reason = "did-not-act", "; ".join(why_not([fault.name], said).get(fault.name, []))
+        else:
+            cell.status, cell.reason = "error", "the fault never acted, and gave no reason"
+        return cell
+    quantity = {"grad": f"grad:{ref.names[0]}", "param": f"param:{ref.names[0]}"}.get(expect.quantity,
+                                                                                     expect.quantity)
+    cell.expected = [f"parity departs at step {expect.step} at {quantity}, likely cause {expect.cause}"]
+    if v.first is None:
+        cell.status, cell.reason = "miss", f"parity: {v.text()}"
+        return cell
+    cell.steps_to_detection = max(0, v.first.step - expect.step)
+    kinds = [c.kind for c in result.causes]
+    said_here = (f"departs at step {v.first.step} at {v.first.quantity}, likely cause "
+                 f"{kinds[0] if kinds else 'none named'}")
+    if (v.first.step, v.first.quantity, kinds[:1]) == (expect.step, quantity, [expect.cause]):
+        cell.status = "caught-localised"
+    else:
+        cell.status, cell.missing = "caught", list(cell.expected)
+        early = " (before the fault acted: the pair departs without it)" if v.first.step < expect.step else ""
+        cell.reason = f"not localised: parity says {said_here}{early}; expected {cell.expected[0]}"
+    return cell
+
+
+def parity_reference(engine_name: str, work: Path, fault_steps: int, timeout: float = REPLAY_TIMEOUT_S,
+                     standalone: bool = False) -> tuple[Path, Path] | str:
+    """The reference of a parity recipe's cells, run once for the replay: the recipe at 1 rank with ``--parity
+    record``, and again as its twin (``--parity twin``), for ``fault_steps`` steps (no candidate runs fewer).
+    Returns their run directories, or why they could not be made (every cell on the recipe is then an error)."""
+    from distdebug.procs import run_tree
+
+    engine = ENGINES[engine_name]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop(envvars.REPLAY_BACKUP, None)
+    out: list[Path] = []
+    for mode in ("record", "twin"):
+        run = work / f"parity-{engine_name}" / ("ref" if mode == "record" else "twin")
+        shutil.rmtree(run, ignore_errors=True)
+        r = run_tree([*_cli(), "attach", "--nproc-per-node", "1", *(["--standalone"] if standalone else []),
+                      "--run-dir", str(run), "--parity", mode, str(_script(engine.script)), *engine.args,
+                      "--steps", str(fault_steps)], timeout=timeout, env=env)
+        if r.returncode != 0 or r.timed_out:
+            return (f"the parity reference ({'its twin' if mode == 'twin' else 'the recipe at 1 rank'}) failed "
+                    f"({'timed out' if r.timed_out else f'exit code {r.returncode}'}): {r.stderr.strip()[-300:]}")
+        out.append(run)
+    return out[0], out[1]
 
 
 def judge_exit(fault: Fault | None, code: int, acted: bool, cell: Cell, said: bool = False) -> Cell:
@@ -366,14 +455,23 @@ def replay(cells: list[tuple[str, str]], work: Path, nproc: int = 2, on_cell: Ca
            jobs: int = 1, timeout: float = REPLAY_TIMEOUT_S, keep: bool = True) -> list[Cell]:
     """Replay faults on the project's recipes (``plan``'s cells)."""
     todo: list[Callable[[], Cell]] = []
+    pairs: dict[str, tuple[Path, Path] | str] = {}
+    for engine in dict.fromkeys(e for _, e in cells if ENGINES[e].parity):  # the reference first, once a recipe
+        made = [FAULTS[f](**ENGINES[engine].aim.get(f, {})) for f, e in cells if e == engine and f != "clean"]
+        pairs[engine] = parity_reference(engine, work, min([_steps(None), *map(_steps, made)]), timeout,
+                                         standalone=jobs > 1)
     for fault_name, engine in cells:
         recipe = ENGINES[engine]
         fault = FAULTS[fault_name](**recipe.aim.get(fault_name, {})) if fault_name != "clean" else None
         # A fault that needs more ranks (a slow pair among others) gets them, and so does a recipe.
         world = max(nproc, fault.min_world if fault is not None else 1, recipe.nproc)
-        todo.append(functools.partial(run_cell, fault, engine, work, world, timeout=timeout, standalone=jobs > 1))
+        todo.append(functools.partial(run_cell, fault, engine, work, world, timeout=timeout, standalone=jobs > 1,
+                                      pair=pairs.get(engine)))
     out = _run_all(todo, jobs, on_cell)
     _prune(out, keep)
+    for engine in pairs:  # the reference and its twin go with the last cell that needed them
+        if not keep and all(c.ok for c in out if c.engine == engine):
+            shutil.rmtree(work / f"parity-{engine}", ignore_errors=True)
     return out
 
 
@@ -494,5 +592,6 @@ def junit_xml(cells: list[Cell]) -> str:
         else:
             ET.SubElement(case, "system-out").text = (
                 f"{c.status}; spec {c.spec or '-'}; steps to detection {c.steps_to_detection}; "
-                f"run dir {c.run_dir or '(removed: passed)'}")
+                f"run dir {c.run_dir or '(removed: passed)'}" + (f"; expected {'; '.join(c.expected)}"
+                                                                 if c.expected else ""))
     return '<?xml version="1.0" encoding="utf-8"?>' + ET.tostring(root, encoding="unicode")

@@ -78,6 +78,8 @@ class Verdict:
     """Quantity-steps compared."""
     missing: list[str] = field(default_factory=list)
     """Quantities one run has and the other lacks (not compared: said)."""
+    departed: dict[str, int] = field(default_factory=dict)
+    """Each quantity that leaves its band -> the first step it does (what the cause catalogue reads)."""
 
     def text(self) -> str:
         if self.largest is None:
@@ -142,8 +144,11 @@ def compare(cand: Mapping[str, Series], twin: Mapping[str, Series], sizes: Mappi
                 departures.append(d)
     first = min(departures, key=lambda d: (d.step, rank.get(d.quantity, len(rank)), d.quantity), default=None)
     loss = min((d.step for d in departures if d.quantity == "loss"), default=None)
+    departed: dict[str, int] = {}
+    for d in departures:
+        departed[d.quantity] = min(d.step, departed.get(d.quantity, d.step))
     return Verdict(equivalent=first is None and compared > 0, largest=largest, first=first, loss_departs=loss,
-                   compared=compared, missing=missing)
+                   compared=compared, missing=missing, departed=departed)
 
 
 def gradient_scale(ref_norms: Mapping[str, float], cand_norms: Mapping[str, float],
@@ -179,6 +184,25 @@ class Recorded:
     """step -> ``grad:NAME`` / ``param:NAME`` -> the whole tensor's sketch: rank 0's of a replicated tensor
     (gradients are reduced: every data-parallel rank holds the same), the sum of its parts' of a sharded one."""
     norms: dict[int, dict[str, float]]
+    buffers: list[str] = field(default_factory=list)
+    """The floating buffers' names (``buffer:NAME`` in ``sketches``)."""
+    buffer_dtypes: dict[str, str] = field(default_factory=dict)
+    hyper: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """step -> each optimizer parameter group's numbers (lr, momentum, weight_decay, betas...)."""
+    state_dtypes: dict[int, dict[str, dict[str, str]]] = field(default_factory=dict)
+    """step -> parameter name -> the optimizer state's floating tensors' dtypes (``exp_avg``: ``bfloat16``)."""
+    rank_grads: dict[int, dict[int, dict[str, float]]] = field(default_factory=dict)
+    """step -> rank -> each replicated gradient's norm on that rank (every rank's, not only rank 0's)."""
+    data: dict[int, list[float]] = field(default_factory=dict)
+    """step -> the data's fingerprint summed over the ranks (only steps where every rank took one)."""
+    rows: dict[int, int] = field(default_factory=dict)
+    """step -> the samples the ranks' training forwards saw together."""
+    widths: dict[int, list[int]] = field(default_factory=dict)
+    """step -> the widths (numbers per sample read, at most the recorder's WIDTH) of those forwards' inputs: two
+    runs' data are compared only where they agree (a batch split along another dimension than the first, or each
+    rank padding to its own length, changes them)."""
+    dp_world: int = 0
+    """The data-parallel size (rank 0's data-parallel group; 0: not recorded, the world size is used)."""
 
 
 class CannotCompare(Exception):
@@ -222,12 +246,24 @@ def recorded(run: Any) -> Recorded:
             if x.get("kind") == schema.STEP and isinstance(x.get("loss"), (int, float)) and \
                     isinstance(x.get("step"), int) and x.get("harness") != "off":
                 losses.setdefault(x["step"], []).append(float(x["loss"]))
+    # the loss as backward ran on it, summed over the step's backward calls (what the parity recorder reads every
+    # step): under accumulation it is the loss whose gradient the step applies, where the step record's loss is
+    # the micro-batches' mean; runs recorded without it compare the step records' loss
+    totals: dict[int, list[float]] = {}
+    for recs in streams.values():
+        for x in recs:
+            if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("loss_total"), (int, float)):
+                totals.setdefault(int(x["step"]), []).append(float(x["loss_total"]))
+    totals = {t: v for t, v in totals.items() if len(v) == len(streams)}
+    if totals:
+        losses = totals
     squares: dict[int, list[float]] = {}  # every step: the ranks' parts of the gradients' squared global norm
     for recs in streams.values():
         for x in recs:
             if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("grad_sq_sum"), (int, float)):
                 squares.setdefault(int(x["step"]), []).append(float(x["grad_sq_sum"]))
-    holders = sum(1 for recs in streams.values() if any(x.get("kind") == schema.PARITY_STEP for x in recs))
+    holders = sum(1 for recs in streams.values()
+                  if any(x.get("kind") == schema.PARITY_STEP and "grad_sq_sum" in x for x in recs))
     # a step only where every rank's part is there (a rank whose older steps the run-directory budget thinned
     # would otherwise make a mean of some ranks, a norm of some parts)
     losses = {t: v for t, v in losses.items() if len(v) == len(streams)}
@@ -236,29 +272,67 @@ def recorded(run: Any) -> Recorded:
     squared: dict[int, dict[str, float]] = {}
     names: list[str] = []
     dtypes: dict[str, str] = {}
+    buffers: list[str] = []
+    buffer_dtypes: dict[str, str] = {}
+    hyper: dict[int, list[dict[str, Any]]] = {}
+    state_dtypes: dict[int, dict[str, dict[str, str]]] = {}
     for x in sorted(parts, key=lambda x: int(x.get("rank", 0))):  # a sharded tensor's parts, summed: the whole's
         step = int(x["step"])
-        for kind, sq in (("grad", "grad_sq"), ("param", "param_sq")):
+        if isinstance(x.get("hyper"), list) and step not in hyper:
+            hyper[step] = x["hyper"]
+        if isinstance(x.get("state_dtypes"), dict):
+            state_dtypes.setdefault(step, {}).update(x["state_dtypes"])
+        for kind, sq, key_names in (("grad", "grad_sq", "names"), ("buffer", "buffer_sq", "buffer_names"),
+                                    ("param", "param_sq", "names")):
             if kind not in x:  # no gradient at the boundary (DeepSpeed ZeRO's own buffers): parameters only
                 continue
-            for n, v, q in zip(x["names"], x[kind], x[sq], strict=True):
+            for n, v, q in zip(x[key_names], x[kind], x[sq], strict=True):
                 key = f"{kind}:{n}"
                 have = sketches.setdefault(step, {}).get(key)
                 sketches[step][key] = list(v) if have is None else [a + b for a, b in zip(have, v, strict=True)]
                 squared.setdefault(step, {})[key] = squared.get(step, {}).get(key, 0.0) + float(q)
         names += [n for n in x["names"] if n not in names]
         dtypes.update(zip(x["names"], x.get("dtypes") or ["float32"] * len(x["names"]), strict=True))
+        buffers += [n for n in x.get("buffer_names") or () if n not in buffers]
+        buffer_dtypes.update(zip(x.get("buffer_names") or (), x.get("buffer_dtypes") or (), strict=False))
     norms = {t: {k: math.sqrt(v) for k, v in q.items()} for t, q in squared.items()}
+    # the ranks whose batches together are the global batch, and whose replicated gradients must agree: rank 0's
+    # data-parallel group (its tensor- or pipeline-parallel peers read the same batch, or none), first stage only
+    where = {int(r): x for r, recs in per_rank.items() for x in recs[:1]}
+    group = where.get(0, {}).get("dp") if 0 in where else None
+    dp = sorted(int(r) for r in (group if isinstance(group, list) else streams))
+    feeders = [r for r in dp if where.get(r, {}).get("first_stage", True)]
+    rank_grads: dict[int, dict[int, dict[str, float]]] = {}
+    data: dict[int, list[list[float]]] = {}
+    rows: dict[int, int] = {}
+    widths: dict[int, set[int]] = {}
+    for r, recs in per_rank.items():
+        for x in recs:
+            step = int(x["step"])
+            if isinstance(x.get("rank_grad_sq"), list) and int(r) in dp:
+                rank_grads.setdefault(step, {})[int(r)] = {
+                    n: math.sqrt(max(float(q), 0.0)) for n, q in zip(x.get("rank_names") or (), x["rank_grad_sq"],
+                                                                     strict=False)}
+            if isinstance(x.get("data"), list) and int(r) in feeders:
+                data.setdefault(step, []).append([float(v) for v in x["data"]])
+                rows[step] = rows.get(step, 0) + int(x.get("rows") or 0)
+                widths.setdefault(step, set()).update(int(w) for w in x.get("widths") or ())
+    # the data's fingerprint where every feeding rank took one (a rank without one: that step's data is not compared)
+    summed = {t: [sum(col) for col in zip(*v, strict=True)] for t, v in data.items()
+              if len(v) == len(feeders) and len({len(x) for x in v}) == 1}
     world = len(streams)
     return Recorded(world=world, twin=bool(first[0].get("twin")), seed=first[0].get("seed"), names=names, dtypes=dtypes,
                     loss={t: sum(v) / len(v) for t, v in losses.items()},
                     global_grad_norm={t: math.sqrt(sum(v)) for t, v in squares.items()}, sketches=sketches,
-                    norms=norms)
+                    norms=norms, buffers=buffers, buffer_dtypes=buffer_dtypes, hyper=hyper,
+                    state_dtypes=state_dtypes, rank_grads=rank_grads, data=summed,
+                    rows={t: rows[t] for t in summed}, widths={t: sorted(widths.get(t, ())) for t in summed},
+                    dp_world=len(dp))
 
 
 def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:
     """Each quantity's distance between two runs: the loss and the gradient norm at every step both have, the
-    tensors at each of ``steps`` (those both recorded)."""
+    tensors at each of ``steps`` (those both recorded and finite in ``a``, the reference)."""
     out: dict[str, dict[int, float]] = {
         "loss": {t: abs(a.loss[t] - b.loss[t]) for t in sorted(set(a.loss) & set(b.loss))},
         "grad_norm": {t: abs(a.global_grad_norm[t] - b.global_grad_norm[t])
@@ -266,7 +340,9 @@ def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int,
     for t in steps:
         for q, sa in a.sketches.get(t, {}).items():
             sb = b.sketches.get(t, {}).get(q)
-            if sb is not None and len(sa) == len(sb):
+            # a tensor not finite in the reference itself (a mask of -inf, a buffer never written) has no distance:
+            # not compared, rather than a departure of every candidate
+            if sb is not None and len(sa) == len(sb) and all(map(math.isfinite, sa)):
                 out.setdefault(q, {})[t] = math.sqrt(sum((x - y) ** 2 for x, y in zip(sa, sb, strict=True)))
     return {q: d for q, d in out.items() if d}
 
@@ -323,11 +399,14 @@ class Parity:
     """Stage 2: step time and peak memory per size, the scaling efficiency (``side_by_side``)."""
     upto: int | None = None
     """The twin's last step, when it ran fewer steps than the reference: nothing is compared past it."""
+    causes: list[Cause] = field(default_factory=list)
+    """Every cause the catalogue finds evidence of, the most direct first (``cause`` is the first's text)."""
 
     def text(self) -> str:
         head = (f"parity of {self.cand_world} rank(s) against {self.ref_world}: the loss and gradient norm at every "
                 f"step, the tensors at {len(self.steps)} recorded steps ({_steps(self.steps)}): {self.verdict.text()}")
-        return head + (f"\nlikely cause: {self.cause}" if self.cause else "") + (
+        also = "".join(f"\nalso: {c.text}" for c in self.causes[1:3])
+        return head + (f"\nlikely cause: {self.cause}{also}" if self.cause else "") + (
             f"\nnot compared (in one run only): {', '.join(self.verdict.missing[:8])}"
             + (" ..." if len(self.verdict.missing) > 8 else "") if self.verdict.missing else "") + (
             f"\n{self.sizes}" if self.sizes else "") + (
@@ -376,27 +455,178 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
         for q, v in ref.norms.get(t, {}).items():
             sizes.setdefault(q, {})[t] = v
     # at one step, the tensor is named before the global figures it feeds (the loss is told apart: loss_departs)
-    order = [*[f"grad:{n}" for n in ref.names], *[f"param:{n}" for n in ref.names], "grad_norm", "loss"]
+    # (a buffer, computed in the forward, before the parameters it does not feed)
+    order = [*[f"grad:{n}" for n in ref.names], *[f"buffer:{n}" for n in ref.buffers],
+             *[f"param:{n}" for n in ref.names], "grad_norm", "loss"]
     kinds = {f"{k}:{n}": EPS_NAME.get(d, "float32") for n, d in ref.dtypes.items() for k in ("grad", "param")}
+    kinds.update({f"buffer:{n}": EPS_NAME.get(d, "float32") for n, d in ref.buffer_dtypes.items()})
     verdict = compare(d_cand, d_twin, sizes, order, slack, dtypes=kinds)
     if verdict.compared == 0:
         raise CannotCompare("nothing was compared: no quantity recorded by the reference, its twin and the candidate "
                             "at the same steps")
     upto = max(twin.loss, default=0)
-    cause = None
-    if verdict.first is not None:
-        t = verdict.first.step
-        grads = {q: v for q, v in ref.norms.get(t, {}).items() if q.startswith("grad:")}
-        factor = gradient_scale(grads, {q: v for q, v in cand.norms.get(t, {}).items() if q.startswith("grad:")})
-        n = cand.world / ref.world if ref.world else 0
-        if factor is not None and n > 1 and abs(factor / n - 1) < 0.05:
-            cause = (f"every gradient is {factor:.3g}x the reference's ({cand.world} ranks against {ref.world}): "
-                     "summed over the ranks instead of averaged (a loss not divided by the world size, or "
-                     "all_reduce SUM without the division)")
-        elif factor is not None and n > 1 and abs(factor * n - 1) < 0.05:
-            cause = (f"every gradient is 1/{1 / factor:.3g} of the reference's: divided by the world size twice (an "
-                     "average of averages, or a loss divided by the world size before DDP averages)")
-        elif factor is not None:
-            cause = f"every gradient is {factor:.3g}x the reference's: a loss or learning rate scaled differently"
+    found = causes(ref, cand, verdict, steps) if verdict.first is not None else []
+    cause = found[0].text if found else None
     return Parity(verdict, steps, ref.world, cand.world, cause,
-                  upto=upto if upto < max(ref.loss, default=0) else None)
+                  upto=upto if upto < max(ref.loss, default=0) else None, causes=found)
+
+
+# ------------------------------------------------------------------------------------------------ the cause catalogue
+@dataclass
+class Cause:
+    """One class of the real causes of a departure, with the evidence the runs hold for it."""
+
+    kind: str
+    """``hyperparameter``, ``dtype``, ``data``, ``unreduced``, ``gradient_scale``, ``batchnorm``, ``forward``,
+    ``update``: one of CAUSES."""
+    step: int
+    """The step the evidence is from."""
+    text: str
+
+
+CAUSES = {
+    "hyperparameter": "an optimizer hyperparameter differs (a learning rate or weight decay scaled by the world size)",
+    "dtype": "a parameter, buffer or optimizer state kept in another dtype (AdamW's moments in bfloat16)",
+    "data": "the ranks together saw other samples (a data split that repeats or drops samples)",
+    "unreduced": "a gradient differs between the ranks (never averaged over them)",
+    "gradient_scale": "every gradient scaled by one factor (summed over the ranks, or normalised by a local count)",
+    "batchnorm": "BatchNorm statistics per rank instead of the whole batch's",
+    "forward": "the forward computes otherwise with the same parameters and data (randomness drawn per rank)",
+    "update": "the same gradients give other parameters (the optimizer's update differs)",
+}
+"""The catalogue, most direct evidence first: what ``causes`` can name (issue 50's classes)."""
+
+
+def _ratio_words(c: float, r: float, n: float) -> str:
+    if r == 0 or not math.isfinite(c / r):
+        return ""
+    x = c / r
+    world = " (the world-size ratio)" if n > 1 and (abs(x / n - 1) < 1e-6 or abs(x * n - 1) < 1e-6) else ""
+    return f", x{x:.4g}{world}"
+
+
+def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) -> list[Cause]:
+    """The likely causes of a departure, from what the two runs recorded at or before its first step: settings
+    that differ (an optimizer's numbers, a dtype) and the data first (they explain what follows), then what the
+    gradients show (a gradient the ranks disagree on, one factor on every gradient), then what departs first
+    (BatchNorm's statistics; the loss with the same parameters and data; the parameters with the same
+    gradients)."""
+    first = verdict.first
+    if first is None:
+        return []
+    s = first.step
+    n = (cand.dp_world or cand.world) / (ref.dp_world or ref.world) if ref.world else 0.0
+    out: list[Cause] = []
+    # an optimizer's numbers
+    for t in sorted(set(ref.hyper) & set(cand.hyper)):
+        if t > s:
+            break
+        a, b = ref.hyper[t], cand.hyper[t]
+        diffs = [f"{k} {gb[k]} in the candidate, {ga[k]} in the reference{_ratio_words(gb[k], ga[k], n)}"
+                 for ga, gb in zip(a, b, strict=False) for k in sorted(set(ga) & set(gb))
+                 if isinstance(ga[k], (int, float)) and isinstance(gb[k], (int, float))
+                 and not math.isclose(ga[k], gb[k], rel_tol=1e-9, abs_tol=0.0)]
+        if diffs:
+            out.append(Cause("hyperparameter", t, f"the optimizer's {diffs[0]} at step {t}" + (
+                f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "")))
+            break
+    # a dtype: the parameters', the buffers', the optimizer state's
+    for what, da, db in (("parameter", ref.dtypes, cand.dtypes), ("buffer", ref.buffer_dtypes, cand.buffer_dtypes)):
+        other = [nm for nm in da if nm in db and _dt(da[nm]) != _dt(db[nm])]
+        if other:
+            nm = other[0]
+            out.append(Cause("dtype", min(steps, default=s), f"the candidate keeps {what} {nm} in {_dt(db[nm])}, the "
+                             f"reference in {_dt(da[nm])}" + (f" (and {len(other) - 1} more)" if len(other) > 1
+                                                              else "")))
+            break
+    for t in sorted(set(ref.state_dtypes) & set(cand.state_dtypes)):
+        if t > s:
+            break
+        a2, b2 = ref.state_dtypes[t], cand.state_dtypes[t]
+        other2 = [(pn, sk) for pn in a2 if pn in b2 for sk in a2[pn] if sk in b2[pn] and a2[pn][sk] != b2[pn][sk]]
+        if other2:
+            pn, sk = other2[0]
+            out.append(Cause("dtype", t, f"the candidate's optimizer keeps {sk} of {pn} in {b2[pn][sk]}, the "
+                             f"reference's in {a2[pn][sk]} at step {t}" + (
+                                 f" (and {len(other2) - 1} more)" if len(other2) > 1 else "")))
+            break
+    # the data
+    for t in sorted(set(ref.data) & set(cand.data)):
+        if t > s:
+            break
+        if ref.widths.get(t) != cand.widths.get(t):
+            continue  # split or padded otherwise: these numbers are not comparable
+        if ref.rows[t] != cand.rows[t]:
+            out.append(Cause("data", t, f"the candidate's ranks together saw {cand.rows[t]} samples at step {t}, the "
+                             f"reference {ref.rows[t]}: a data split that repeats or drops samples (a sampler "
+                             "without the rank and world size, a batch size not divided by the ranks)"))
+            break
+        if any(abs(x - y) > 1e-6 * max(1, ref.rows[t]) for x, y in zip(ref.data[t], cand.data[t], strict=True)):
+            out.append(Cause("data", t, f"the candidate's ranks together saw other samples than the reference at "
+                             f"step {t} ({ref.rows[t]} of them, as many): a data split that gives ranks the same "
+                             "samples, or another order or shuffle of the data"))
+            break
+    # a gradient the candidate's ranks disagree on
+    for t in sorted(cand.rank_grads):
+        if t > s:
+            break
+        per = cand.rank_grads[t]
+        apart = [nm for nm in cand.names if sum(nm in g for g in per.values()) >= 2 and _spread(
+            [g[nm] for g in per.values() if nm in g]) > 1e-6]
+        if apart:
+            nm = apart[0]
+            vals = ", ".join(f"rank {r}: {g[nm]:.4g}" for r, g in sorted(per.items()) if nm in g)
+            out.append(Cause("unreduced", t, f"the gradient of {nm} differs between the candidate's ranks at step {t} "
+                             f"({vals}): not averaged over the ranks (a parameter outside DDP, a hand-written "
+                             "all-reduce that misses it)" + (f"; {len(apart) - 1} more" if len(apart) > 1 else "")))
+            break
+    # one factor on every gradient
+    grads = {q: v for q, v in ref.norms.get(s, {}).items() if q.startswith("grad:")}
+    factor = gradient_scale(grads, {q: v for q, v in cand.norms.get(s, {}).items() if q.startswith("grad:")})
+    if factor is not None and n > 1 and abs(factor / n - 1) < 0.05:
+        out.append(Cause("gradient_scale", s, f"every gradient is {factor:.3g}x the reference's ({cand.world} ranks "
+                         f"against {ref.world}): summed over the ranks instead of averaged (a loss not divided by the "
+                         "world size, or all_reduce SUM without the division)"))
+    elif factor is not None and n > 1 and abs(factor * n - 1) < 0.05:
+        out.append(Cause("gradient_scale", s, f"every gradient is 1/{1 / factor:.3g} of the reference's: divided by "
+                         "the world size twice (an average of averages, or a loss divided by the world size before DDP "
+                         "averages)"))
+    elif factor is not None:
+        out.append(Cause("gradient_scale", s, f"every gradient is {factor:.3g}x the reference's: a loss normalised by "
+                         "another count (each rank's own tokens instead of the global batch's), or a loss or clipping "
+                         "scaled differently"))
+    # BatchNorm's statistics
+    stats = sorted((t, q) for q, t in verdict.departed.items() if q.startswith("buffer:") and t <= s
+                   and q.rsplit(".", 1)[-1] in ("running_mean", "running_var"))
+    if stats:
+        t, q = stats[0]
+        out.append(Cause("batchnorm", t, f"BatchNorm's {q.split(':', 1)[1]} departs at step {t}: each rank normalises "
+                         "by its own batch's statistics, the reference by the whole batch's (SyncBatchNorm keeps them "
+                         "global)"))
+    # the loss with the same parameters and data before it
+    loss_at = verdict.loss_departs
+    if loss_at is not None and loss_at <= s and not out:  # named only when nothing more direct explains it
+        before = [q for q, t in verdict.departed.items() if q.startswith("param:") and t < loss_at]
+        if not before:
+            out.append(Cause("forward", loss_at, f"the loss departs at step {loss_at} while the parameters before it "
+                             "agree" + (" and the data agrees" if loss_at in ref.data and loss_at in cand.data
+                                        else "") + ": the forward computes otherwise per rank (dropout or other "
+                             "randomness drawn per rank, a layer that normalises by each rank's batch)"))
+    # the parameters with the same gradients
+    if first.quantity.startswith("param:") and not any(q.startswith("grad:") and t <= s
+                                                       for q, t in verdict.departed.items()) \
+            and not out:
+        out.append(Cause("update", s, f"the gradients agree at step {s} and {first.quantity.split(':', 1)[1]} after "
+                         "its update does not: the optimizer's update differs (a hyperparameter not recorded, its "
+                         "state, a step skipped or repeated)"))
+    return sorted(out, key=lambda c: list(CAUSES).index(c.kind))
+
+
+def _dt(d: str) -> str:
+    return d.replace("torch.", "")
+
+
+def _spread(vals: list[float]) -> float:
+    """The relative spread of values the ranks should agree on bit for bit (a reduced gradient's norm)."""
+    top = max(abs(v) for v in vals)
+    return (max(vals) - min(vals)) / top if top > 0 else 0.0

@@ -7,10 +7,23 @@ model discovery found (by its name inside the wrappers: a DDP run's and a plain 
 
 - the gradient's and the parameter's sketch (``fingerprint.sketch``: 128 float64 numbers each, linear, so that
   two runs' distance is the distance of their sketches) and their float64 sums of squares;
-- the rank's loss and the gradients' global norm (the norm of every gradient together).
+- the rank's loss and the gradients' global norm (the norm of every gradient together);
+- each floating buffer's sketch (BatchNorm's running statistics: per-rank statistics depart from the whole
+  batch's), and every dtype: the parameters', the buffers', the optimizer state's (AdamW's moments kept in
+  bfloat16 where the reference keeps float32);
+- the optimizer's hyperparameters (each parameter group's numbers: a learning rate scaled by the world size);
+- on every rank, each replicated gradient's sum of squares (a gradient some rank never reduced disagrees
+  across the ranks);
+- a fingerprint of the step's data: over every training forward of the outermost module in the step, the sum
+  over the batch's samples of ``sin(sample @ P)`` (a sample's first WIDTH numbers; P: 8 seeded random
+  directions, float64), and the number of samples. It does not depend on how the samples are split between
+  the ranks or micro-batches, or on their order: summed over the ranks it is the reference's exactly when the
+  ranks together saw the same samples.
 
-At every step rank 0 also records the gradients' global norm (``parity_step``: a per-step kind, thinned past the
-run-directory budget's ring like the step records); every rank's loss is in its step records already.
+At every step each rank also records its part of the gradients' global norm and its loss as backward ran on it,
+summed over the step's backward calls (``parity_step``: a per-step kind, thinned past the run-directory budget's
+ring like the step records): under gradient accumulation the step record's loss is the micro-batches' mean, not
+the loss whose gradient the step applies.
 
 All of it is device work, read with the step's other values in its one device-to-host transfer (``probe``),
 written as one ``parity`` record. Gradients are read as the optimizer used them: reduced (averaged) under DDP,
@@ -25,50 +38,29 @@ reference on purpose.
 Sharded parameters (DTensors: FSDP2, tensor parallel, HSDP) are recorded by every rank that holds the first
 replica of a part, sketched at the part's global place, so that the parts' sketches sum to the whole tensor's:
 a sharded candidate is compared with a whole reference without gathering anything. Not recorded: ZeRO-3's
-partitions (their global offsets are not exposed the same way). Cost per recorded step, on rank 0
-only (the others record their loss): two passes over the parameters and gradients (the sketch's fold) and about
-5 KB of record per parameter (two sketches of 128 float64 numbers as JSON).
+partitions (their global offsets are not exposed the same way). Cost per recorded step: on the rank that
+holds a tensor (rank 0 for a replicated one), two passes over the parameters, buffers and gradients (the sketch's
+fold) and about 5 KB of record per parameter (two sketches of 128 float64 numbers as JSON); on every rank, one
+pass over its replicated gradients (their norms) and the data's fingerprint (a float64 copy of each sample's
+first WIDTH numbers, and a product with 8 directions).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from distdebug.artifacts import schema
+from distdebug.config import ParityConfig, chosen_steps
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding
 
-
-def chosen_steps(spec: str) -> tuple[set[int], bool]:
-    """``steps``: ``1-8`` ranges and single steps, comma-separated, and ``pow2``: every power of two. Returns
-    (the listed steps, whether powers of two are in)."""
-    out: set[int] = set()
-    pow2 = False
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        if part == "pow2":
-            pow2 = True
-        elif "-" in part:
-            a, b = part.split("-", 1)
-            out |= set(range(int(a), int(b) + 1))
-        else:
-            out.add(int(part))
-    return out, pow2
-
-
-@dataclass(kw_only=True)
-class ParityConfig:
-    steps: str = "1-8,pow2"
-    """The steps recorded: ranges and steps, comma-separated, and ``pow2`` (every power of two)."""
-    twin: bool = False
-    """This run is the reference's twin: the last bit of a random half of each parameter flipped every step."""
-    seed: int = 0
-    """The sketches' seed: two runs compared must use the same."""
+WIDTH = 4096
+"""The data's fingerprint reads each sample's first WIDTH numbers: enough to tell samples apart, bounded memory."""
 
 
 class ParityRecorder(Detector):
@@ -86,22 +78,89 @@ class ParityRecorder(Detector):
         self._places: dict[str, tuple[int, ...] | None] = {}
         self._names: list[str] = []
         self._dtypes: list[str] = []
+        self.buffers: list[tuple[str, torch.Tensor]] = []
+        self._buffer_names: list[str] = []
+        self._buffer_dtypes: list[str] = []
+        self._plain: list[str] = []
         self._grads = True
         self._first_forward: Any = None
+        self._data_hook: Any = None
+        self.current = 1
+        """The step in progress (1 until the first boundary)."""
+        self._data: torch.Tensor | None = None
+        self._rows = 0
+        self._no_data = False
+        """A training forward of this step had no tensor to fingerprint: the step's data is not compared."""
+        self._proj: dict[str, torch.Tensor] = {}
+        self._widths: set[int] = set()
+        self._loss_total: float | None = None
+        """The step's loss sum when the script gave a number (distdebug.step(loss) with a float): no tensor to read."""
+        """The widths (numbers per sample, at most WIDTH) of the step's fingerprinted inputs."""
 
     def setup(self, ctx: RankContext) -> None:
-        if self.config.twin:  # the twin's noise starts before its first step, so that step 1 has a band too
-            self._first_forward = torch.nn.modules.module.register_module_forward_pre_hook(
-                self.guarded(self._before_first_step))
+        # the outermost module's first forward (the twin's noise starts before it, so that step 1 has a band too;
+        # the data's fingerprint is taken at every forward of that module from then on)
+        self._first_forward = torch.nn.modules.module.register_module_forward_pre_hook(
+            self.guarded(self._before_first_step))
 
     def _before_first_step(self, module: torch.nn.Module, args: Any) -> None:
-        """The outermost module's first forward: its parameters perturbed as after a step 0 (before autograd has
-        seen them), then the hook is gone."""
+        """The outermost module's first forward (the first module called is the one that calls the others): the
+        twin's parameters perturbed as after a step 0 (before autograd has seen them); the data's fingerprint hook
+        moved onto that module (a global hook would run at every module's call), first of its pre-hooks (before a
+        wrapper's own casts its inputs). This call's data: its positional arguments here (a global hook sees no
+        keyword arguments: a call by keywords only, ``model(**batch)``, is read by a hook after its forward)."""
         if self._first_forward is None:
             return
         self._first_forward.remove()
         self._first_forward = None
-        self._perturb(0, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
+        if self.config.twin:
+            self._perturb(0, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
+        self._data_hook = module.register_forward_pre_hook(self.guarded(self._fingerprint), with_kwargs=True,
+                                                           prepend=True)
+        if _first_tensor(args) is not None:
+            self._fingerprint(module, args, {})
+            return
+        once: list[Any] = []
+
+        def after(mod: torch.nn.Module, a: Any, kwargs: dict[str, Any], out: Any) -> None:
+            once[0].remove()
+            self._fingerprint(mod, a, kwargs)
+
+        once.append(module.register_forward_hook(self.guarded(after), with_kwargs=True))
+
+    def _fingerprint(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """Add this forward's samples to the step's data fingerprint (device work, at recorded steps only): the
+        first tensor among the arguments, then the keyword arguments (one level into a dict, list or tuple), one
+        sample per row, and its width. Not a training forward of the step (an evaluation, a re-execution of a
+        step by the harness): not counted. A tensor it cannot read (nested, sparse, a DTensor): the step's data
+        is not compared, nothing else is lost."""
+        if not module.training or not torch.is_grad_enabled() or not self.wanted(self.current):
+            return
+        from distdebug.runtime.session import current_session
+
+        session = current_session()
+        if session is not None and session.reexecution.replay_step is not None:
+            return
+        t = _first_tensor((*args, *kwargs.values()))
+        if t is None or type(t).__name__ == "DTensor" or t.layout != torch.strided:
+            self._no_data = True
+            return
+        try:
+            with torch.no_grad():
+                # a sample's first WIDTH numbers (an image's 150,000 in float64 would be 1.2 MB a sample)
+                x = t.detach().reshape(t.shape[0], -1)[:, :WIDTH].to(torch.float64)
+                key = str(x.device)
+                proj = self._proj.get(key)
+                if proj is None:  # device arithmetic, no generator and no copy from the host
+                    proj = self._proj[key] = _directions(x.device)
+                s = torch.sin(x @ proj[: x.shape[1]]).sum(0)
+                total = s if self._data is None else self._data + s
+        except Exception:  # a tensor of a kind the fingerprint cannot read: no data compared this step
+            self._no_data = True
+            return
+        self._data = total
+        self._rows += int(t.shape[0])
+        self._widths.add(int(x.shape[1]))
 
     def attach(self, ctx: RankContext) -> None:
         from distdebug.runtime.discovery import unwrap
@@ -111,6 +170,7 @@ class ParityRecorder(Detector):
         if models:
             inner = unwrap(models[0])[0]
             self.named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+            self.buffers = [(n, b) for n, b in inner.named_buffers() if b.is_floating_point()]
 
     def wanted(self, step: int) -> bool:
         return step in self.listed or (self.pow2 and step > 0 and step & (step - 1) == 0)
@@ -182,16 +242,44 @@ class ParityRecorder(Detector):
                 # has one, it departs by the whole gradient
                 grad = _local(p.grad) if gplace is not None else torch.zeros_like(value)  # type: ignore[arg-type]
                 owned.append((n, value, place, grad, place if gplace is None else gplace))
-            if not owned:
-                return None
             # no gradient at all at the boundary (DeepSpeed ZeRO keeps them in its own buffers): the parameters are
             # compared, the gradients are said to be missing rather than read as zeros
             self._grads = any(p.grad is not None for _, p in self.named)
-            # float64 sums of squares without a float64 copy of each gradient
-            grad_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for _, _, _, g, _ in owned])
-            out: dict[str, Any] = {"grad_sq_sum": grad_sq.sum()} if self._grads else {}
+            out: dict[str, Any] = {}
+            # every step, every rank: the sum of the losses backward ran on this step (the loss whose gradient is
+            # the step's accumulated gradient: a mean of micro-batches' losses is not, and a framework's division
+            # is part of it), read with the step's values
+            from distdebug.runtime.session import current_session
+
+            session = current_session()
+            total = session.clock.raw_sum if session is not None else None
+            if isinstance(total, torch.Tensor):
+                out["loss_total"] = total
+            elif isinstance(total, float):
+                self._loss_total = total
+            if owned:  # float64 sums of squares without a float64 copy of each gradient
+                grad_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                                       for _, _, _, g, _ in owned])
+                if self._grads:
+                    out["grad_sq_sum"] = grad_sq.sum()
             if not self.wanted(step):
                 return out or None  # every step: this rank's part of the gradients' global norm
+            # every rank, at a recorded step: the data its forwards saw, each replicated gradient's sum of squares
+            # (one a rank never reduced disagrees across the ranks)
+            if self._data is not None and not self._no_data:
+                out["data"] = self._data
+            plain = [(n, p.grad) for n, p in self.named if p.grad is not None and type(p).__name__ != "DTensor"
+                     and not hasattr(p, "ds_id") and getattr(p, "_st_info", None) is None]
+            self._plain = [n for n, _ in plain]
+            if plain:
+                out["rank_grad_sq"] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                                                   for _, g in plain])
+            if not owned:
+                return out or None
+            bufs = [(n, _local(b), place) for n, b in self.buffers
+                    if (place := self._place(f"buffer:{n}", b)) is not None]
+            self._buffer_names = [n for n, _, _ in bufs]
+            self._buffer_dtypes = [str(b.dtype) for _, b, _ in bufs]
 
             def sk(t: torch.Tensor, place: tuple[int, ...]) -> torch.Tensor:
                 where = self._where(place, t.device)
@@ -201,6 +289,10 @@ class ParityRecorder(Detector):
             self._dtypes = [str(v.dtype) for _, v, *_ in owned]
             grads = {"grad": torch.stack([sk(g, gw) for _, _, _, g, gw in owned]), "grad_sq": grad_sq} \
                 if self._grads else {}
+            if bufs:
+                out["buffer"] = torch.stack([sk(b, w) for _, b, w in bufs])
+                out["buffer_sq"] = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64) ** 2
+                                                for _, b, _ in bufs])
             return {**out, **grads, "param": torch.stack([sk(v, w) for _, v, w, _, _ in owned]),
                     "param_sq": torch.stack([torch.linalg.vector_norm(v, dtype=torch.float64) ** 2
                                              for _, v, _, _, _ in owned])}
@@ -208,18 +300,78 @@ class ParityRecorder(Detector):
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
         ctx = self.ctx
         got = self.values(event)
-        if ctx is not None and "grad_sq_sum" in got:  # this rank's part of the gradients' global norm, every step
-            ctx.emit(schema.PARITY_STEP, step=event.step, grad_sq_sum=got["grad_sq_sum"])
+        total = got.get("loss_total", self._loss_total)
+        self._loss_total = None
+        if ctx is not None and ("grad_sq_sum" in got or total is not None):
+            # every step: this rank's part of the gradients' global norm, and its loss as backward ran on it
+            ctx.emit(schema.PARITY_STEP, step=event.step, **({"grad_sq_sum": got["grad_sq_sum"]}
+                                                            if "grad_sq_sum" in got else {}),
+                     **({"loss_total": total} if total is not None else {}))
         if ctx is not None and self.named and self.wanted(event.step):
             # the parts this rank recorded; every rank's loss (the global loss is their mean: in every step record)
             tensors = {} if "param" not in got else {
                 "names": self._names, "dtypes": self._dtypes, "param": got["param"], "param_sq": got["param_sq"],
-                **({"grad": got["grad"], "grad_sq": got["grad_sq"]} if "grad" in got else {})}
+                **({"grad": got["grad"], "grad_sq": got["grad_sq"]} if "grad" in got else {}),
+                **({"buffer_names": self._buffer_names, "buffer_dtypes": self._buffer_dtypes,
+                    "buffer": got["buffer"], "buffer_sq": got["buffer_sq"]} if "buffer" in got else {}),
+                **self._optimizer()}
+            extra = {"rank_names": self._plain, "rank_grad_sq": got["rank_grad_sq"]} if "rank_grad_sq" in got else {}
+            if "data" in got:
+                extra.update(data=got["data"], rows=self._rows, widths=sorted(self._widths))
+            extra.update(self._where_in_layout())
             ctx.emit(schema.PARITY, step=event.step, loss=event.loss, seed=self.config.seed, twin=self.config.twin,
-                     **tensors)
+                     **tensors, **extra)
+        self._data, self._rows, self._no_data = None, 0, False
+        self._widths = set()
+        self.current = event.step + 1
         if self.config.twin and self.named:
             self._perturb(event.step, self.named)
         return ()
+
+    def _where_in_layout(self) -> dict[str, Any]:
+        """This rank's data-parallel group (the ranks whose batches together are the global batch, whose replicated
+        gradients must agree: None, every rank) and whether it is a pipeline's first stage (the one the data goes
+        into): which ranks' data and gradients the comparison reads (runtime.layout)."""
+        lay = self.ctx.layout if self.ctx is not None else None
+        if lay is None:
+            return {}
+        group = lay.data_group()
+        stage = lay.stage or {}
+        return {"dp": group if group is not False else [self.ctx.rank] if self.ctx is not None else None,
+                "first_stage": (stage.get("index") or 0) == 0 and 0 in (stage.get("indices") or [0])}
+
+    def on_end(self) -> Iterable[Finding]:
+        for h in (self._first_forward, self._data_hook):
+            if h is not None:
+                h.remove()
+        self._first_forward = self._data_hook = None
+        return ()
+
+    def _optimizer(self) -> dict[str, Any]:
+        """Host-side, with the tensors' record: each optimizer's parameter groups' numbers (a tensor learning rate
+        is left out: reading it would stall the host) and the dtype of each parameter's floating state."""
+        if self.ctx is None:
+            return {}
+        names = {id(p): n for n, p in self.named}
+        hyper: list[dict[str, Any]] = []
+        state: dict[str, dict[str, str]] = {}
+        for opt in self.ctx.optimizers:
+            for group in getattr(opt, "param_groups", ()):
+                hyper.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
+                              if k != "params" and not isinstance(v, bool) and (
+                                  isinstance(v, (int, float)) or (isinstance(v, tuple) and v
+                                                                   and all(isinstance(x, float) for x in v)))})
+            held = getattr(opt, "state", None)
+            if not isinstance(held, dict):
+                continue
+            for p, st in held.items():
+                n = names.get(id(p))
+                if n is not None and isinstance(st, dict):
+                    kinds = {k: str(v.dtype).replace("torch.", "") for k, v in st.items()
+                             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0}
+                    if kinds:
+                        state[n] = kinds
+        return {"hyper": hyper, "state_dtypes": state}
 
     def _perturb(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """The twin's noise: the last bit of a random half of each parameter's elements flipped (device work)."""
@@ -233,6 +385,25 @@ class ParityRecorder(Detector):
                 gen = torch.Generator(device=t.device).manual_seed(self.config.seed * 1_000_003 + step * 4099 + i)
                 flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
                 t.view(bits).bitwise_xor_(flip)
+
+
+def _first_tensor(values: Any) -> torch.Tensor | None:
+    """The first tensor of one or more dimensions with elements among ``values``, looking one level into a dict,
+    list or tuple (a batch passed as one dict)."""
+    for v in values:
+        for x in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.numel() > 0 and not x.is_complex():
+                return x
+    return None
+
+
+def _directions(device: torch.device) -> torch.Tensor:
+    """WIDTH x 8 fixed directions for the data's fingerprint, the same on every device and in every run: cosines
+    of incommensurate frequencies (no generator: a device's random numbers are not the host's). A narrower input
+    uses the first rows, so that zero padding at a sample's end leaves its fingerprint as it was."""
+    i = torch.arange(1, WIDTH + 1, dtype=torch.float64, device=device)[:, None]
+    k = torch.arange(1, 9, dtype=torch.float64, device=device)[None, :]
+    return torch.cos(i * (math.sqrt(2) * k + math.pi / 7) + k * math.e)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

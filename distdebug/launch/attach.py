@@ -209,7 +209,8 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         names = [*names, "rerun"]
     detectors = registry.resolve(names, cfg.detector_options, cfg.shorthand_options)
     if cfg.parity is not None:  # a recorder, not a detector: reached by its import path (detectors.parity)
-        detectors.append({"target": PARITY_RECORDER, "params": {"twin": cfg.parity == "twin"}})
+        detectors.append({"target": PARITY_RECORDER, "params": {
+            "twin": cfg.parity == "twin", **({"steps": cfg.parity_steps} if cfg.parity_steps else {})}})
     # Refused before any run directory is made: bad input leaves no empty run for `latest` to point at.
     nproc = cfg.nproc_per_node or _default_nproc()
     _check_nproc(nproc)

@@ -54,6 +54,10 @@ class StepClock:
         # backward calls: memory stays flat in loops that never step); read once at the boundary.
         self.loss_sum: torch.Tensor | float | None = None
         self.loss_n = 0
+        # The same sum as backward ran on it (a framework's division kept): the loss whose gradient is the step's
+        # accumulated gradient, which two layouts of one training share (distdebug parity reads it, not a read
+        # of its own: it travels in the step's one read with the parity recorder's values).
+        self.raw_sum: torch.Tensor | float | None = None
         self.optimizer_steps = 0  # optimizer.step() calls seen (any optimizer): tells a step a scaler skipped
         # GradScaler.scale() outputs of this step (weak; a few): backward on one of them records the loss
         # divided by the scale. The scaler last used: its scale is read with the step's values.
@@ -94,7 +98,7 @@ class StepClock:
         """Add what one backward ran on to the step's loss (a one-element tensor; anything else is not a
         loss). ``caller``: the frame that called the backward patch (a framework's division is read there)."""
         if isinstance(t, torch.Tensor) and t.numel() == 1:
-            v = t.detach().to(torch.float64)
+            v = raw = t.detach().to(torch.float64)
             if frameworks.loaded():  # accelerate's or Lightning's division by the accumulation steps, undone
                 factor = frameworks.loss_factor(caller.f_back)
                 if factor != 1.0:
@@ -103,12 +107,15 @@ class StepClock:
             scale = getattr(scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
                 v = v / scale.detach().to(torch.float64)  # on the device: the loss the script computed
+                raw = v if raw is v else raw / scale.detach().to(torch.float64)
+            self.raw_sum = raw if self.raw_sum is None else self.raw_sum + raw
             self.loss_sum = v if self.loss_sum is None else self.loss_sum + v
             self.loss_n += 1
 
     def explicit(self, loss: Any) -> None:
         """``distdebug.step(loss)``: the step's loss is the one given."""
         self.loss_sum = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else float(loss)
+        self.raw_sum = self.loss_sum
         self.loss_n = 1
 
     def note_scaled(self, scaler: Any, out: Any) -> None:
@@ -179,7 +186,7 @@ class StepClock:
             loss_scale=loss_scale,
         )
         self.t_last = now
-        self.loss_sum, self.loss_n = None, 0
+        self.loss_sum, self.loss_n, self.raw_sum = None, 0, None
         self.scaled = []
         self.backward_calls = 0
         self.reduced_at = False

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import DATA, distdebug
+from tests.helpers import RECIPES, distdebug
 
-SCRIPT = str(DATA / "scripts" / "parity_mlp.py")
+SCRIPT = str(RECIPES / "parity_mlp.py")
 
 
 def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at_their_first_step(tmp_path):
@@ -63,3 +63,34 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
     r = distdebug("parity", "--work-dir", str(tmp_path / "failed"), "--launch-ref", "--nproc-per-node 1 missing.py",
                   "--launch-cand", f"--nproc-per-node 2 {SCRIPT}")
     assert r.returncode == 2 and "parity: cannot compare: the ref run exited" in r.stderr, r.output[-2000:]
+
+
+def test_each_parity_fault_departs_at_its_step_and_tensor_with_its_class_named(tmp_path):
+    """faults replay --recipe parity: the recipe at 1 rank and its twin, once; the clean candidate at 2 ranks
+    (equivalent: the clean twin of every fault) and each fault's candidate, which parity must find departing at
+    the step the fault acted in, at the tensor it names first, with the fault's class first among the causes.
+    9 launches (1, 1 and seven of 2 ranks), 10 steps each (duplicate_data's 20: each rank reads every sample)."""
+    import xml.etree.ElementTree as ET
+
+    junit = tmp_path / "faults.xml"
+    r = distdebug("faults", "replay", "--recipe", "parity", "--work-dir", str(tmp_path / "runs"), "--junit",
+                  str(junit), timeout=1500)
+    assert r.returncode == 0, r.output[-4000:]
+    assert "6 applicable, 6 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    assert set(cases) == {"clean", "grad_summed", "lr_scaled", "unreduced_grad", "low_dtype_state", "rank_dropout",
+                          "duplicate_data"}
+    outs = {n: c.find("system-out").text for n, c in cases.items()}
+    assert all(c.find("failure") is None for c in cases.values()), outs
+    expected = {  # the step each acts in (3 by default; the sampler's from the first), the tensor, the class
+        "grad_summed": "parity departs at step 3 at grad:0.weight, likely cause gradient_scale",
+        "lr_scaled": "parity departs at step 3 at param:0.weight, likely cause hyperparameter",
+        "unreduced_grad": "parity departs at step 3 at grad:2.weight, likely cause unreduced",
+        "low_dtype_state": "parity departs at step 3 at param:0.weight, likely cause dtype",
+        "rank_dropout": "parity departs at step 3 at grad:0.weight, likely cause forward",
+        "duplicate_data": "parity departs at step 1 at grad:0.weight, likely cause data"}
+    for name, text in expected.items():
+        assert outs[name].startswith("caught-localised") and text in outs[name], (name, outs[name])
+    assert outs["clean"].startswith("clean")
+    # every cell passed: the runs, the reference's among them, are not kept
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

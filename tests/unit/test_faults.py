@@ -15,7 +15,10 @@ from distdebug.fault_injection.registry import FAULTS, resolve
 
 CATALOGUE = {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "unsynced_bn", "bad_env", "hang",
              "straggler", "slow_dataloader", "loss_spike", "duplicate_data", "seed_mismatch",
-             "checkpoint_corruption", "slow_link", "transient_compute", "persistent_compute"}
+             "checkpoint_corruption", "slow_link", "transient_compute", "persistent_compute",
+             "grad_summed", "lr_scaled", "unreduced_grad", "low_dtype_state", "rank_dropout"}
+PARITY_FAULTS = {"grad_summed", "lr_scaled", "unreduced_grad", "low_dtype_state", "rank_dropout"}
+"""Judged by distdebug parity against a 1-rank reference (the parity recipe), never by one run's detectors."""
 
 
 def test_catalogue_is_complete_and_each_fault_declares_its_catcher_and_engines():
@@ -252,7 +255,9 @@ def _applicable(facts):
 def test_which_faults_can_act_follows_what_the_script_has():
     assert _applicable(GPT) == {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "bad_env", "hang",
                                 "loss_spike", "seed_mismatch", "transient_compute", "persistent_compute"}
-    assert _applicable(LOADER) == set(FAULTS) - {"seed_mismatch", "slow_link"}
+    assert _applicable(LOADER) == set(FAULTS) - {"seed_mismatch", "slow_link"} - PARITY_FAULTS
+    assert all("judged by distdebug parity against a 1-rank reference" in FAULTS[f].applicable(LOADER)
+               for f in PARITY_FAULTS)
     reasons = {name: cls.applicable(GPT) for name, cls in FAULTS.items()}
     assert reasons["unsynced_bn"] == "no BatchNorm in the model"
     assert reasons["duplicate_data"] == ("no DistributedSampler or accelerate BatchSamplerShard: the script makes "

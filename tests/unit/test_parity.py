@@ -119,3 +119,159 @@ def test_the_runs_checks_refuse_what_cannot_be_compared(tmp_path):
             compare_runs(ref, twin, cand)
     # a gradient scale where most of the candidate's norms are 0 (ZeRO's gradients gone at the boundary): no factor
     assert gradient_scale({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 0.0, "b": 0.0, "c": 3.0}) is None
+
+
+# ------------------------------------------------------------------------------------------------ the cause catalogue
+NAMES = ["0.weight", "2.weight"]
+
+
+def made(world=1, twin=False, noise=0.0, depart=(), steps=range(1, 9), **fields):
+    """A run as ``recorded`` reads it: every quantity the reference's plus ``noise`` (the twin's rounding), and 1e-2
+    more for each (quantity, from step) of ``depart``; ``fields``: the rest of Recorded (hyper, rows...)."""
+    from distdebug.analysis.parity import Recorded
+
+    def off(q, t):
+        return noise + sum(1e-2 for dq, at in depart if dq == q and t >= at)
+
+    qs = [f"{k}:{n}" for k in ("grad", "param") for n in NAMES] + [f"buffer:{b}" for b in fields.get("buffers", [])]
+    sk = {t: {q: [0.5 + off(q, t), 0.25] for q in qs} for t in steps}
+    return Recorded(world=world, twin=twin, seed=0, names=list(NAMES), dtypes={n: "torch.float32" for n in NAMES},
+                    loss={t: 1.0 + off("loss", t) for t in steps}, global_grad_norm={t: 1.0 for t in steps},
+                    sketches=sk, norms={t: {q: 1.0 for q in s} for t, s in sk.items()}, **fields)
+
+
+def kinds(ref, cand):
+    from distdebug.analysis.parity import compare_runs
+
+    twin = made(twin=True, noise=1e-7, **{k: getattr(ref, k) for k in ("buffers", "hyper", "data", "rows")})
+    p = compare_runs(ref, twin, cand)
+    return p, [(c.kind, c.step) for c in p.causes]
+
+
+def test_each_cause_class_is_named_from_its_evidence_and_its_clean_twin_names_none():
+    hyper = {t: [{"lr": 0.1, "momentum": 0.9}] for t in range(1, 9)}
+    # clean: the candidate as near the reference as the twin: equivalent, no cause
+    p, found = kinds(made(hyper=hyper), made(world=2, noise=2e-7, hyper=hyper))
+    assert p.verdict.equivalent and found == [] and p.cause is None
+    # the learning rate x2 from step 3 (the world-size ratio): the parameters depart there, the gradients do not
+    scaled = {t: [{"lr": 0.2 if t >= 3 else 0.1, "momentum": 0.9}] for t in range(1, 9)}
+    p, found = kinds(made(hyper=hyper), made(world=2, hyper=scaled, depart=[("param:0.weight", 3),
+                                                                             ("param:2.weight", 3)]))
+    assert (p.verdict.first.step, p.verdict.first.quantity, found) == (3, "param:0.weight", [("hyperparameter", 3)])
+    assert p.cause == ("the optimizer's lr 0.2 in the candidate, 0.1 in the reference, x2 (the world-size ratio) "
+                       "at step 3")
+    # the same departure with the same hyperparameters: the update is what differs
+    p, found = kinds(made(hyper=hyper), made(world=2, hyper=hyper, depart=[("param:0.weight", 3)]))
+    assert found == [("update", 3)]
+    # the optimizer state in bfloat16 from step 4 (its dtypes recorded at each step)
+    state = {t: {"0.weight": {"momentum_buffer": "float32"}} for t in range(1, 9)}
+    low = {t: {"0.weight": {"momentum_buffer": "bfloat16" if t >= 4 else "float32"}} for t in range(1, 9)}
+    p, found = kinds(made(state_dtypes=state), made(world=2, state_dtypes=low, depart=[("param:0.weight", 4)]))
+    assert found == [("dtype", 4)] and "keeps momentum_buffer of 0.weight in bfloat16" in p.cause
+    # the data: other samples at step 1 (as many), or another count
+    data, rows = {t: [0.5, -0.25] for t in range(1, 9)}, {t: 8 for t in range(1, 9)}
+    other = {**data, 1: [0.75, -0.25]}
+    p, found = kinds(made(data=data, rows=rows), made(world=2, data=other, rows=rows,
+                                                      depart=[("grad:0.weight", 1), ("loss", 1)]))
+    assert found == [("data", 1)] and "other samples than the reference at step 1 (8 of them" in p.cause
+    p, found = kinds(made(data=data, rows=rows), made(world=2, data=other, rows={**rows, 1: 16},
+                                                      depart=[("grad:0.weight", 1)]))
+    assert "saw 16 samples at step 1, the reference 8" in p.cause
+    # a gradient the candidate's ranks disagree on, from step 5 (the others agree)
+    per = {t: {0: {"0.weight": 1.0, "2.weight": 2.0}, 1: {"0.weight": 1.0, "2.weight": 2.0 if t < 5 else 2.5}}
+           for t in range(1, 9)}
+    p, found = kinds(made(), made(world=2, rank_grads=per, depart=[("grad:2.weight", 5)]))
+    assert (p.verdict.first.quantity, found) == ("grad:2.weight", [("unreduced", 5)])
+    assert "rank 0: 2, rank 1: 2.5" in p.cause
+    # BatchNorm's running statistics depart at step 1 (with the gradients they feed)
+    p, found = kinds(made(buffers=["1.running_mean"]), made(world=2, buffers=["1.running_mean"], depart=[
+        ("grad:0.weight", 1), ("buffer:1.running_mean", 1), ("loss", 1)]))
+    assert found == [("batchnorm", 1)] and p.cause.startswith("BatchNorm's 1.running_mean departs at step 1")
+    # the loss departs at step 6 with the same parameters before it and the same data: the forward
+    p, found = kinds(made(data=data, rows=rows), made(world=2, data=data, rows=rows,
+                                                      depart=[("grad:0.weight", 6), ("loss", 6)]))
+    assert found == [("forward", 6)] and "and the data agrees" in p.cause
+
+
+def test_every_gradient_scaled_by_the_world_size_is_named_first_as_the_scale():
+    from distdebug.analysis.parity import compare_runs
+
+    ref, twin = made(), made(twin=True, noise=1e-7)
+    cand = made(world=4, depart=[("grad:0.weight", 2), ("grad:2.weight", 2)])
+    for t in range(2, 9):
+        cand.norms[t] = {q: (4.0 if q.startswith("grad:") else 1.0) for q in cand.norms[t]}
+    p = compare_runs(ref, twin, cand)
+    assert [(c.kind, c.step) for c in p.causes] == [("gradient_scale", 2)] and "4x the reference's" in p.cause
+
+
+def test_the_recorded_steps_are_chosen_and_a_bad_choice_is_one_line():
+    import pytest
+    from click.testing import CliRunner
+
+    from distdebug.cli import main
+    from distdebug.config import ParityConfig, chosen_steps
+    from distdebug.errors import UserError
+
+    assert chosen_steps("1-3, 10,pow2") == ({1, 2, 3, 10}, True) and chosen_steps("pow2") == (set(), True)
+    assert chosen_steps(ParityConfig().steps) == (set(range(1, 9)), True)  # the default: 1-8 and powers of two
+    for bad in ("0", "3-1", "x", "", "1-", ","):
+        with pytest.raises(UserError, match="--parity-steps"):
+            chosen_steps(bad)
+    r = CliRunner().invoke(main, ["attach", "--parity", "record", "--parity-steps", "2-1", "train.py"])
+    assert r.exit_code == 2 and "'2-1' is not a step (1 or more), a range A-B or pow2" in r.output, r.output
+    r = CliRunner().invoke(main, ["attach", "--parity-steps", "1-4", "train.py"])
+    assert r.exit_code == 2 and "give --parity record or twin" in r.output, r.output
+
+
+def test_a_tensor_not_finite_in_the_reference_is_not_compared_and_data_split_otherwise_is_not_named():
+    import math as m
+
+    from distdebug.analysis.parity import compare_runs
+
+    # a causal mask of -inf (a buffer): its sketch is not finite in every run; not compared, not a departure
+    ref, twin, cand = (made(buffers=["mask"], twin=t, noise=n, world=w)
+                       for t, n, w in ((False, 0.0, 1), (True, 1e-7, 1), (False, 2e-7, 2)))
+    for run in (ref, twin, cand):
+        for t in run.sketches:
+            run.sketches[t]["buffer:mask"] = [m.nan, -m.inf]
+    p = compare_runs(ref, twin, cand)
+    assert p.verdict.equivalent and "buffer:mask" not in p.verdict.departed
+    # inputs split along another dimension than the first (sequence-first) or padded per rank: other widths, so
+    # the data's numbers are not compared and the loss's departure is not blamed on the data split
+    data, rows = {t: [0.5, -0.25] for t in range(1, 9)}, {t: 8 for t in range(1, 9)}
+    ref = made(data=data, rows=rows, widths={t: [8] for t in range(1, 9)})
+    cand = made(world=2, data={**data, 1: [0.75, 0.0]}, rows={**rows, 1: 16}, widths={t: [4] for t in range(1, 9)},
+                depart=[("grad:0.weight", 1), ("loss", 1)])
+    p, found = kinds(ref, cand)
+    assert [k for k, _ in found] == ["forward"]
+
+
+def test_the_datas_fingerprint_is_the_same_however_the_samples_are_split_ordered_or_zero_padded():
+    import torch
+
+    from distdebug.detectors.parity import ParityRecorder
+
+    def fingerprint(*batches, **kw):
+        rec = ParityRecorder()
+        module = torch.nn.Linear(1, 1).train()
+        for b in batches:
+            rec._fingerprint(module, (b,), {}) if not kw else rec._fingerprint(module, (), {"input_ids": b})
+        return rec._data, rec._rows, rec._widths
+
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    whole, rows, widths = fingerprint(x)
+    assert rows == 8 and widths == {6} and whole.dtype == torch.float64 and whole.shape == (8,)
+    for parts in ((x[:4], x[4:]), (x[4:], x[:4]), (x[::2], x[1::2])):  # two ranks, micro-batches, interleaved
+        got, n, _ = fingerprint(*parts)
+        assert n == 8 and torch.allclose(got, whole, rtol=0, atol=1e-12)
+    padded, _, w = fingerprint(torch.cat([x, torch.zeros(8, 3)], dim=1))  # padded to a longer length with zeros
+    assert w == {9} and torch.allclose(padded, whole, rtol=0, atol=1e-12)
+    dup, n, _ = fingerprint(x[:4], x[:4])  # two ranks handed the same samples: as many, other ones
+    assert n == 8 and (dup - whole).abs().max() > 1e-3
+    by_name, _, _ = fingerprint(x, kw=True)  # model(**batch): the keyword arguments are read
+    assert torch.equal(by_name, whole)
+    with torch.no_grad():  # an evaluation forward (no gradients, or the module in eval) is not the step's data
+        assert fingerprint(x)[1] == 0
+    rec = ParityRecorder()
+    rec._fingerprint(torch.nn.Linear(1, 1).eval(), (x,), {})
+    assert rec._data is None and rec._rows == 0
