@@ -504,8 +504,11 @@ def diff(run: str | None, other: str | None, step: int | None, as_json: bool, no
               help="With --launch-ref: where the three runs go (ref, twin, cand). Default: a new folder under "
                    "./distdebug-runs.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write a self-contained page: the verdict and causes, both losses, the loss's distance "
+                   "against its bound.")
 def parity(ref: str | None, cand: str | None, twin: str | None, launch_ref: str | None, launch_cand: str | None,
-           work_dir: Path | None, as_json: bool) -> int:
+           work_dir: Path | None, as_json: bool, html_out: Path | None) -> int:
     """Compare CAND with REF step by step, each recorded quantity against a band computed from REF's twin.
 
     \b
@@ -539,6 +542,15 @@ def parity(ref: str | None, cand: str | None, twin: str | None, launch_ref: str 
     except UserError as e:  # a path that is no run: cannot compare (2), not "departs" (1)
         raise UserError(str(e), 2) from None
     v = result.verdict
+    if html_out is not None:
+        from distdebug.report.parity_html import render_parity_html
+
+        try:
+            path = render_parity_html(result, html_out, ref=str(ref), cand=str(cand), twin=str(twin))
+        except OSError as e:
+            raise UserError(f"--html {html_out}: cannot write it ({e.strerror or e}); choose a writable path",
+                            2) from None
+        print(f"distdebug: parity page {path}", file=sys.stderr)
     if as_json:
         import json
         import math

@@ -401,6 +401,9 @@ class Parity:
     """The twin's last step, when it ran fewer steps than the reference: nothing is compared past it."""
     causes: list[Cause] = field(default_factory=list)
     """Every cause the catalogue finds evidence of, the most direct first (``cause`` is the first's text)."""
+    series: dict[str, dict[int, float]] = field(default_factory=dict)
+    """What the HTML view draws, by step: ``ref`` and ``cand`` (the two runs' losses), ``distance`` (the loss's
+    distance between them) and ``bound`` (SLACK times its band)."""
 
     def text(self) -> str:
         head = (f"parity of {self.cand_world} rank(s) against {self.ref_world}: the loss and gradient norm at every "
@@ -461,6 +464,10 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
     kinds = {f"{k}:{n}": EPS_NAME.get(d, "float32") for n, d in ref.dtypes.items() for k in ("grad", "param")}
     kinds.update({f"buffer:{n}": EPS_NAME.get(d, "float32") for n, d in ref.buffer_dtypes.items()})
     verdict = compare(d_cand, d_twin, sizes, order, slack, dtypes=kinds)
+    loss_steps = sorted(t for t in d_cand.get("loss", {}) if t <= max(d_twin.get("loss", {}), default=0))
+    loss_band = band(d_twin.get("loss", {}), floor_of(sizes["loss"]), loss_steps)
+    series = {"ref": dict(ref.loss), "cand": dict(cand.loss), "distance": dict(d_cand.get("loss", {})),
+              "bound": {t: slack * b for t, b in loss_band.items()}}
     if verdict.compared == 0:
         raise CannotCompare("nothing was compared: no quantity recorded by the reference, its twin and the candidate "
                             "at the same steps")
@@ -468,7 +475,7 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
     found = causes(ref, cand, verdict, steps) if verdict.first is not None else []
     cause = found[0].text if found else None
     return Parity(verdict, steps, ref.world, cand.world, cause,
-                  upto=upto if upto < max(ref.loss, default=0) else None, causes=found)
+                  upto=upto if upto < max(ref.loss, default=0) else None, causes=found, series=series)
 
 
 # ------------------------------------------------------------------------------------------------ the cause catalogue

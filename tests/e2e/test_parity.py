@@ -47,8 +47,11 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
     assert r.returncode == 0, r.output[-3000:]
     same = distdebug("diff", str(tmp_path / "cand"), str(tmp_path / "bare"))
     assert same.returncode == 0, same.output
-    bad = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "summed"), "--twin", str(tmp_path / "twin"))
+    bad = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "summed"), "--twin", str(tmp_path / "twin"),
+                    "--html", str(tmp_path / "parity.html"))
     assert bad.returncode == 1, bad.output
+    page = (tmp_path / "parity.html").read_text()  # the page: the verdict, its cause, both losses and the band
+    assert "departs</span>" in page and "<b>gradient_scale</b> (step 1)" in page and page.count("<svg") == 2
     assert "departs at step 1: first grad:0.weight at observed/bound" in bad.stdout, bad.stdout
     assert "likely cause: every gradient is 2x the reference's (2 ranks against 1): summed over the ranks" \
         in bad.stdout, bad.stdout

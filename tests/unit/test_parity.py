@@ -275,3 +275,28 @@ def test_the_datas_fingerprint_is_the_same_however_the_samples_are_split_ordered
     rec = ParityRecorder()
     rec._fingerprint(torch.nn.Linear(1, 1).eval(), (x,), {})
     assert rec._data is None and rec._rows == 0
+
+
+def test_the_html_page_draws_both_losses_and_the_distance_against_its_bound(tmp_path):
+    import math as m
+
+    from distdebug.analysis.parity import compare_runs
+    from distdebug.report.parity_html import MAX_POINTS, binned, render_parity_html
+
+    hyper = {t: [{"lr": 0.1}] for t in range(1, 9)}
+    scaled = {t: [{"lr": 0.2 if t >= 3 else 0.1}] for t in range(1, 9)}
+    p = compare_runs(made(hyper=hyper), made(twin=True, noise=1e-7, hyper=hyper),
+                     made(world=2, hyper=scaled, depart=[("param:0.weight", 3), ("loss", 4)]))
+    assert set(p.series) == {"ref", "cand", "distance", "bound"} and p.series["distance"][4] > p.series["bound"][4]
+    page = render_parity_html(p, tmp_path / "sub" / "parity.html", ref="REF<x>", cand="CAND", twin="TWIN")
+    text = page.read_text()
+    assert text.count("<svg") == 2 and text.count("<polyline") == 4  # both losses; distance and bound
+    assert "departs</span>" in text and "departs: param:0.weight" in text and "the loss departs" in text
+    assert "<b>hyperparameter</b> (step 3)" in text and "REF&lt;x&gt;" in text  # the causes; paths escaped
+    clean = compare_runs(made(), made(twin=True, noise=1e-7), made(world=2, noise=2e-7))
+    assert "equivalent</span>" in render_parity_html(clean, tmp_path / "ok.html").read_text()
+    # a long run is binned to MAX_POINTS, keeping each bin's largest distance and any value that is not finite
+    long = {t: 1e-9 for t in range(1, 10_001)}
+    long[5000], long[7001] = 1.0, m.nan
+    pts = binned(long, "max")
+    assert len(pts) <= MAX_POINTS and (5000, 1.0) in pts and any(m.isnan(v) for _, v in pts)
