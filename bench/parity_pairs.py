@@ -1,14 +1,15 @@
 """``distdebug parity`` on clean pairs (issue 50): how close a healthy candidate comes to its bound.
 
-    python bench/parity_pairs.py                 # 5 seeds: DDP, FSDP2 (2 ranks), accumulation against 1 rank
+    python bench/parity_pairs.py                 # 5 seeds: DDP, FSDP2 (2 ranks), accumulation; bfloat16
     python bench/parity_pairs.py --seeds 2 --steps 20
 
 For each seed, recipes/parity_mlp.py runs as the reference (1 rank), its twin (--parity twin) and
-three candidates: 2 ranks under DDP and under FSDP2, and 1 rank accumulating the global batch in 2 micro-batches,
-each a real ``distdebug attach`` run; ``distdebug parity --json``
-compares each candidate with the reference. Printed per pair and seed: the verdict and the largest observed /
-bound (below 1: within the band; the issue's goal is a bound at most 20 times the benign difference, that is a
-largest ratio of 0.05 or more) and where it was reached. A pair that departs is a false alarm: FAIL.
+three candidates: 2 ranks under DDP and under FSDP2, and 1 rank accumulating the global batch in 2 micro-batches;
+and under autocast to bfloat16, a reference, its twin and 2 DDP ranks; each a real ``distdebug attach`` run;
+``distdebug parity --json`` compares each candidate with its reference. Printed per pair and seed: the verdict
+and the largest observed / bound (below 1: within the band; the issue's goal is a bound at most 20 times the
+benign difference, that is a largest ratio of 0.05 or more) and where it was reached. A pair that departs is a
+false alarm: FAIL.
 """
 
 from __future__ import annotations
@@ -43,16 +44,19 @@ def main() -> int:
         for seed in range(args.seeds):
             script = [str(SCRIPT), "--seed", str(seed), "--steps", str(args.steps)]
             runs = {"ref": ("record", "1", []), "twin": ("twin", "1", []), "ddp": ("record", "2", []),
-                    "fsdp2": ("record", "2", ["--fsdp2"]), "accumulate": ("record", "1", ["--accumulate", "2"])}
+                    "fsdp2": ("record", "2", ["--fsdp2"]), "accumulate": ("record", "1", ["--accumulate", "2"]),
+                    "bf16-ref": ("record", "1", ["--bf16"]), "bf16-twin": ("twin", "1", ["--bf16"]),
+                    "bf16": ("record", "2", ["--bf16"])}
             for name, (mode, nproc, extra) in runs.items():
                 r = distdebug("attach", "--run-dir", f"{tmp}/{seed}/{name}", "--parity", mode, "--nproc-per-node",
                               nproc, *script, *extra)
                 if r.returncode != 0:
                     print(f"seed {seed}: the {name} run exited {r.returncode}:\n{r.stderr[-2000:]}")
                     return 1
-            for cand in ("ddp", "fsdp2", "accumulate"):
-                r = distdebug("parity", "--json", f"{tmp}/{seed}/ref", f"{tmp}/{seed}/{cand}", "--twin",
-                              f"{tmp}/{seed}/twin")
+            for cand in ("ddp", "fsdp2", "accumulate", "bf16"):
+                ref, twin = ("bf16-ref", "bf16-twin") if cand == "bf16" else ("ref", "twin")
+                r = distdebug("parity", "--json", f"{tmp}/{seed}/{ref}", f"{tmp}/{seed}/{cand}", "--twin",
+                              f"{tmp}/{seed}/{twin}")
                 got = json.loads(r.stdout)
                 big = got["largest"]
                 ratios.append(big["ratio"])

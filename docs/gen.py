@@ -640,11 +640,13 @@ def volume_example(env: dict[str, str]) -> tuple[str, str]:
 
 
 
-def parity_example(env: dict[str, str]) -> tuple[str, str, str]:
+def parity_example(env: dict[str, str]) -> tuple[str, str, str, str]:
     """``distdebug parity`` on real runs of recipes/parity_mlp.py: the reference (1 rank), its twin, the
     same script on 2 ranks under DDP and under FSDP2 (equivalent), and on 2 ranks with the loss not divided by the
     world size (departs); 1 rank accumulating the global batch in 2 micro-batches (the reference, and its twin)
-    against 2 ranks (equivalent), and with a BatchNorm layer (departs: per-rank statistics)."""
+    against 2 ranks (equivalent), and with a BatchNorm layer (departs: per-rank statistics); 2 ranks under autocast
+    to bfloat16 against the float32 reference (departs: the precision named) and against a bfloat16 reference and
+    its twin (equivalent)."""
     script = "recipes/parity_mlp.py"
     for name, mode, nproc, extra in (("ref", "record", "1", []), ("twin", "twin", "1", []),
                                      ("cand", "record", "2", []), ("summed", "record", "2", ["--sum-grads"]),
@@ -652,22 +654,28 @@ def parity_example(env: dict[str, str]) -> tuple[str, str, str]:
                                      ("acc", "record", "1", ["--accumulate", "2"]),
                                      ("acc-twin", "twin", "1", ["--accumulate", "2"]),
                                      ("bn", "record", "1", ["--bn"]), ("bn-twin", "twin", "1", ["--bn"]),
-                                     ("bn-cand", "record", "2", ["--bn"])):
+                                     ("bn-cand", "record", "2", ["--bn"]), ("bf16", "record", "1", ["--bf16"]),
+                                     ("bf16-twin", "twin", "1", ["--bf16"]), ("bf16-cand", "record", "2", ["--bf16"])):
         _run(["attach", "--run-dir", str(WORK / "parity" / name), "--parity", mode, "--nproc-per-node", nproc,
               script, *extra], env)
     runs = [str(WORK / "parity" / n) for n in ("ref", "cand", "summed", "twin", "fsdp2")]
     ok = _run(["parity", runs[0], runs[1], "--twin", runs[3]], env)
     sharded = _run(["parity", runs[0], runs[4], "--twin", runs[3]], env)
     bad = _run(["parity", runs[0], runs[2], "--twin", runs[3]], env, expect=(1,))
-    at = {n: str(WORK / "parity" / n) for n in ("acc", "acc-twin", "bn", "bn-twin", "bn-cand")}
+    at = {n: str(WORK / "parity" / n) for n in ("acc", "acc-twin", "bn", "bn-twin", "bn-cand", "bf16", "bf16-twin",
+                                                 "bf16-cand")}
     acc = _run(["parity", at["acc"], runs[1], "--twin", at["acc-twin"]], env)
     bn = _run(["parity", at["bn"], at["bn-cand"], "--twin", at["bn-twin"]], env, expect=(1,))
+    mixed = _run(["parity", runs[0], at["bf16-cand"], "--twin", runs[3]], env, expect=(1,))
+    low = _run(["parity", at["bf16"], at["bf16-cand"], "--twin", at["bf16-twin"]], env)
     wrap = lambda text: "".join(f"{w}\n" for line in text.splitlines()  # noqa: E731
                                 for w in textwrap.wrap(line, 110, subsequent_indent="  ", break_on_hyphens=False))
     return (f"$ distdebug parity REF DDP2 --twin TWIN\n{wrap(ok)}$ distdebug parity REF FSDP2 --twin TWIN\n"
             f"{wrap(sharded)}", f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}",
             f"$ distdebug parity ACCUMULATE2 DDP2 --twin ACCUMULATE2_TWIN\n{wrap(acc)}"
-            f"$ distdebug parity BN BN2 --twin BN_TWIN\n{wrap(bn)}")
+            f"$ distdebug parity BN BN2 --twin BN_TWIN\n{wrap(bn)}",
+            f"$ distdebug parity REF BF16_2 --twin TWIN\n{wrap(mixed)}"
+            f"$ distdebug parity BF16 BF16_2 --twin BF16_TWIN\n{wrap(low)}")
 
 
 def checkpoint_example(env: dict[str, str]) -> str:
@@ -783,10 +791,11 @@ def examples(slow_only: bool = False) -> int:
         out = _run(["attach", "--run-dir", str(WORK / "bad-env"), *recipe, "--steps", "2"], bad, "both",
                    expect=tuple(range(1, 256)))
         (EXAMPLES / "env-check-stderr.txt").write_text(findings_of(out, "env_check"))
-        ok, bad, pairs = parity_example(env)
+        ok, bad, pairs, bf16 = parity_example(env)
         (EXAMPLES / "parity-equivalent.txt").write_text(ok)
         (EXAMPLES / "parity-departs.txt").write_text(bad)
         (EXAMPLES / "parity-accumulate-bn.txt").write_text(pairs)
+        (EXAMPLES / "parity-bf16.txt").write_text(bf16)
         _json_examples(env)
         (EXAMPLES / "replay-sandbox.txt").write_text(sandbox_example(env))
         (EXAMPLES / "status-line.txt").write_text(status_example(env))

@@ -11,7 +11,7 @@ batch computes what K ranks compute). ``--optimizer``: SGD with momentum (defaul
 model sharded by FSDP2 instead of replicated by DDP. ``--sum-grads``: the loss multiplied by the world size (what
 a script that all-reduces with SUM and never divides does): every gradient is N times the reference's. ``--bn``:
 a BatchNorm layer, plain (torch's SyncBatchNorm runs on GPUs only): per-rank statistics, which 1 rank and N ranks
-do not share.
+do not share. ``--bf16``: the forward under autocast to bfloat16 (on the CPU: this recipe runs on CPUs only).
 
     distdebug parity --launch-ref '--nproc-per-node 1 recipes/parity_mlp.py' \\
                      --launch-cand '--nproc-per-node 2 recipes/parity_mlp.py'
@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--sum-grads", action="store_true")
     p.add_argument("--bn", action="store_true", help="a BatchNorm layer (per-rank statistics)")
+    p.add_argument("--bf16", action="store_true", help="the forward and the loss under autocast to bfloat16")
     p.add_argument("--seed", type=int, default=0, help="the model's and the data's seed")
     p.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (fully_shard) instead of DDP")
     args = p.parse_args()
@@ -64,7 +65,8 @@ def main() -> None:
     for x, y in loader:
         opt.zero_grad()
         for xb, yb in zip(x.chunk(args.accumulate), y.chunk(args.accumulate), strict=True):
-            loss = nn.functional.mse_loss(model(xb), yb) / args.accumulate
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                loss = nn.functional.mse_loss(model(xb).float(), yb) / args.accumulate
             if args.sum_grads:
                 loss = loss * world
             loss.backward()

@@ -203,6 +203,8 @@ class Recorded:
     rank padding to its own length, changes them)."""
     dp_world: int = 0
     """The data-parallel size (rank 0's data-parallel group; 0: not recorded, the world size is used)."""
+    autocast: str | None = None
+    """The dtype the training forwards compute in under autocast (``bfloat16``); None: the parameters' own."""
 
 
 class CannotCompare(Exception):
@@ -327,7 +329,7 @@ def recorded(run: Any) -> Recorded:
                     norms=norms, buffers=buffers, buffer_dtypes=buffer_dtypes, hyper=hyper,
                     state_dtypes=state_dtypes, rank_grads=rank_grads, data=summed,
                     rows={t: rows[t] for t in summed}, widths={t: sorted(widths.get(t, ())) for t in summed},
-                    dp_world=len(dp))
+                    dp_world=len(dp), autocast=next((x["autocast"] for x in parts if x.get("autocast")), None))
 
 
 def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:
@@ -546,6 +548,13 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
                              f"reference in {_dt(da[nm])}" + (f" (and {len(other) - 1} more)" if len(other) > 1
                                                               else "")))
             break
+    if ref.autocast != cand.autocast:
+        def computes(run: Recorded) -> str:
+            return f"{run.autocast} (autocast)" if run.autocast else "its parameters' dtype"
+
+        out.append(Cause("dtype", min(steps, default=s), f"the candidate's forward computes in {computes(cand)}, the "
+                         f"reference's in {computes(ref)}: compare runs of one precision (a reference and its twin "
+                         "made with the candidate's autocast)"))
     for t in sorted(set(ref.state_dtypes) & set(cand.state_dtypes)):
         if t > s:
             break

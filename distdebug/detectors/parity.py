@@ -47,6 +47,7 @@ first WIDTH numbers, and a product with 8 directions).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -94,6 +95,11 @@ class ParityRecorder(Detector):
         self._proj: dict[str, torch.Tensor] = {}
         self._widths: set[int] = set()
         self._loss_total: float | None = None
+        self._autocast: str | None = None
+        self._backwards = 0
+        """Gradients the twin has rounded so far (each draws a new pattern)."""
+        """The dtype training forwards compute in under autocast (``bfloat16``), None without: recorded, and the
+        twin's perturbation is of that dtype's last bit."""
         """The step's loss sum when the script gave a number (distdebug.step(loss) with a float): no tensor to read."""
         """The widths (numbers per sample, at most WIDTH) of the step's fingerprinted inputs."""
 
@@ -113,8 +119,12 @@ class ParityRecorder(Detector):
             return
         self._first_forward.remove()
         self._first_forward = None
+        self._seen_autocast(module)
         if self.config.twin:
-            self._perturb(0, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
+            named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            self._perturb(0, named)
+            for i, (_, p) in enumerate(named):  # each backward's gradients, under autocast (_round_grad)
+                p.register_hook(self.guarded(functools.partial(self._round_grad, i)))
         self._data_hook = module.register_forward_pre_hook(self.guarded(self._fingerprint), with_kwargs=True,
                                                            prepend=True)
         if _first_tensor(args) is not None:
@@ -136,6 +146,7 @@ class ParityRecorder(Detector):
         is not compared, nothing else is lost."""
         if not module.training or not torch.is_grad_enabled() or not self.wanted(self.current):
             return
+        self._seen_autocast(module)
         from distdebug.runtime.session import current_session
 
         session = current_session()
@@ -320,7 +331,7 @@ class ParityRecorder(Detector):
                 extra.update(data=got["data"], rows=self._rows, widths=sorted(self._widths))
             extra.update(self._where_in_layout())
             ctx.emit(schema.PARITY, step=event.step, loss=event.loss, seed=self.config.seed, twin=self.config.twin,
-                     **tensors, **extra)
+                     autocast=self._autocast, **tensors, **extra)
         self._data, self._rows, self._no_data = None, 0, False
         self._widths = set()
         self.current = event.step + 1
@@ -374,7 +385,10 @@ class ParityRecorder(Detector):
         return {"hyper": hyper, "state_dtypes": state}
 
     def _perturb(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        """The twin's noise: the last bit of a random half of each parameter's elements flipped (device work)."""
+        """The twin's noise: the last bit of a random half of each parameter's elements flipped (device work). Under
+        autocast to a lower dtype, the last bit of that dtype (a float32 parameter's bit 16 for bfloat16, 13 for
+        float16): the rounding the forward computes with, where a float32 flip would mostly vanish in the cast."""
+        shift = {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
         with torch.no_grad():
             for i, (_, p) in enumerate(named):
                 bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
@@ -384,7 +398,35 @@ class ParityRecorder(Detector):
                 t = _local(p) if type(p).__name__ == "DTensor" else p.data
                 gen = torch.Generator(device=t.device).manual_seed(self.config.seed * 1_000_003 + step * 4099 + i)
                 flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
+                if shift and p.dtype == torch.float32:
+                    flip.bitwise_left_shift_(shift)
                 t.view(bits).bitwise_xor_(flip)
+
+    def _round_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The twin under autocast to a lower dtype: each backward's gradient rounded otherwise, as a sum in that
+        dtype over another split of the batch rounds it (the last bit of that dtype in a random half of a float32
+        gradient's elements), as backward computes it (a tensor hook: before its accumulation and before DDP
+        reduces it). Perturbing the parameters alone leaves the first step's gradients without the rounding of
+        their own sums: a bfloat16 candidate's first gradients then read as a departure."""
+        shift = {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
+        if not shift or grad.dtype != torch.float32 or type(grad).__name__ == "DTensor":
+            return None
+        self._backwards += 1
+        seed = self.config.seed * 1_000_003 + self.current * 4099 + self._backwards * 131 + i + 7
+        gen = torch.Generator(device=grad.device).manual_seed(seed)
+        flip = torch.randint(0, 2, grad.shape, generator=gen, device=grad.device, dtype=torch.int32)
+        return (grad.detach().contiguous().view(torch.int32) ^ flip.bitwise_left_shift_(shift)).view(torch.float32)
+
+    def _seen_autocast(self, module: torch.nn.Module) -> None:
+        """The dtype a training forward computes in under autocast (None: its parameters' own), read from torch's
+        host-side autocast state for the device of the module's first parameter."""
+        p = next(module.parameters(), None)
+        kind = p.device.type if p is not None else "cpu"
+        try:
+            on = torch.is_autocast_enabled(kind)
+            self._autocast = str(torch.get_autocast_dtype(kind)).replace("torch.", "") if on else None
+        except (RuntimeError, TypeError):  # a device type autocast does not know
+            self._autocast = None
 
 
 def _first_tensor(values: Any) -> torch.Tensor | None:

@@ -97,3 +97,23 @@ def test_each_parity_fault_departs_at_its_step_and_tensor_with_its_class_named(t
     assert outs["clean"].startswith("clean")
     # every cell passed: the runs, the reference's among them, are not kept
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_bfloat16_pair_is_judged_at_bfloat16s_rounding_and_a_mixed_pair_names_the_precision(tmp_path):
+    """Under autocast to bfloat16 the twin perturbs the last bfloat16 bit (parameters and each backward's
+    gradients): 2 ranks against 1, both in bfloat16, equivalent; the same candidate against float32 runs (the
+    first test's pair, made here again at 1 rank): departs at step 1 with the precision named. 5 launches."""
+    runs = {"bf16": ("record", "1", ["--bf16"]), "bf16-twin": ("twin", "1", ["--bf16"]),
+            "bf16-cand": ("record", "2", ["--bf16"]), "ref": ("record", "1", []), "twin": ("twin", "1", [])}
+    for name, (mode, nproc, extra) in runs.items():
+        r = distdebug("attach", "--run-dir", str(tmp_path / name), "--parity", mode, "--nproc-per-node", nproc,
+                      SCRIPT, *extra)
+        assert r.returncode == 0, r.output[-3000:]
+    ok = distdebug("parity", "--json", str(tmp_path / "bf16"), str(tmp_path / "bf16-cand"), "--twin",
+                   str(tmp_path / "bf16-twin"))
+    got = json.loads(ok.stdout)
+    assert ok.returncode == 0 and got["equivalent"] and got["causes"] == [], ok.output
+    mixed = json.loads(distdebug("parity", "--json", str(tmp_path / "ref"), str(tmp_path / "bf16-cand"), "--twin",
+                                 str(tmp_path / "twin")).stdout)
+    assert not mixed["equivalent"] and mixed["first"]["step"] == 1
+    assert [c["kind"] for c in mixed["causes"]] == ["dtype"] and "computes in bfloat16 (autocast)" in mixed["cause"]

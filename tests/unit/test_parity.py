@@ -300,3 +300,33 @@ def test_the_html_page_draws_both_losses_and_the_distance_against_its_bound(tmp_
     long[5000], long[7001] = 1.0, m.nan
     pts = binned(long, "max")
     assert len(pts) <= MAX_POINTS and (5000, 1.0) in pts and any(m.isnan(v) for _, v in pts)
+
+
+def test_under_autocast_the_twin_flips_the_last_bit_of_the_compute_dtype_and_a_mixed_pair_names_it():
+    import torch
+
+    from distdebug.detectors.parity import ParityRecorder
+
+    for autocast, bit in ((None, 0), ("bfloat16", 16), ("float16", 13)):
+        rec = ParityRecorder()
+        rec._autocast = autocast
+        p = torch.nn.Parameter(torch.randn(4096))
+        before = p.detach().clone()
+        rec._perturb(3, [("w", p)])
+        flipped = (p.detach().view(torch.int32) ^ before.view(torch.int32)).unique().tolist()
+        assert flipped == [0, 1 << bit], (autocast, flipped)  # a random half, exactly that bit
+        g = torch.randn(4096)  # and each backward's gradient, as a sum in that dtype rounds it (fp32: untouched)
+        rounded = rec._round_grad(0, g)
+        if autocast is None:
+            assert rounded is None
+        else:
+            assert (rounded.view(torch.int32) ^ g.view(torch.int32)).unique().tolist() == [0, 1 << bit]
+    module = torch.nn.Linear(2, 2)
+    rec = ParityRecorder()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rec._seen_autocast(module)
+    assert rec._autocast == "bfloat16"
+    rec._seen_autocast(module)
+    assert rec._autocast is None
+    p, found = kinds(made(), made(world=2, autocast="bfloat16", depart=[("grad:0.weight", 1)]))
+    assert found == [("dtype", 1)] and p.cause.startswith("the candidate's forward computes in bfloat16 (autocast)")
