@@ -520,6 +520,12 @@ def parity(ref: str | None, cand: str | None, twin: str | None, launch_ref: str 
     distdebug parity --launch-ref '--nproc-per-node 1 train.py' --launch-cand '--nproc-per-node 4 train.py'
     Exit code 0: equivalent; 1: departs; 2: cannot compare (says why).
     """
+    if html_out is not None:  # said before any run is made or read, not after
+        import os
+
+        parent = html_out.parent if str(html_out.parent) else Path(".")
+        if html_out.is_dir() or (parent.is_dir() and not os.access(parent, os.W_OK)):
+            raise UserError(f"--html {html_out}: cannot write a file there; choose a writable path", 2)
     if launch_ref is not None or launch_cand is not None:
         if launch_ref is None or launch_cand is None or ref or cand or twin:
             raise UserError("parity: give --launch-ref and --launch-cand together (the runs are made), or REF CAND "

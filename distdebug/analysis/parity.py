@@ -438,6 +438,9 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
         raise CannotCompare("the twin must be the run made with --parity twin, the reference with --parity record")
     if cand.twin:
         raise CannotCompare("the candidate was made with --parity twin: its results differ on purpose")
+    if twin.autocast != ref.autocast:
+        raise CannotCompare(f"the twin computes in {twin.autocast or 'its parameters dtype'} and the reference in "
+                            f"{ref.autocast or 'its parameters dtype'}: make the twin with the reference's autocast")
     if len({ref.seed, twin.seed, cand.seed}) != 1:
         raise CannotCompare(f"the runs' sketch seeds differ ({ref.seed}, {twin.seed}, {cand.seed})")
     for name, run in (("reference", ref), ("twin", twin)):
@@ -468,7 +471,8 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
     verdict = compare(d_cand, d_twin, sizes, order, slack, dtypes=kinds)
     loss_steps = sorted(t for t in d_cand.get("loss", {}) if t <= max(d_twin.get("loss", {}), default=0))
     loss_band = band(d_twin.get("loss", {}), floor_of(sizes["loss"]), loss_steps)
-    series = {"ref": dict(ref.loss), "cand": dict(cand.loss), "distance": dict(d_cand.get("loss", {})),
+    series = {"ref": dict(ref.loss), "cand": dict(cand.loss),
+              "distance": {t: d_cand["loss"][t] for t in loss_steps},
               "bound": {t: slack * b for t, b in loss_band.items()}}
     if verdict.compared == 0:
         raise CannotCompare("nothing was compared: no quantity recorded by the reference, its twin and the candidate "

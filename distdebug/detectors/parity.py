@@ -98,6 +98,8 @@ class ParityRecorder(Detector):
         self._autocast: str | None = None
         self._backwards = 0
         """Gradients the twin has rounded so far (each draws a new pattern)."""
+        self._handles: list[Any] = []
+        """Hooks on the model: the twin's gradient rounding, the autocast reader (removed at the end)."""
         """The dtype training forwards compute in under autocast (``bfloat16``), None without: recorded, and the
         twin's perturbation is of that dtype's last bit."""
         """The step's loss sum when the script gave a number (distdebug.step(loss) with a float): no tensor to read."""
@@ -124,7 +126,13 @@ class ParityRecorder(Detector):
             named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             self._perturb(0, named)
             for i, (_, p) in enumerate(named):  # each backward's gradients, under autocast (_round_grad)
-                p.register_hook(self.guarded(functools.partial(self._round_grad, i)))
+                self._handles.append(p.register_hook(self.guarded(functools.partial(self._round_grad, i))))
+        # autocast as the forward runs (a framework may enter it inside forward: accelerate wraps it): read at the
+        # pre-hook of the first module that holds parameters, inside the outermost one's forward
+        leaf = next((m for m in module.modules() if next(m.parameters(recurse=False), None) is not None), None)
+        if leaf is not None:
+            self._handles.append(leaf.register_forward_pre_hook(self.guarded(
+                lambda m, a: self._seen_autocast(m) if m.training and torch.is_grad_enabled() else None)))
         self._data_hook = module.register_forward_pre_hook(self.guarded(self._fingerprint), with_kwargs=True,
                                                            prepend=True)
         if _first_tensor(args) is not None:
@@ -146,7 +154,6 @@ class ParityRecorder(Detector):
         is not compared, nothing else is lost."""
         if not module.training or not torch.is_grad_enabled() or not self.wanted(self.current):
             return
-        self._seen_autocast(module)
         from distdebug.runtime.session import current_session
 
         session = current_session()
@@ -352,10 +359,11 @@ class ParityRecorder(Detector):
                 "first_stage": (stage.get("index") or 0) == 0 and 0 in (stage.get("indices") or [0])}
 
     def on_end(self) -> Iterable[Finding]:
-        for h in (self._first_forward, self._data_hook):
+        for h in (self._first_forward, self._data_hook, *self._handles):
             if h is not None:
                 h.remove()
         self._first_forward = self._data_hook = None
+        self._handles = []
         return ()
 
     def _optimizer(self) -> dict[str, Any]:
@@ -415,7 +423,8 @@ class ParityRecorder(Detector):
         seed = self.config.seed * 1_000_003 + self.current * 4099 + self._backwards * 131 + i + 7
         gen = torch.Generator(device=grad.device).manual_seed(seed)
         flip = torch.randint(0, 2, grad.shape, generator=gen, device=grad.device, dtype=torch.int32)
-        return (grad.detach().contiguous().view(torch.int32) ^ flip.bitwise_left_shift_(shift)).view(torch.float32)
+        rounded = (grad.detach().contiguous().view(torch.int32) ^ flip.bitwise_left_shift_(shift)).view(torch.float32)
+        return grad + (rounded - grad).detach()  # the same value, still differentiable (a double backward)
 
     def _seen_autocast(self, module: torch.nn.Module) -> None:
         """The dtype a training forward computes in under autocast (None: its parameters' own), read from torch's

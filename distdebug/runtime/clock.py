@@ -106,8 +106,9 @@ class StepClock:
             scaler = next((sc() for out, sc in self.scaled if out() is t), None)
             scale = getattr(scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
+                same = raw is v  # no framework factor: one division serves both
                 v = v / scale.detach().to(torch.float64)  # on the device: the loss the script computed
-                raw = v if raw is v else raw / scale.detach().to(torch.float64)
+                raw = v if same else raw / scale.detach().to(torch.float64)
             self.raw_sum = raw if self.raw_sum is None else self.raw_sum + raw
             self.loss_sum = v if self.loss_sum is None else self.loss_sum + v
             self.loss_n += 1
@@ -115,7 +116,8 @@ class StepClock:
     def explicit(self, loss: Any) -> None:
         """``distdebug.step(loss)``: the step's loss is the one given."""
         self.loss_sum = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else float(loss)
-        self.raw_sum = self.loss_sum
+        if self.raw_sum is None:  # backward ran on none: the loss given is all there is (else keep their sum)
+            self.raw_sum = self.loss_sum
         self.loss_n = 1
 
     def note_scaled(self, scaler: Any, out: Any) -> None:

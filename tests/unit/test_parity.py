@@ -330,3 +330,22 @@ def test_under_autocast_the_twin_flips_the_last_bit_of_the_compute_dtype_and_a_m
     assert rec._autocast is None
     p, found = kinds(made(), made(world=2, autocast="bfloat16", depart=[("grad:0.weight", 1)]))
     assert found == [("dtype", 1)] and p.cause.startswith("the candidate's forward computes in bfloat16 (autocast)")
+
+
+def test_the_twin_must_share_the_references_precision_and_the_steps_loss_is_the_sum_backward_ran_on():
+    import pytest
+    import torch
+
+    from distdebug.analysis.parity import CannotCompare, compare_runs
+    from distdebug.runtime.clock import StepClock
+
+    with pytest.raises(CannotCompare, match="make the twin with the reference's autocast"):
+        compare_runs(made(autocast="bfloat16"), made(twin=True), made(world=2, autocast="bfloat16"))
+    clock = StepClock()
+    for micro in (torch.tensor(0.25), torch.tensor(0.5)):  # two micro-batches, each loss divided by 2
+        clock.add_loss(micro, None)
+    clock.explicit(torch.tensor(0.5))  # distdebug.step(loss) with the last micro-batch's loss
+    assert float(clock.raw_sum) == 0.75 and float(clock.loss_sum) == 0.5  # parity's sum kept; the step's as given
+    clock = StepClock()
+    clock.explicit(2.0)  # no backward ran: the loss given is the sum
+    assert clock.raw_sum == 2.0
