@@ -252,20 +252,23 @@ def recorded(run: Any) -> Recorded:
     # step): under accumulation it is the loss whose gradient the step applies, where the step record's loss is
     # the micro-batches' mean; runs recorded without it compare the step records' loss
     totals: dict[int, list[float]] = {}
+    squares: dict[int, list[float]] = {}  # every step: the ranks' parts of the gradients' squared global norm
+    holders = 0  # the ranks that hold gradients (their parts make the global norm)
     for recs in streams.values():
+        held = False
         for x in recs:
-            if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("loss_total"), (int, float)):
+            if x.get("kind") != schema.PARITY_STEP:
+                continue
+            if isinstance(x.get("loss_total"), (int, float)):
                 totals.setdefault(int(x["step"]), []).append(float(x["loss_total"]))
+            if "grad_sq_sum" in x:
+                held = True
+                if isinstance(x["grad_sq_sum"], (int, float)):
+                    squares.setdefault(int(x["step"]), []).append(float(x["grad_sq_sum"]))
+        holders += held
     totals = {t: v for t, v in totals.items() if len(v) == len(streams)}
     if totals:
         losses = totals
-    squares: dict[int, list[float]] = {}  # every step: the ranks' parts of the gradients' squared global norm
-    for recs in streams.values():
-        for x in recs:
-            if x.get("kind") == schema.PARITY_STEP and isinstance(x.get("grad_sq_sum"), (int, float)):
-                squares.setdefault(int(x["step"]), []).append(float(x["grad_sq_sum"]))
-    holders = sum(1 for recs in streams.values()
-                  if any(x.get("kind") == schema.PARITY_STEP and "grad_sq_sum" in x for x in recs))
     # a step only where every rank's part is there (a rank whose older steps the run-directory budget thinned
     # would otherwise make a mean of some ranks, a norm of some parts)
     losses = {t: v for t, v in losses.items() if len(v) == len(streams)}

@@ -15,10 +15,10 @@ model discovery found (by its name inside the wrappers: a DDP run's and a plain 
 - on every rank, each replicated gradient's sum of squares (a gradient some rank never reduced disagrees
   across the ranks);
 - a fingerprint of the step's data: over every training forward of the outermost module in the step, the sum
-  over the batch's samples of ``sin(sample @ P)`` (a sample's first WIDTH numbers; P: 8 seeded random
-  directions, float64), and the number of samples. It does not depend on how the samples are split between
-  the ranks or micro-batches, or on their order: summed over the ranks it is the reference's exactly when the
-  ranks together saw the same samples.
+  over the batch's samples of ``sin(sample @ P)`` (a sample's first WIDTH numbers; P: 8 fixed directions,
+  float64, built on the device: ``_directions``), and the number of samples. It does not depend on how the
+  samples are split between the ranks or micro-batches, or on their order: summed over the ranks it is the
+  reference's exactly when the ranks together saw the same samples.
 
 At every step each rank also records its part of the gradients' global norm and its loss as backward ran on it,
 summed over the step's backward calls (``parity_step``: a per-step kind, thinned past the run-directory budget's
@@ -93,17 +93,18 @@ class ParityRecorder(Detector):
         self._no_data = False
         """A training forward of this step had no tensor to fingerprint: the step's data is not compared."""
         self._proj: dict[str, torch.Tensor] = {}
+        """The data fingerprint's directions, one set per device (``_directions``)."""
         self._widths: set[int] = set()
+        """The widths (numbers per sample, at most WIDTH) of the step's fingerprinted inputs."""
         self._loss_total: float | None = None
+        """The step's loss sum when the script gave a number (distdebug.step(loss) with a float): no tensor to read."""
         self._autocast: str | None = None
+        """The dtype training forwards compute in under autocast (``bfloat16``), None without: recorded, and the
+        twin's perturbation is of that dtype's last bit."""
         self._backwards = 0
         """Gradients the twin has rounded so far (each draws a new pattern)."""
         self._handles: list[Any] = []
         """Hooks on the model: the twin's gradient rounding, the autocast reader (removed at the end)."""
-        """The dtype training forwards compute in under autocast (``bfloat16``), None without: recorded, and the
-        twin's perturbation is of that dtype's last bit."""
-        """The step's loss sum when the script gave a number (distdebug.step(loss) with a float): no tensor to read."""
-        """The widths (numbers per sample, at most WIDTH) of the step's fingerprinted inputs."""
 
     def setup(self, ctx: RankContext) -> None:
         # the outermost module's first forward (the twin's noise starts before it, so that step 1 has a band too;
