@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, finish, param_digest, setup, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, param_digest, setup, share, write_digest  # noqa: E402
 
 
 class ConvNet(nn.Module):
@@ -58,9 +58,10 @@ def main() -> None:
     extra = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **extra)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    data = synthetic_images(64 * dist.get_world_size() * 4, args.seed)
+    world = dist.get_world_size()
+    data = synthetic_images(64 * (world if args.global_batch is None else 2) * 4, args.seed)  # --global-batch: one set
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    loader = DataLoader(data, batch_size=share(args, world), sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()
     step, epoch, loss = 0, 0, torch.tensor(0.0)
     timer = StepTimer()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, finish, param_digest, seed_all, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, param_digest, seed_all, share, write_digest  # noqa: E402
 
 
 def make_model() -> nn.Module:
@@ -48,7 +48,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     seed_all(args.seed)
     config = {
-        "train_micro_batch_size_per_gpu": args.batch_size,
+        "train_micro_batch_size_per_gpu": share(args, dist.get_world_size()),
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}},
         "zero_optimization": {"stage": args.zero_stage},
@@ -61,7 +61,11 @@ def main() -> None:
     loss = torch.tensor(0.0)
     timer = StepTimer()
     for step in range(args.steps):
-        x, y = batch(step, dist.get_rank(), args.batch_size, args.seed)
+        if args.global_batch is None:
+            x, y = batch(step, dist.get_rank(), args.batch_size, args.seed)
+        else:  # the step's global batch, this rank's rows of it
+            size, rank = share(args, dist.get_world_size()), dist.get_rank()
+            x, y = (t[rank * size:(rank + 1) * size] for t in batch(step, 0, args.global_batch, args.seed))
         x, y = x.to(engine.device), y.to(engine.device)
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)

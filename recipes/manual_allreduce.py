@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, finish, param_digest, setup, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, param_digest, setup, share, write_digest  # noqa: E402
 
 
 def synthetic_regression(n: int, seed: int) -> TensorDataset:
@@ -33,9 +33,11 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     world = dist.get_world_size()
-    data = synthetic_regression(64 * world * 4, args.seed)
+    # --global-batch: one data set at any world size (DistributedSampler deals its permutation out in turn, so
+    # the ranks' i-th batches together are the 1-rank run's i-th batch)
+    data = synthetic_regression(64 * (world if args.global_batch is None else 2) * 4, args.seed)
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    loader = DataLoader(data, batch_size=share(args, world), sampler=sampler)
     step, epoch, loss = 0, 0, torch.tensor(0.0)
     timer = StepTimer()
     while step < args.steps:

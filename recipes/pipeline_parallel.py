@@ -5,6 +5,9 @@
 
 --schedule ScheduleGPipe | Schedule1F1B    one stage per rank, 4 micro-batches per step
 --schedule ScheduleInterleaved1F1B         two stages per rank (rank r runs stages r and r + ranks)
+--layers L   the whole model's L layers, held by the stages in turn under their names in it (torchtitan's split):
+             any number of stages, one included, builds the same model (with --global-batch: a pair for
+             distdebug parity); by default each stage builds its own layer (the last a head)
 --dp N       N pipelines side by side on a ("dp", "pp") mesh: each stage's replicas average their
              gradients by hand (all_reduce over the "dp" group, no wrapper); each pipeline reads its
              own batch
@@ -23,12 +26,13 @@ import torch.nn as nn
 from torch.distributed import pipelining
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import base_parser, finish, param_digest, setup, write_digest  # noqa: E402
+from _common import base_parser, finish, param_digest, setup, share, write_digest  # noqa: E402
 
 
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--schedule", default="ScheduleGPipe")
+    p.add_argument("--layers", type=int, default=0, help="the whole model's layers, split over the stages")
     p.add_argument("--dp", type=int, default=1, help="pipelines side by side (data parallel)")
     p.add_argument("--nan-step", type=int, default=-1)
     p.add_argument("--stall-rank", type=int, default=-1)
@@ -53,10 +57,20 @@ def main() -> None:
     indices = [stage_index + k * stages for k in range(per_rank)]  # the stages this rank runs
     total = stages * per_rank
     modules: list[nn.Module] = []
-    for i in indices:
-        torch.manual_seed(i)  # each stage its own layers; a stage's replicas alike
-        modules.append(nn.Linear(8, 1) if i == total - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    if args.layers:
+        if args.layers < total:
+            raise SystemExit(f"--layers {args.layers} is fewer than the {total} stages")
+        torch.manual_seed(args.seed)  # the whole model, on every rank alike
+        layers = [*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(args.layers - 1)), nn.Linear(8, 1)]
+        for i in indices:  # stage i: its share of the layers in order, the others empty (their names kept)
+            lo, hi = i * args.layers // total, (i + 1) * args.layers // total
+            modules.append(nn.Sequential(*(m if lo <= j < hi else nn.Identity() for j, m in enumerate(layers))))
+    else:
+        for i in indices:
+            torch.manual_seed(i + 1000 * args.seed)  # each stage its own layers; a stage's replicas alike
+            modules.append(nn.Linear(8, 1) if i == total - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
     module = modules[0]
+    first_linear = next(m for m in module.modules() if isinstance(m, nn.Linear))
     built = [pipelining.PipelineStage(m, stage_index=i, num_stages=total, device=torch.device("cpu"), group=pp_group)
              for m, i in zip(modules, indices, strict=True)]
     schedule = cls(built if per_rank > 1 else built[0], n_microbatches=4,
@@ -65,14 +79,22 @@ def main() -> None:
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=args.lr)
     for step in range(1, args.steps + 1):
-        g = torch.Generator().manual_seed(1000 * step + dp_rank)  # one batch per pipeline
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        if args.global_batch is None:  # one batch per pipeline
+            g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step + dp_rank)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        else:  # this pipeline's rows of the step's global batch
+            size = share(args, args.dp)
+            g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step)
+            x, y = torch.randn(args.global_batch, 8, generator=g), torch.randn(args.global_batch, 1, generator=g)
+            x, y = x[dp_rank * size:(dp_rank + 1) * size], y[dp_rank * size:(dp_rank + 1) * size]
         if stage_index == 0 and step == args.nan_step:
             with torch.no_grad():
-                module[0].weight.fill_(float("nan"))
+                first_linear.weight.fill_(float("nan"))
         if rank == args.stall_rank and step == args.stall_step:
             time.sleep(600)
-        if stage_index == 0:
+        if stage_index == 0 and last:  # one stage: the whole model on this rank
+            schedule.step(x, target=y, losses=[])
+        elif stage_index == 0:
             schedule.step(x)
         elif last:
             schedule.step(target=y, losses=[])

@@ -9,8 +9,10 @@
 --layout hsdp_tp   a 3-D mesh ("dp_replicate", "dp_shard", "tp") = (2, 1, 2): TP inside, HSDP over both dp dims
 
 The batch is drawn per data-parallel rank (the mesh's "dp" coordinate), as a DistributedSampler over
-the dp group would. Faults that live inside the script because they reach a shard by hand (the tests'
-and ``distdebug faults replay``'s own faults come from fault_injection; off by default):
+the dp group would; with --global-batch G, each data-parallel rank takes its rows of one G-sample batch (runs at
+any world size, 1 rank included, see the same data: a pair for distdebug parity). Faults that live inside the
+script because they reach a shard by hand (the tests' and ``distdebug faults replay``'s own faults come from
+fault_injection; off by default):
 --nan-rank R --nan-step S   rank R's shard of w1 (column parallel) becomes NaN at step S (before its forward)
 --flip-rank R --flip-step S one bit of rank R's local w2 shard flips after step S's optimizer step
 """
@@ -25,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import base_parser, finish, local_tensor, param_digest, setup, write_digest  # noqa: E402
+from _common import base_parser, finish, local_tensor, param_digest, setup, share, write_digest  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -61,7 +63,7 @@ def main() -> None:
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         tp_mesh, dp_rank, dp_size = mesh["tp"], mesh["dp"].get_local_rank(), world // 2
-    torch.manual_seed(0)  # the same full weights everywhere: TP shards them, DDP/FSDP replicate across dp
+    torch.manual_seed(args.seed)  # the same full weights everywhere: TP shards them, DDP/FSDP replicate across dp
     model = MLP()
     parallelize_module(model, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     if args.layout == "ddp_tp":
@@ -80,8 +82,14 @@ def main() -> None:
     inner = model.module if hasattr(model, "module") else model
     loss = torch.tensor(0.0)
     for step in range(1, args.steps + 1):
-        g = torch.Generator().manual_seed(1000 * step + dp_rank)  # per data-parallel rank, shared by TP peers
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        if args.global_batch is None:  # per data-parallel rank, shared by TP peers
+            g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step + dp_rank)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        else:
+            size = share(args, dp_size)
+            g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step)
+            x, y = torch.randn(args.global_batch, 8, generator=g), torch.randn(args.global_batch, 1, generator=g)
+            x, y = x[dp_rank * size:(dp_rank + 1) * size], y[dp_rank * size:(dp_rank + 1) * size]
         if rank == args.nan_rank and step == args.nan_step:
             with torch.no_grad():
                 local_tensor(inner.w1.weight).fill_(float("nan"))
@@ -93,7 +101,6 @@ def main() -> None:
             with torch.no_grad():
                 w = local_tensor(inner.w2.weight).view(-1)
                 w.view(torch.int32)[3] ^= 1 << 22
-    del dp_size
     # Every parameter the optimizer updates (under DDP x TP, named_parameters() of the module no longer
     # lists the TP ones after a forward: torch.distributed.tensor.parallel.ddp)
     params = [(str(i), p) for i, p in enumerate(opt.param_groups[0]["params"])]

@@ -240,7 +240,7 @@ def recorded(run: Any) -> Recorded:
         raise CannotCompare(f"{run.path} has no parity records: run it with distdebug attach --parity")
     parts = [x for recs in per_rank.values() for x in recs if "param" in x]  # each rank's parts of the tensors
     if not parts:
-        raise CannotCompare(f"{run.path}: its parity records hold no tensors (ZeRO-3 partitions are not recorded)")
+        raise CannotCompare(f"{run.path}: its parity records hold no tensors (no model was found to record)")
     first = parts
     losses: dict[int, list[float]] = {}  # every step, every rank: the global loss is their mean
     for recs in streams.values():
@@ -266,12 +266,13 @@ def recorded(run: Any) -> Recorded:
                 if isinstance(x["grad_sq_sum"], (int, float)):
                     squares.setdefault(int(x["step"]), []).append(float(x["grad_sq_sum"]))
         holders += held
-    totals = {t: v for t, v in totals.items() if len(v) == len(streams)}
+    # a step only where every rank that holds a loss (a pipeline's last stage: the others never compute one) or a
+    # part of the norm has it (a rank whose older steps the run-directory budget thinned would otherwise make a
+    # mean of some ranks, a norm of some parts)
+    totals = {t: v for t, v in totals.items() if len(v) == _holders(totals, streams)}
     if totals:
         losses = totals
-    # a step only where every rank's part is there (a rank whose older steps the run-directory budget thinned
-    # would otherwise make a mean of some ranks, a norm of some parts)
-    losses = {t: v for t, v in losses.items() if len(v) == len(streams)}
+    losses = {t: v for t, v in losses.items() if len(v) == _holders(losses, streams)}
     squares = {t: v for t, v in squares.items() if len(v) == holders}
     sketches: dict[int, dict[str, list[float]]] = {}
     squared: dict[int, dict[str, float]] = {}
@@ -643,6 +644,12 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
                          "its update does not: the optimizer's update differs (a hyperparameter not recorded, its "
                          "state, a step skipped or repeated)"))
     return sorted(out, key=lambda c: list(CAUSES).index(c.kind))
+
+
+def _holders(by_step: Mapping[int, list[float]], streams: Mapping[Any, list[dict]]) -> int:
+    """How many ranks hold a value kept by step in ``by_step``: the most any step has (each rank adds one per step).
+    Not the world: a pipeline's first stages compute no loss."""
+    return max((len(v) for v in by_step.values()), default=len(streams))
 
 
 def _dt(d: str) -> str:

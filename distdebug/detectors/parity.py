@@ -37,9 +37,10 @@ reference on purpose.
 
 Sharded parameters (DTensors: FSDP2, tensor parallel, HSDP) are recorded by every rank that holds the first
 replica of a part, sketched at the part's global place, so that the parts' sketches sum to the whole tensor's:
-a sharded candidate is compared with a whole reference without gathering anything. Not recorded: ZeRO-3's
-partitions (their global offsets are not exposed the same way). Cost per recorded step: on the rank that
-holds a tensor (rank 0 for a replicated one), two passes over the parameters, buffers and gradients (the sketch's
+a sharded candidate is compared with a whole reference without gathering anything. A ZeRO-3 partition is a block
+of the flattened tensor, recorded at its offset the same way; a pipeline's stages each record their own layers
+(plain tensors: the ranks of rank 0's pipeline). Cost per recorded step: on the rank that holds a tensor (rank 0
+for a replicated one), two passes over the parameters, buffers and gradients (the sketch's
 fold) and about 5 KB of record per parameter (two sketches of 128 float64 numbers as JSON); on every rank, one
 pass over its replicated gradients (their norms) and the data's fingerprint (a float64 copy of each sample's
 first WIDTH numbers, and a product with 8 directions).
@@ -199,17 +200,18 @@ class ParityRecorder(Detector):
         (a placement does not change between steps; ``key``: the tensor's name and kind): ``()`` for a whole tensor,
         the part's (local shape, global offset, global shape) flattened for a DTensor's, None: not this rank's.
 
-        A plain tensor is replicated (DDP, or a hand-written all-reduce): rank 0 records it whole. A DTensor
+        A plain tensor is replicated (DDP, or a hand-written all-reduce): rank 0 records it whole; on a pipeline,
+        where each stage holds its own layers, every rank of rank 0's pipeline records its stage's. A DTensor
         (FSDP2, tensor parallel, HSDP) is recorded by every rank that holds the first replica of its shard: its
         local part at its global place, so that the parts' sketches sum to the whole tensor's. A ZeRO-3 partition
-        (no global offset exposed here) is not recorded."""
+        is a block of the flattened tensor (``_zero3_place``)."""
         if key in self._places:
             return self._places[key]
         place: tuple[int, ...] | None
         if hasattr(t, "ds_id"):
-            place = None
+            place = _zero3_place(t)
         elif type(t).__name__ != "DTensor":
-            place = () if self.ctx is not None and self.ctx.rank == 0 else None
+            place = () if self._records_plain() else None
         else:
             from torch.distributed.tensor import Replicate
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -223,6 +225,18 @@ class ParityRecorder(Detector):
                 place = (*shape, *offset, *t.shape)
         self._places[key] = place
         return place
+
+    def _records_plain(self) -> bool:
+        """Whether this rank records the plain (replicated) tensors: rank 0, or on a pipeline each rank of rank 0's
+        pipeline, the one replica of its stage's layers there (the stage's group, from runtime.layout: a pipeline
+        whose stages also split their layers over tensor-parallel peers without DTensors would count a layer
+        twice)."""
+        if self.ctx is None:
+            return False
+        stage = self.ctx.layout.stage if self.ctx.layout is not None else None
+        if stage:
+            return 0 in (stage.get("ranks") or [self.ctx.rank])
+        return self.ctx.rank == 0
 
     @staticmethod
     def _where(place: tuple[int, ...], device: torch.device) -> int | torch.Tensor:
@@ -255,7 +269,7 @@ class ParityRecorder(Detector):
                 place = self._place(f"param:{n}", p)
                 if place is None:
                     continue
-                value = _local(p).detach()
+                value = _zero3_part(p, place) if hasattr(p, "ds_id") else _local(p).detach()
                 gplace = self._place(f"grad:{n}", p.grad) if p.grad is not None else None
                 # a missing gradient (unused this step, frozen later) is recorded as zeros: against a reference that
                 # has one, it departs by the whole gradient
@@ -271,7 +285,11 @@ class ParityRecorder(Detector):
             from distdebug.runtime.session import current_session
 
             session = current_session()
-            total = session.clock.raw_sum if session is not None else None
+            # not on a pipeline: its schedule divides the gradients by the micro-batch count after their backward
+            # calls (scale_grads), so the sum is that many times the loss the step applies; the step record's loss
+            # (the micro-batches' mean, on the last stage) is
+            stage = self.ctx.layout.stage if self.ctx.layout is not None else None
+            total = session.clock.raw_sum if session is not None and not stage else None
             if isinstance(total, torch.Tensor):
                 out["loss_total"] = total
             elif isinstance(total, float):
@@ -402,9 +420,11 @@ class ParityRecorder(Detector):
             for i, (_, p) in enumerate(named):
                 bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
                         torch.float64: torch.int64}.get(p.dtype)
-                if bits is None or hasattr(p, "ds_id"):
+                if bits is None:
                     continue
-                t = _local(p) if type(p).__name__ == "DTensor" else p.data
+                # a ZeRO-3 parameter: its partition, the values the next forward gathers
+                t = (p.ds_tensor.data if hasattr(p, "ds_id")  # type: ignore[attr-defined]
+                     else _local(p) if type(p).__name__ == "DTensor" else p.data)
                 gen = torch.Generator(device=t.device).manual_seed(self.config.seed * 1_000_003 + step * 4099 + i)
                 flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
                 if shift and p.dtype == torch.float32:
@@ -456,6 +476,30 @@ def _directions(device: torch.device) -> torch.Tensor:
     i = torch.arange(1, WIDTH + 1, dtype=torch.float64, device=device)[:, None]
     k = torch.arange(1, 9, dtype=torch.float64, device=device)[None, :]
     return torch.cos(i * (math.sqrt(2) * k + math.pi / 7) + k * math.e)
+
+
+def _zero3_place(t: Any) -> tuple[int, ...] | None:
+    """A ZeRO-3 parameter's partition as a part of the flattened tensor: ``(held, offset, numel)``, this rank's
+    ``ds_tensor`` is elements ``offset`` to ``offset + held`` of the parameter flattened (DeepSpeed pads the
+    flattened tensor to a multiple of its partition group's size and gives rank r of that group the r-th equal
+    block: ``partition_parameters._partition_param``); the last rank's padding is not part of it. Recorded by the
+    partition group that holds rank 0 (under MiCS or hpZ other groups hold replicas). None: not this rank's, or
+    not partitioned."""
+    import torch.distributed as dist
+
+    part, group = getattr(t, "ds_tensor", None), getattr(t, "ds_process_group", None)
+    if part is None or not dist.is_initialized():
+        return None
+    if 0 not in dist.get_process_group_ranks(group or dist.group.WORLD):
+        return None
+    size = part.numel()
+    offset = dist.get_rank(group=group) * size
+    return (max(0, min(size, int(t.ds_numel) - offset)), offset, int(t.ds_numel))
+
+
+def _zero3_part(t: Any, place: tuple[int, ...]) -> torch.Tensor:
+    """This rank's elements of a ZeRO-3 parameter (``_zero3_place``), without its padding."""
+    return t.ds_tensor.detach().view(-1)[:place[0]]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
