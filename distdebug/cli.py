@@ -580,9 +580,15 @@ def parity(ref: str | None, cand: str | None, twin: str | None, launch_ref: str 
     return 0 if v.equivalent else 1
 
 
+PARITY_PROFILE = "4:5"
+"""The steps the runs parity makes profile (the reference's and the candidate's, not the twin's): their
+communication share, beside the step time (a run shorter than that has none)."""
+
+
 def _launch_parity_runs(launch_ref: str, launch_cand: str, work_dir: Path | None) -> tuple[str, str, str]:
     """The three runs parity compares, made with attach (a process each, as a user would): the reference, its
-    twin (the same arguments) and the candidate, under ``work_dir``. A run that fails: cannot compare (2)."""
+    twin (the same arguments) and the candidate, under ``work_dir``; the reference and the candidate profile steps
+    PARITY_PROFILE unless their arguments choose other steps. A run that fails: cannot compare (2)."""
     import shlex
     import subprocess
 
@@ -593,6 +599,8 @@ def _launch_parity_runs(launch_ref: str, launch_cand: str, work_dir: Path | None
     for name, mode, args in (("ref", "record", launch_ref), ("twin", "twin", launch_ref),
                              ("cand", "record", launch_cand)):
         run_dir = work / name
+        if name != "twin" and "--profile-steps" not in shlex.split(args):
+            args = f"--profile-steps {PARITY_PROFILE} {args}"  # the communication share beside the step time
         print(f"distdebug parity: the {'reference' if name == 'ref' else name}: distdebug attach --parity {mode} "
               f"--run-dir {run_dir} {args}", file=sys.stderr, flush=True)
         # the runs' own output on stderr: stdout is the verdict's (--json)

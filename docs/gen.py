@@ -642,25 +642,30 @@ def volume_example(env: dict[str, str]) -> tuple[str, str]:
 
 def parity_example(env: dict[str, str]) -> tuple[str, str, str, str]:
     """``distdebug parity`` on real runs of recipes/parity_mlp.py: the reference (1 rank), its twin, the
-    same script on 2 ranks under DDP and under FSDP2 (equivalent), and on 2 ranks with the loss not divided by the
-    world size (departs); 1 rank accumulating the global batch in 2 micro-batches (the reference, and its twin)
-    against 2 ranks (equivalent), and with a BatchNorm layer (departs: per-rank statistics); 2 ranks under autocast
-    to bfloat16 against the float32 reference (departs: the precision named) and against a bfloat16 reference and
-    its twin (equivalent)."""
+    same script on 2 ranks under DDP and under FSDP2 (equivalent; the three profiled at steps 4-5: their
+    communication share), FSDP2 against DDP at 2 ranks (the DDP run's twin at 2 ranks beside it), and on 2 ranks
+    with the loss not divided by the world size (departs); 1 rank accumulating the global batch in 2 micro-batches
+    (the reference, and its twin) against 2 ranks (equivalent), and with a BatchNorm layer (departs: per-rank
+    statistics); 2 ranks under autocast to bfloat16 against the float32 reference (departs: the precision named)
+    and against a bfloat16 reference and its twin (equivalent)."""
     script = "recipes/parity_mlp.py"
-    for name, mode, nproc, extra in (("ref", "record", "1", []), ("twin", "twin", "1", []),
-                                     ("cand", "record", "2", []), ("summed", "record", "2", ["--sum-grads"]),
-                                     ("fsdp2", "record", "2", ["--fsdp2"]),
+    profiled = ["--profile-steps", "4:5"]
+    for name, mode, nproc, extra in (("ref", "record", "1", profiled), ("twin", "twin", "1", []),
+                                     ("cand", "record", "2", profiled), ("summed", "record", "2", ["--sum-grads"]),
+                                     ("fsdp2", "record", "2", [*profiled, "--fsdp2"]),
+                                     ("ddp-twin", "twin", "2", []),
                                      ("acc", "record", "1", ["--accumulate", "2"]),
                                      ("acc-twin", "twin", "1", ["--accumulate", "2"]),
                                      ("bn", "record", "1", ["--bn"]), ("bn-twin", "twin", "1", ["--bn"]),
                                      ("bn-cand", "record", "2", ["--bn"]), ("bf16", "record", "1", ["--bf16"]),
                                      ("bf16-twin", "twin", "1", ["--bf16"]), ("bf16-cand", "record", "2", ["--bf16"])):
-        _run(["attach", "--run-dir", str(WORK / "parity" / name), "--parity", mode, "--nproc-per-node", nproc,
-              script, *extra], env)
+        flags = [e for e in extra if e in profiled]  # attach's options before the script, the script's after it
+        _run(["attach", "--run-dir", str(WORK / "parity" / name), "--parity", mode, "--nproc-per-node", nproc, *flags,
+              script, *[e for e in extra if e not in profiled]], env)
     runs = [str(WORK / "parity" / n) for n in ("ref", "cand", "summed", "twin", "fsdp2")]
     ok = _run(["parity", runs[0], runs[1], "--twin", runs[3]], env)
     sharded = _run(["parity", runs[0], runs[4], "--twin", runs[3]], env)
+    layouts = _run(["parity", runs[1], runs[4], "--twin", str(WORK / "parity" / "ddp-twin")], env)
     bad = _run(["parity", runs[0], runs[2], "--twin", runs[3]], env, expect=(1,))
     at = {n: str(WORK / "parity" / n) for n in ("acc", "acc-twin", "bn", "bn-twin", "bn-cand", "bf16", "bf16-twin",
                                                  "bf16-cand")}
@@ -671,7 +676,8 @@ def parity_example(env: dict[str, str]) -> tuple[str, str, str, str]:
     wrap = lambda text: "".join(f"{w}\n" for line in text.splitlines()  # noqa: E731
                                 for w in textwrap.wrap(line, 110, subsequent_indent="  ", break_on_hyphens=False))
     return (f"$ distdebug parity REF DDP2 --twin TWIN\n{wrap(ok)}$ distdebug parity REF FSDP2 --twin TWIN\n"
-            f"{wrap(sharded)}", f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}",
+            f"{wrap(sharded)}$ distdebug parity DDP2 FSDP2 --twin DDP2_TWIN\n{wrap(layouts)}",
+            f"$ distdebug parity REF SUMMED --twin TWIN\n{wrap(bad)}",
             f"$ distdebug parity ACCUMULATE2 DDP2 --twin ACCUMULATE2_TWIN\n{wrap(acc)}"
             f"$ distdebug parity BN BN2 --twin BN_TWIN\n{wrap(bn)}",
             f"$ distdebug parity REF BF16_2 --twin TWIN\n{wrap(mixed)}"

@@ -12,6 +12,7 @@ from .checkpoint_corruption import CheckpointCorruption
 from .duplicate_data import DuplicateData
 from .grad_summed import GradSummed
 from .hang import Hang
+from .local_clip import LocalClip
 from .loss_spike import LossSpike
 from .low_dtype_state import LowDtypeState
 from .lr_scaled import LrScaled
@@ -32,7 +33,7 @@ from .unsynced_bn import UnsyncedBn
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
     NanGrad, NanActivation, BitflipParam, SkipStep, UnsyncedBn, BadEnv, Hang, Straggler, SlowDataloader,
     LossSpike, DuplicateData, SeedMismatch, CheckpointCorruption, SlowLink, TransientCompute, PersistentCompute,
-    GradSummed, LrScaled, UnreducedGrad, LowDtypeState, RankDropout)}
+    GradSummed, LrScaled, UnreducedGrad, LocalClip, LowDtypeState, RankDropout)}
 
 
 def resolve(spec: str) -> dict[str, Any]:

@@ -39,6 +39,11 @@ class UnreducedGrad(ParityFault):
         if type(p).__name__ == "DTensor" or hasattr(p, "ds_id") or getattr(p, "_st_info", None) is not None:
             self.not_acted(f"{name} is sharded: each rank's gradient is a part, not a replica")
             return
+        lay = ctx.layout
+        if lay is not None and lay.data_group() is False:
+            self.not_acted(f"no other rank shares {name}'s data-parallel group (layout: {lay.label()}): its "
+                           "gradient is the only one, reduced or not")
+            return
         self.target = found
         self.acts_through = f"{name}'s gradient in backward from step {self.step}"
         p.register_hook(self.guarded(self._keep))

@@ -205,6 +205,8 @@ class Recorded:
     """The data-parallel size (rank 0's data-parallel group; 0: not recorded, the world size is used)."""
     autocast: str | None = None
     """The dtype the training forwards compute in under autocast (``bfloat16``); None: the parameters' own."""
+    clips: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    """step -> data-parallel rank -> the norms its ``clip_grad_norm_`` calls computed that step, in call order."""
 
 
 class CannotCompare(Exception):
@@ -254,11 +256,14 @@ def recorded(run: Any) -> Recorded:
     totals: dict[int, list[float]] = {}
     squares: dict[int, list[float]] = {}  # every step: the ranks' parts of the gradients' squared global norm
     holders = 0  # the ranks that hold gradients (their parts make the global norm)
-    for recs in streams.values():
+    clips: dict[int, dict[int, list[float]]] = {}
+    for r, recs in streams.items():
         held = False
         for x in recs:
             if x.get("kind") != schema.PARITY_STEP:
                 continue
+            if isinstance(x.get("clip"), list):
+                clips.setdefault(int(x["step"]), {})[int(r)] = [float(v) for v in x["clip"]]
             if isinstance(x.get("loss_total"), (int, float)):
                 totals.setdefault(int(x["step"]), []).append(float(x["loss_total"]))
             if "grad_sq_sum" in x:
@@ -333,7 +338,8 @@ def recorded(run: Any) -> Recorded:
                     norms=norms, buffers=buffers, buffer_dtypes=buffer_dtypes, hyper=hyper,
                     state_dtypes=state_dtypes, rank_grads=rank_grads, data=summed,
                     rows={t: rows[t] for t in summed}, widths={t: sorted(widths.get(t, ())) for t in summed},
-                    dp_world=len(dp), autocast=next((x["autocast"] for x in parts if x.get("autocast")), None))
+                    dp_world=len(dp), autocast=next((x["autocast"] for x in parts if x.get("autocast")), None),
+                    clips={t: {r: v for r, v in per.items() if r in dp} for t, per in clips.items()})
 
 
 def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:
@@ -363,31 +369,38 @@ class Size:
     peak_mb: float | None
     """The largest per-rank peak of parameters, gradients, optimizer state and activations (the memory detector's
     total at its largest step), in MB."""
+    comm_share: float | None = None
+    """The share of the step spent in collectives (the first profiler window's, median over the ranks: attach
+    --profile-steps); None: not profiled."""
 
 
 def size_of(run: Any) -> Size:
     """A run's size and speed from its summary (analysis.summary)."""
     from distdebug.analysis.summary import summarize
 
-    ranks = summarize(run).ranks
+    summary = summarize(run)
+    ranks = summary.ranks
     times = [r.median_step_time_s for r in ranks if r.median_step_time_s]
     peaks = [r.memory_peak["total"] for r in ranks
              if r.memory_peak and isinstance(r.memory_peak.get("total"), (int, float))]
+    share = next((w["summary"].get("comm_share") for w in summary.windows
+                  if isinstance(w.get("summary", {}).get("comm_share"), (int, float))), None)
     return Size(world=len(ranks), median_step_ms=max(times) * 1000 if times else None,
-                peak_mb=max(peaks) / 1e6 if peaks else None)
+                peak_mb=max(peaks) / 1e6 if peaks else None, comm_share=share)
 
 
 def side_by_side(ref: Size, cand: Size) -> str | None:
-    """Step time and peak memory per size, and the scaling efficiency: the reference's step over N times the
-    candidate's (1.0: N ranks take 1/N of the time the global batch takes on the reference's ranks). None when
-    the runs are of one size or lack the figures."""
+    """Step time, peak memory and the communication share per size, and the scaling efficiency: the reference's
+    step over N times the candidate's (1.0: N ranks take 1/N of the time the global batch takes on the reference's
+    ranks). None when the runs are of one size or lack the figures."""
     if ref.world == cand.world or not ref.median_step_ms or not cand.median_step_ms:
         return None
     n = cand.world / ref.world
     eff = ref.median_step_ms / (n * cand.median_step_ms)
 
     def mem(s: Size) -> str:
-        return f", peak {s.peak_mb:.3g} MB a rank" if s.peak_mb is not None else ""
+        comm = f", communication {s.comm_share:.0%} of the step" if s.comm_share is not None else ""
+        return (f", peak {s.peak_mb:.3g} MB a rank" if s.peak_mb is not None else "") + comm
 
     return (f"step time: {ref.world} rank(s) {ref.median_step_ms:.3g} ms{mem(ref)}; {cand.world} rank(s) "
             f"{cand.median_step_ms:.3g} ms{mem(cand)}; scaling efficiency {eff:.0%} (the same global batch on "
@@ -466,6 +479,13 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
     for t in steps:
         for q, v in ref.norms.get(t, {}).items():
             sizes.setdefault(q, {})[t] = v
+    # a gradient is a sum of the samples' contributions, which may cancel (a bias's gradient over a balanced batch
+    # is small at one step): its rounding is relative to the terms' scale, not to the sum's. The largest norm that
+    # gradient has at any recorded step of the reference stands for that scale (its floor at every step)
+    for q, by_step in sizes.items():
+        if q.startswith("grad:") and by_step:
+            top = max(by_step.values())
+            sizes[q] = {t: top for t in by_step}
     # at one step, the tensor is named before the global figures it feeds (the loss is told apart: loss_departs)
     # (a buffer, computed in the forward, before the parameters it does not feed)
     order = [*[f"grad:{n}" for n in ref.names], *[f"buffer:{n}" for n in ref.buffers],
@@ -495,7 +515,7 @@ class Cause:
 
     kind: str
     """``hyperparameter``, ``dtype``, ``data``, ``unreduced``, ``gradient_scale``, ``batchnorm``, ``forward``,
-    ``update``: one of CAUSES."""
+    ``clipping``, ``update``: one of CAUSES."""
     step: int
     """The step the evidence is from."""
     text: str
@@ -506,6 +526,7 @@ CAUSES = {
     "dtype": "a parameter, buffer or optimizer state kept in another dtype (AdamW's moments in bfloat16)",
     "data": "the ranks together saw other samples (a data split that repeats or drops samples)",
     "unreduced": "a gradient differs between the ranks (never averaged over them)",
+    "clipping": "gradients clipped by each rank's own norm (before the reduction, or a shard's) instead of the global",
     "gradient_scale": "every gradient scaled by one factor (summed over the ranks, or normalised by a local count)",
     "batchnorm": "BatchNorm statistics per rank instead of the whole batch's",
     "forward": "the forward computes otherwise with the same parameters and data (randomness drawn per rank)",
@@ -595,14 +616,28 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
         if t > s:
             break
         per = cand.rank_grads[t]
-        apart = [nm for nm in cand.names if sum(nm in g for g in per.values()) >= 2 and _spread(
-            [g[nm] for g in per.values() if nm in g]) > 1e-6]
+        apart = _apart(per, cand.names)
         if apart:
             nm = apart[0]
             vals = ", ".join(f"rank {r}: {g[nm]:.4g}" for r, g in sorted(per.items()) if nm in g)
             out.append(Cause("unreduced", t, f"the gradient of {nm} differs between the candidate's ranks at step {t} "
                              f"({vals}): not averaged over the ranks (a parameter outside DDP, a hand-written "
                              "all-reduce that misses it)" + (f"; {len(apart) - 1} more" if len(apart) > 1 else "")))
+            break
+    # clipping by each rank's own norm: ranks that clip the same (reduced) gradients compute one norm
+    for t in sorted(cand.clips):
+        if t > s:
+            break
+        norms_at = cand.clips[t]
+        calls = min((len(v) for v in norms_at.values()), default=0)
+        calls_apart = [i for i in range(calls)
+                       if len(norms_at) >= 2 and _spread([v[i] for v in norms_at.values()]) > 1e-6]
+        if calls_apart:
+            vals = ", ".join(f"rank {r}: {v[calls_apart[0]]:.4g}" for r, v in sorted(norms_at.items()))
+            out.append(Cause("clipping", t, f"clip_grad_norm_ computed another norm on each of the candidate's ranks "
+                             f"at step {t} ({vals}): each rank clipped by its own gradients' norm, not the global one "
+                             "(clip after the gradients are averaged; on shards, with a norm all-reduced over them: "
+                             "FSDP's and DTensor's clip_grad_norm_ do)"))
             break
     # one factor on every gradient
     grads = {q: v for q, v in ref.norms.get(s, {}).items() if q.startswith("grad:")}
@@ -644,6 +679,23 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
                          "its update does not: the optimizer's update differs (a hyperparameter not recorded, its "
                          "state, a step skipped or repeated)"))
     return sorted(out, key=lambda c: list(CAUSES).index(c.kind))
+
+
+def _apart(per: Mapping[int, Mapping[str, float]], names: list[str]) -> list[str]:
+    """The gradients whose norms the ranks disagree on, the most apart first. Each gradient's norm on each rank
+    over its norm on the first rank: where a clipping by each rank's own norm scales every gradient of a rank by
+    one factor, the typical (median) ratio is that factor, and a gradient never averaged is the one whose ratios
+    leave it (with fewer than three gradients the median says nothing: the ratios' own spread)."""
+    ranks = sorted(per)
+    held = [nm for nm in names if all(nm in per[r] for r in ranks) and per[ranks[0]][nm] > 0]
+    if len(ranks) < 2 or not held:
+        return []
+    ratios = {nm: [per[r][nm] / per[ranks[0]][nm] for r in ranks[1:]] for nm in held}
+    typical = [sorted(v[i] for v in ratios.values())[len(ratios) // 2] if len(ratios) >= 3 else 1.0
+               for i in range(len(ranks) - 1)]
+    off = {nm: max(abs(x / m - 1) if m > 0 else math.inf for x, m in zip(v, typical, strict=True))
+           for nm, v in ratios.items()}
+    return sorted((nm for nm, v in off.items() if v > 1e-6), key=lambda nm: -off[nm])
 
 
 def _holders(by_step: Mapping[int, list[float]], streams: Mapping[Any, list[dict]]) -> int:

@@ -20,10 +20,11 @@ model discovery found (by its name inside the wrappers: a DDP run's and a plain 
   samples are split between the ranks or micro-batches, or on their order: summed over the ranks it is the
   reference's exactly when the ranks together saw the same samples.
 
-At every step each rank also records its part of the gradients' global norm and its loss as backward ran on it,
-summed over the step's backward calls (``parity_step``: a per-step kind, thinned past the run-directory budget's
-ring like the step records): under gradient accumulation the step record's loss is the micro-batches' mean, not
-the loss whose gradient the step applies.
+At every step each rank also records its part of the gradients' global norm, the norms its ``clip_grad_norm_``
+calls computed (ranks that clip the averaged gradients compute one; each rank's own norm differs) and its loss as
+backward ran on it, summed over the step's backward calls (``parity_step``: a per-step kind, thinned past the
+run-directory budget's ring like the step records): under gradient accumulation the step record's loss is the
+micro-batches' mean, not the loss whose gradient the step applies.
 
 All of it is device work, read with the step's other values in its one device-to-host transfer (``probe``),
 written as one ``parity`` record. Gradients are read as the optimizer used them: reduced (averaged) under DDP,
@@ -106,12 +107,43 @@ class ParityRecorder(Detector):
         """Gradients the twin has rounded so far (each draws a new pattern)."""
         self._handles: list[Any] = []
         """Hooks on the model: the twin's gradient rounding, the autocast reader (removed at the end)."""
+        self._clips: list[torch.Tensor] = []
+        """The norms ``clip_grad_norm_`` computed in this step (device tensors, read with the step's values): ranks
+        that clip by one global norm compute the same; each rank's own (clipping before the reduction, a shard's
+        norm) differs between them."""
 
     def setup(self, ctx: RankContext) -> None:
+        from distdebug.runtime.session import current_session
+
+        session = current_session()
+        if session is not None:  # the clock keeps the loss as backward ran on it only for this recorder
+            session.clock.keep_raw = True
         # the outermost module's first forward (the twin's noise starts before it, so that step 1 has a band too;
         # the data's fingerprint is taken at every forward of that module from then on)
         self._first_forward = torch.nn.modules.module.register_module_forward_pre_hook(
             self.guarded(self._before_first_step))
+        import torch.nn.utils.clip_grad as clip_module
+        from torch.nn import utils as nn_utils
+
+        original = nn_utils.clip_grad_norm_
+        self.patch(ctx, nn_utils, "clip_grad_norm_", self._watch_clip)
+        if getattr(clip_module, "clip_grad_norm_", None) is original:
+            self.patch(ctx, clip_module, "clip_grad_norm_", self._watch_clip)
+
+    def _watch_clip(self, original: Any) -> Any:
+        """clip_grad_norm_ as the script calls it, its result kept (no read: it travels with the step's values). A
+        DTensor norm (FSDP2's, tensor parallelism's) is left out: its local value is a part, the clip's own
+        arithmetic makes it whole."""
+        det = self
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            total = original(*args, **kwargs)
+            if isinstance(total, torch.Tensor) and type(total).__name__ != "DTensor" and total.numel() == 1 \
+                    and len(det._clips) < 64:
+                det._clips.append(total.detach().reshape(()).to(torch.float64))
+            return total
+
+        return clip_grad_norm_
 
     def _before_first_step(self, module: torch.nn.Module, args: Any) -> None:
         """The outermost module's first forward (the first module called is the one that calls the others): the
@@ -239,27 +271,23 @@ class ParityRecorder(Detector):
         return self.ctx.rank == 0
 
     @staticmethod
-    def _where(place: tuple[int, ...], device: torch.device) -> int | torch.Tensor:
-        """Where a part sits, for its sketch (at a recorded step only): the global flat offset of a whole tensor or a
-        block of whole rows, else every element's global flat index."""
+    def _sketch(t: torch.Tensor, place: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The sketch of a tensor or of its part at its place (``_place``): a whole tensor or a block of whole rows
+        (FSDP2's ``Shard(0)``, a ZeRO-3 partition) at its global flat offset; any other block (a column shard) with
+        each element's global index, made a chunk at a time (``sketch_block``). At a recorded step only."""
+        from distdebug.fingerprint.sketch import sketch, sketch_block
+
         if not place:
-            return 0
+            return sketch(t, seed)
         n = len(place) // 3
         shape, offset, full = place[:n], place[n:2 * n], place[2 * n:]
         if shape[1:] == full[1:] and not any(offset[1:]):
-            return offset[0] * math.prod(full[1:]) if full else 0  # a block of whole rows
-        index = torch.zeros(shape, dtype=torch.int64, device=device)
-        for d in range(n):
-            view = [1] * n
-            view[d] = shape[d]
-            index += (torch.arange(offset[d], offset[d] + shape[d], device=device) * math.prod(full[d + 1:])).view(view)
-        return index
+            return sketch(t, seed, offset=offset[0] * math.prod(full[1:]) if full else 0)
+        return sketch_block(t, offset, full, seed)
 
     def probe(self, step: int) -> dict[str, Any] | None:
         if self.ctx is None or not self.named:
             return None
-        from distdebug.fingerprint.sketch import sketch, sketch_indexed
-
         seed = self.config.seed
         with torch.no_grad():
             # (name, the parameter's part and place, the gradient's part and place): a DTensor's gradient may be
@@ -294,6 +322,8 @@ class ParityRecorder(Detector):
                 out["loss_total"] = total
             elif isinstance(total, float):
                 self._loss_total = total
+            if self._clips and len({c.device for c in self._clips}) == 1:
+                out["clip"] = torch.stack(self._clips)
             if owned:  # float64 sums of squares without a float64 copy of each gradient
                 grad_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
                                        for _, _, _, g, _ in owned])
@@ -319,8 +349,7 @@ class ParityRecorder(Detector):
             self._buffer_dtypes = [str(b.dtype) for _, b, _ in bufs]
 
             def sk(t: torch.Tensor, place: tuple[int, ...]) -> torch.Tensor:
-                where = self._where(place, t.device)
-                return sketch(t, seed, offset=where) if isinstance(where, int) else sketch_indexed(t, where, seed)
+                return self._sketch(t, place, seed)
 
             self._names = [n for n, *_ in owned]  # host-side: which parts the values below are
             self._dtypes = [str(v.dtype) for _, v, *_ in owned]
@@ -339,11 +368,14 @@ class ParityRecorder(Detector):
         got = self.values(event)
         total = got.get("loss_total", self._loss_total)
         self._loss_total = None
-        if ctx is not None and ("grad_sq_sum" in got or total is not None):
-            # every step: this rank's part of the gradients' global norm, and its loss as backward ran on it
+        if ctx is not None and ("grad_sq_sum" in got or total is not None or "clip" in got):
+            # every step: this rank's part of the gradients' global norm, its loss as backward ran on it, the norms
+            # its clipping computed
             ctx.emit(schema.PARITY_STEP, step=event.step, **({"grad_sq_sum": got["grad_sq_sum"]}
                                                             if "grad_sq_sum" in got else {}),
-                     **({"loss_total": total} if total is not None else {}))
+                     **({"loss_total": total} if total is not None else {}),
+                     **({"clip": got["clip"]} if "clip" in got else {}))
+        self._clips = []
         if ctx is not None and self.named and self.wanted(event.step):
             # the parts this rank recorded; every rank's loss (the global loss is their mean: in every step record)
             tensors = {} if "param" not in got else {

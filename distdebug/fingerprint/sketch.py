@@ -20,8 +20,9 @@ to ``||a - b||`` itself, not to ``||a||`` (a benign difference of 1e-7 of a tens
 Shards: a rank that holds the elements at global offset ``offset`` sketches them with their global indices
 (``offset + local index``), and the full tensor's sketch is the sum of its shards' (``z`` is a sum over
 elements, ``G`` is linear): a sharded candidate is compared with a whole reference without gathering.
-A contiguous shard (FSDP2's ``Shard(0)``, a ZeRO partition) is an offset; a strided one gives its own
-global indices (``sketch_indexed``).
+A contiguous shard (FSDP2's ``Shard(0)``, a ZeRO partition) is an offset; a strided one (tensor parallel's
+columns) is a block at an offset in each dimension (``sketch_block``: its global indices made a chunk at a time),
+or gives its own global indices (``sketch_indexed``).
 
 GPU-shaped: no host read; the result is a device tensor of ``k`` float64 numbers, read with the step's others.
 The elements are visited in chunks of ``CHUNK`` so that the indices and signs never take more memory than that.
@@ -99,6 +100,26 @@ def sketch(t: torch.Tensor, seed: int = 0, offset: int = 0, k: int = K, m: int =
     for start in range(0, flat.numel(), CHUNK):
         part = flat[start:start + CHUNK]
         index = torch.arange(offset + start, offset + start + part.numel(), device=flat.device, dtype=torch.int64)
+        z += fold(part, index, seed, m)
+    return project(z, seed, k)
+
+
+def sketch_block(t: torch.Tensor, offset: tuple[int, ...], full: tuple[int, ...], seed: int = 0, k: int = K,
+                 m: int = M) -> torch.Tensor:
+    """The sketch of ``t``, the block of a tensor of shape ``full`` that starts at ``offset`` (one number per
+    dimension: a column shard is a block at a column offset), each element at its global flat index. The indices
+    are made a CHUNK at a time: never an index as large as the block (8 bytes an element)."""
+    flat = t.detach().reshape(-1)
+    shape, n = tuple(t.shape), t.dim()
+    strides = [math.prod(full[d + 1:]) for d in range(n)]
+    z = torch.zeros(m, dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start:start + CHUNK]
+        rest = torch.arange(start, start + part.numel(), device=flat.device, dtype=torch.int64)
+        index = torch.zeros_like(rest)
+        for d in reversed(range(n)):  # the local flat index unravelled, each coordinate moved to its global place
+            index += (rest % shape[d] + offset[d]) * strides[d]
+            rest = rest // shape[d]
         z += fold(part, index, seed, m)
     return project(z, seed, k)
 

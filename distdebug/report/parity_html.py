@@ -43,10 +43,13 @@ def binned(series: dict[int, float], keep: str = "last") -> list[tuple[int, floa
 def svg(lines: list[tuple[str, str, list[tuple[int, float]], bool]], log: bool = False,
         marks: list[tuple[int, str]] | None = None) -> str:
     """An inline SVG of ``lines`` ((label, colour, points, dashed)), steps across, values up (``log``: on a log
-    scale, a zero drawn at the floor); a non-finite value is a cross at the top; ``marks``: (step, label) drawn
-    as vertical lines."""
+    scale, where a zero has no place: it is a circle on the axis, the line broken there, never a point at the
+    smallest value drawn); a non-finite value is a cross at the top; ``marks``: (step, label) drawn as vertical
+    lines."""
     finite = [v for _, _, pts, _ in lines for _, v in pts if math.isfinite(v) and (v > 0 or not log)]
     steps = [t for _, _, pts, _ in lines for t, _ in pts]
+    if log and steps and not finite and all(v == 0 for _, _, pts, _ in lines for _, v in pts):
+        return "<p>every value is 0: the runs agree bit for bit</p>"
     if not finite or not steps:
         return "<p>nothing to draw</p>"
     lo, hi = min(finite), max(finite)
@@ -77,14 +80,28 @@ def svg(lines: list[tuple[str, str, list[tuple[int, float]], bool]], log: bool =
         parts.append(f"<line x1='{x(step):.1f}' y1='{PAD}' x2='{x(step):.1f}' y2='{H - PAD}' stroke='#c81e1e' "
                      f"stroke-dasharray='3,3'/><text x='{x(step) + 3:.1f}' y='{PAD + 10 + 12 * i}' font-size='10' "
                      f"fill='#c81e1e'>{_e(label)}</text>")
+    zeros_drawn = False
     for n, (label, colour, pts, dashed) in enumerate(lines):
         good = [(t, v) for t, v in pts if math.isfinite(v)]
-        shown = [(t, v if not log or v > 0 else 10 ** lo) for t, v in good]
-        if shown:
-            path = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in shown)
-            dash = " stroke-dasharray='6,4'" if dashed else ""
-            parts.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5'{dash} points='{path}'>"
-                         f"<title>{_e(label)}</title></polyline>")
+        runs: list[list[tuple[int, float]]] = [[]]  # the line's pieces between the zeros (log scale)
+        for t, v in good:
+            if log and v <= 0:
+                runs.append([])
+                zeros_drawn = True
+                parts.append(f"<circle cx='{x(t):.1f}' cy='{H - PAD}' r='3' fill='none' stroke='{colour}'>"
+                             f"<title>{_e(label)}: 0 at step {t} (bit for bit)</title></circle>")
+            else:
+                runs[-1].append((t, v))
+        dash = " stroke-dasharray='6,4'" if dashed else ""
+        for piece in runs:
+            if len(piece) == 1:
+                (t, v), = piece
+                parts.append(f"<circle cx='{x(t):.1f}' cy='{y(v):.1f}' r='1.5' fill='{colour}'>"
+                             f"<title>{_e(label)}</title></circle>")
+            elif piece:
+                path = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in piece)
+                parts.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5'{dash} points='{path}'>"
+                             f"<title>{_e(label)}</title></polyline>")
         for t, v in pts:
             if not math.isfinite(v):
                 parts.append(f"<text x='{x(t):.1f}' y='{PAD - 4}' font-size='12' fill='{colour}' "
@@ -92,6 +109,9 @@ def svg(lines: list[tuple[str, str, list[tuple[int, float]], bool]], log: bool =
         # the legend above the plot, a line each (never over a curve)
         parts.append(f"<rect x='{PAD + 220 * n}' y='{PAD - 26}' width='10' height='3' fill='{colour}'/>"
                      f"<text x='{PAD + 14 + 220 * n}' y='{PAD - 22}' font-size='11'>{_e(label)}</text>")
+    if zeros_drawn:
+        parts.append(f"<text x='{W - PAD}' y='{H - PAD - 4}' font-size='10' text-anchor='end'>\u25cb on the axis: "
+                     "0 (bit for bit)</text>")
     parts.append("</svg>")
     return "".join(parts)
 

@@ -58,6 +58,7 @@ class StepClock:
         # accumulated gradient, which two layouts of one training share (distdebug parity reads it, not a read
         # of its own: it travels in the step's one read with the parity recorder's values).
         self.raw_sum: torch.Tensor | float | None = None
+        self.keep_raw = False  # set by the parity recorder: without it the raw sum costs nothing (not kept)
         self.optimizer_steps = 0  # optimizer.step() calls seen (any optimizer): tells a step a scaler skipped
         # GradScaler.scale() outputs of this step (weak; a few): backward on one of them records the loss
         # divided by the scale. The scaler last used: its scale is read with the step's values.
@@ -108,15 +109,16 @@ class StepClock:
             if isinstance(scale, torch.Tensor):
                 same = raw is v  # no framework factor: one division serves both
                 v = v / scale.detach().to(torch.float64)  # on the device: the loss the script computed
-                raw = v if same else raw / scale.detach().to(torch.float64)
-            self.raw_sum = raw if self.raw_sum is None else self.raw_sum + raw
+                raw = v if same or not self.keep_raw else raw / scale.detach().to(torch.float64)
+            if self.keep_raw:
+                self.raw_sum = raw if self.raw_sum is None else self.raw_sum + raw
             self.loss_sum = v if self.loss_sum is None else self.loss_sum + v
             self.loss_n += 1
 
     def explicit(self, loss: Any) -> None:
         """``distdebug.step(loss)``: the step's loss is the one given."""
         self.loss_sum = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else float(loss)
-        if self.raw_sum is None:  # backward ran on none: the loss given is all there is (else keep their sum)
+        if self.keep_raw and self.raw_sum is None:  # backward ran on none: the loss given is all there is
             self.raw_sum = self.loss_sum
         self.loss_n = 1
 

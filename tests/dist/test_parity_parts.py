@@ -16,7 +16,7 @@ def _parts(rank, world):
 
     from distdebug.context import RankContext, RankIdentity
     from distdebug.detectors.parity import ParityRecorder
-    from distdebug.fingerprint.sketch import sketch, sketch_indexed
+    from distdebug.fingerprint.sketch import sketch
 
     rec = ParityRecorder()
     rec.ctx = RankContext(identity=RankIdentity.from_env(), run_dir=None, rank_dir=None)
@@ -30,12 +30,9 @@ def _parts(rank, world):
         if place is None:
             out[name] = None
             continue
-        where = rec._where(place, full.device)
-        values = dt.to_local()
-        sk = sketch(values, offset=where) if isinstance(where, int) else sketch_indexed(values, where)
-        out[name] = sk.tolist()
+        out[name] = rec._sketch(dt.to_local(), place, 0).tolist()
     plain = rec._place("plain", full)
-    out["plain"] = None if plain is None else sketch(full, offset=rec._where(plain, full.device)).tolist()
+    out["plain"] = None if plain is None else rec._sketch(full, plain, 0).tolist()
     return out
 
 

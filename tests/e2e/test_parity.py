@@ -11,6 +11,7 @@ the whole tensor), the last without --parity, to show that recording changes no 
 from __future__ import annotations
 
 import json
+import re
 
 from tests.helpers import RECIPES, distdebug
 
@@ -32,6 +33,9 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
             "steps (1-8): equivalent (largest observed/bound") in ok.stdout, ok.stdout
     # stage 2, side by side: each size's step time and peak memory, and the scaling efficiency
     assert "step time: 1 rank(s) " in ok.stdout and "scaling efficiency " in ok.stdout, ok.stdout
+    # the runs parity makes profile steps 4-5: the communication share per size (2 ranks all-reduce: above 0)
+    shares = re.findall(r"communication (\d+)% of the step", ok.stdout)
+    assert len(shares) == 2 and int(shares[1]) > 0, ok.stdout
     got = json.loads(distdebug("parity", "--json", str(tmp_path / "ref"), str(tmp_path / "cand"), "--twin",
                                str(tmp_path / "twin")).stdout)
     assert got["equivalent"] and got["largest"]["observed"] <= got["largest"]["bound"]
@@ -72,23 +76,24 @@ def test_each_parity_fault_departs_at_its_step_and_tensor_with_its_class_named(t
     """faults replay --recipe parity: the recipe at 1 rank and its twin, once; the clean candidate at 2 ranks
     (equivalent: the clean twin of every fault) and each fault's candidate, which parity must find departing at
     the step the fault acted in, at the tensor it names first, with the fault's class first among the causes.
-    9 launches (1, 1 and seven of 2 ranks), 10 steps each (duplicate_data's 20: each rank reads every sample)."""
+    10 launches (1, 1 and eight of 2 ranks), 10 steps each (duplicate_data's 20: each rank reads every sample)."""
     import xml.etree.ElementTree as ET
 
     junit = tmp_path / "faults.xml"
     r = distdebug("faults", "replay", "--recipe", "parity", "--work-dir", str(tmp_path / "runs"), "--junit",
                   str(junit), timeout=1500)
     assert r.returncode == 0, r.output[-4000:]
-    assert "6 applicable, 6 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
+    assert "7 applicable, 7 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
-    assert set(cases) == {"clean", "grad_summed", "lr_scaled", "unreduced_grad", "low_dtype_state", "rank_dropout",
-                          "duplicate_data"}
+    assert set(cases) == {"clean", "grad_summed", "lr_scaled", "unreduced_grad", "local_clip", "low_dtype_state",
+                          "rank_dropout", "duplicate_data"}
     outs = {n: c.find("system-out").text for n, c in cases.items()}
     assert all(c.find("failure") is None for c in cases.values()), outs
     expected = {  # the step each acts in (3 by default; the sampler's from the first), the tensor, the class
         "grad_summed": "parity departs at step 3 at grad:0.weight, likely cause gradient_scale",
         "lr_scaled": "parity departs at step 3 at param:0.weight, likely cause hyperparameter",
         "unreduced_grad": "parity departs at step 3 at grad:2.weight, likely cause unreduced",
+        "local_clip": "parity departs at step 3 at grad:0.weight, likely cause clipping",
         "low_dtype_state": "parity departs at step 3 at param:0.weight, likely cause dtype",
         "rank_dropout": "parity departs at step 3 at grad:0.weight, likely cause forward",
         "duplicate_data": "parity departs at step 1 at grad:0.weight, likely cause data"}

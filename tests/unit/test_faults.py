@@ -16,8 +16,8 @@ from distdebug.fault_injection.registry import FAULTS, resolve
 CATALOGUE = {"nan_grad", "nan_activation", "bitflip_param", "skip_step", "unsynced_bn", "bad_env", "hang",
              "straggler", "slow_dataloader", "loss_spike", "duplicate_data", "seed_mismatch",
              "checkpoint_corruption", "slow_link", "transient_compute", "persistent_compute",
-             "grad_summed", "lr_scaled", "unreduced_grad", "low_dtype_state", "rank_dropout"}
-PARITY_FAULTS = {"grad_summed", "lr_scaled", "unreduced_grad", "low_dtype_state", "rank_dropout"}
+             "grad_summed", "lr_scaled", "unreduced_grad", "local_clip", "low_dtype_state", "rank_dropout"}
+PARITY_FAULTS = {"grad_summed", "lr_scaled", "unreduced_grad", "local_clip", "low_dtype_state", "rank_dropout"}
 """Judged by distdebug parity against a 1-rank reference (the parity recipe), never by one run's detectors."""
 
 

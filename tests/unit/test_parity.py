@@ -98,6 +98,27 @@ def test_a_nan_candidate_departs_an_exact_agreement_is_no_departure_and_the_band
     assert not compare({}, {}, {}, ORDER).equivalent
 
 
+def test_a_gradient_that_cancels_at_one_step_is_judged_at_the_scale_of_its_terms():
+    """A bias's gradient over a balanced batch is small at step 1 (0.0026 against 0.5 later): the sum's rounding is
+    of its terms' size. The candidate's 7e-9 there (30 units in the last place of 0.0026, a fraction of one of 0.5),
+    with a twin that happened to land exactly on the reference: within the band. A real change still departs."""
+    from distdebug.analysis.parity import compare_runs
+
+    def runs(at_step1):
+        ref, twin, cand = made(), made(twin=True, noise=1e-7), made(world=2, noise=2e-7)
+        for run in (ref, twin, cand):
+            for t in run.norms:
+                run.norms[t]["grad:2.weight"] = 0.0026 if t == 1 else 0.5
+        twin.sketches[1]["grad:2.weight"] = list(ref.sketches[1]["grad:2.weight"])  # the twin: exactly 0 there
+        cand.sketches[1]["grad:2.weight"] = [ref.sketches[1]["grad:2.weight"][0] + at_step1,
+                                             ref.sketches[1]["grad:2.weight"][1]]
+        return compare_runs(ref, twin, cand)
+
+    assert runs(2e-8).verdict.equivalent
+    bad = runs(1e-4).verdict
+    assert (bad.first.step, bad.first.quantity) == (1, "grad:2.weight")
+
+
 def test_the_runs_checks_refuse_what_cannot_be_compared(tmp_path):
     import pytest
 
@@ -183,6 +204,23 @@ def test_each_cause_class_is_named_from_its_evidence_and_its_clean_twin_names_no
     p, found = kinds(made(), made(world=2, rank_grads=per, depart=[("grad:2.weight", 5)]))
     assert (p.verdict.first.quantity, found) == ("grad:2.weight", [("unreduced", 5)])
     assert "rank 0: 2, rank 1: 2.5" in p.cause
+    # the norms alone: a clipping by each rank's own norm scales all of rank 1's gradients by 0.98; the one never
+    # averaged is the gradient that leaves that common factor, not the one whose norms differ most
+    from distdebug.analysis.parity import _apart
+
+    norms = {0: {"a": 1.0, "b": 2.0, "c": 0.5, "d": 3.0}, 1: {"a": 0.98, "b": 1.96, "c": 0.49, "d": 3.0}}
+    assert _apart(norms, ["a", "b", "c", "d"]) == ["d"]
+    assert _apart({0: {"a": 1.0, "b": 2.0}, 1: {"a": 1.0, "b": 2.0}}, ["a", "b"]) == []
+    # clip_grad_norm_ computing each rank's own norm from step 3 (before, and in the clean twin, one global norm on
+    # every rank, however many calls): clipping; a departure elsewhere while the ranks clip alike does not name it
+    same = {t: {0: [1.5, 0.5], 1: [1.5, 0.5]} for t in range(1, 9)}
+    local = {t: {0: [1.5, 0.5], 1: [1.5, 0.5] if t < 3 else [1.9, 0.5]} for t in range(1, 9)}
+    p, found = kinds(made(), made(world=2, clips=local, depart=[("grad:0.weight", 3)]))
+    assert found == [("clipping", 3)] and "(rank 0: 1.5, rank 1: 1.9): each rank clipped by its own" in p.cause
+    p, found = kinds(made(), made(world=2, clips=same, depart=[("param:0.weight", 3)]))
+    assert found == [("update", 3)]
+    p, found = kinds(made(), made(world=2, clips=same, noise=2e-7))
+    assert p.verdict.equivalent and found == []
     # BatchNorm's running statistics depart at step 1 (with the gradients they feed)
     p, found = kinds(made(buffers=["1.running_mean"]), made(world=2, buffers=["1.running_mean"], depart=[
         ("grad:0.weight", 1), ("buffer:1.running_mean", 1), ("loss", 1)]))
@@ -300,6 +338,14 @@ def test_the_html_page_draws_both_losses_and_the_distance_against_its_bound(tmp_
     long[5000], long[7001] = 1.0, m.nan
     pts = binned(long, "max")
     assert len(pts) <= MAX_POINTS and (5000, 1.0) in pts and any(m.isnan(v) for _, v in pts)
+    # on the log scale a zero distance (bit for bit) is a circle on the axis and breaks the line, never a point at
+    # the smallest value drawn; every distance zero is said in words
+    from distdebug.report.parity_html import svg
+
+    drawn = svg([("d", "#000", [(1, 0.0), (2, 1e-6), (3, 2e-6), (4, 0.0), (5, 1e-3)], False)], log=True)
+    assert drawn.count("<polyline") == 1 and drawn.count("r='3'") == 2 and "0 at step 4 (bit for bit)" in drawn
+    assert drawn.count("r='1.5'") == 1  # step 5 alone between a zero and the end: a dot
+    assert "agree bit for bit" in svg([("d", "#000", [(1, 0.0), (2, 0.0)], False)], log=True)
 
 
 def test_under_autocast_the_twin_flips_the_last_bit_of_the_compute_dtype_and_a_mixed_pair_names_it():
@@ -343,11 +389,15 @@ def test_the_twin_must_share_the_references_precision_and_the_steps_loss_is_the_
         compare_runs(made(autocast="bfloat16"), made(twin=True), made(world=2, autocast="bfloat16"))
     import sys
 
+    for keep in (True, False):  # kept only where the parity recorder asks for it (keep_raw): else no work at all
+        clock = StepClock()
+        clock.keep_raw = keep
+        for micro in (torch.tensor(0.25), torch.tensor(0.5)):  # two micro-batches, each loss divided by 2
+            clock.add_loss(micro, sys._getframe())  # a caller's frame (a framework imported by another test reads it)
+        clock.explicit(torch.tensor(0.5))  # distdebug.step(loss) with the last micro-batch's loss
+        assert float(clock.loss_sum) == 0.5  # the step's as given
+        assert (float(clock.raw_sum) == 0.75) if keep else clock.raw_sum is None  # parity's sum kept
     clock = StepClock()
-    for micro in (torch.tensor(0.25), torch.tensor(0.5)):  # two micro-batches, each loss divided by 2
-        clock.add_loss(micro, sys._getframe())  # a caller's frame (a framework imported by another test reads it)
-    clock.explicit(torch.tensor(0.5))  # distdebug.step(loss) with the last micro-batch's loss
-    assert float(clock.raw_sum) == 0.75 and float(clock.loss_sum) == 0.5  # parity's sum kept; the step's as given
-    clock = StepClock()
+    clock.keep_raw = True
     clock.explicit(2.0)  # no backward ran: the loss given is the sum
     assert clock.raw_sum == 2.0

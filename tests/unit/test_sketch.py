@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from distdebug.fingerprint.sketch import distance, mix, relative_error, sketch, sketch_indexed
+from distdebug.fingerprint.sketch import distance, mix, relative_error, sketch, sketch_block, sketch_indexed
 
 MASK = (1 << 64) - 1
 
@@ -29,7 +29,7 @@ def test_the_mix_on_int64_tensors_is_splitmix64_bit_for_bit():
         assert got == [splitmix(i, seed) for i in index.tolist()]
 
 
-def test_the_sketch_is_linear_and_a_shards_sketches_sum_to_the_whole():
+def test_the_sketch_is_linear_and_a_shards_sketches_sum_to_the_whole(monkeypatch):
     g = torch.Generator().manual_seed(0)
     a = torch.randn(64, 96, generator=g)
     b = a + 1e-3 * torch.randn(64, 96, generator=g)
@@ -44,6 +44,18 @@ def test_the_sketch_is_linear_and_a_shards_sketches_sum_to_the_whole():
     full_index = torch.arange(a.numel()).reshape(a.shape)
     halves = [(a[:, :40], full_index[:, :40]), (a[:, 40:], full_index[:, 40:])]
     assert torch.allclose(sum(sketch_indexed(v, i) for v, i in halves), sketch(a), rtol=0, atol=1e-9)
+    # the same blocks by their offsets (sketch_block: the indices made a chunk at a time, here chunks of 7 elements),
+    # and a 3-D tensor cut in both its last dimensions
+    import distdebug.fingerprint.sketch as sketch_module
+
+    monkeypatch.setattr(sketch_module, "CHUNK", 7)
+    assert torch.allclose(sketch_block(a[:, :40], (0, 0), tuple(a.shape)) + sketch_block(a[:, 40:], (0, 40),
+                                                                                        tuple(a.shape)),
+                          sketch(a), rtol=0, atol=1e-9)
+    c = a.reshape(4, 32, 48)[:, 2:, :16]  # a view, not contiguous: its values are what count
+    parts = [((0, 0, 0), c[:, :10, :5]), ((0, 0, 5), c[:, :10, 5:]), ((0, 10, 0), c[:, 10:, :5]),
+             ((0, 10, 5), c[:, 10:, 5:])]
+    assert torch.allclose(sum(sketch_block(v, o, tuple(c.shape)) for o, v in parts), sketch(c), rtol=0, atol=1e-9)
     # the same elements at other indices are another tensor (a transposed or shifted shard is not the whole)
     assert not torch.allclose(sketch(a, offset=96), sketch(a), atol=1e-3)
 

@@ -3,9 +3,11 @@
     distdebug attach --parity record --nproc-per-node 1 fw_lightning_parity.py --global-batch 16
     distdebug attach --parity record --nproc-per-node 2 fw_lightning_parity.py --global-batch 16
 
-Written the usual way: a LightningModule, a shuffled DataLoader of one data set, ``seed_everything``; the Trainer
-(strategy "ddp", devices from the launcher) puts a DistributedSampler in, which deals the shuffled samples out to
-the ranks in turn, so the ranks' batches of ``--global-batch / devices`` samples together are the one device's.
+Written the usual way: a LightningModule, a shuffled DataLoader of one data set, ``seed_everything``, gradients
+clipped by norm (``gradient_clip_val``: torch's clip_grad_norm_ on the averaged gradients, one norm on every rank);
+the Trainer (strategy "ddp", devices from the launcher) puts a DistributedSampler in, which deals the shuffled
+samples out to the ranks in turn, so the ranks' batches of ``--global-batch / devices`` samples together are the
+one device's.
 Lightning is a test extra of distdebug, never a runtime dependency: tests skip this script where it is missing.
 """
 
@@ -48,7 +50,7 @@ def main() -> None:
     train = DataLoader(TensorDataset(x, y), batch_size=share(args, devices), shuffle=True)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp", max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        deterministic=True, num_sanity_val_steps=0)
+                        deterministic=True, num_sanity_val_steps=0, gradient_clip_val=0.5)
     trainer.fit(Net(args.lr), train)
     finish()
 
