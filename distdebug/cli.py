@@ -599,7 +599,9 @@ def _launch_parity_runs(launch_ref: str, launch_cand: str, work_dir: Path | None
     for name, mode, args in (("ref", "record", launch_ref), ("twin", "twin", launch_ref),
                              ("cand", "record", launch_cand)):
         run_dir = work / name
-        if name != "twin" and "--profile-steps" not in shlex.split(args):
+        words = shlex.split(args)
+        script_at = next((i for i, w in enumerate(words) if w.endswith(".py") or w == "-m"), len(words))
+        if name != "twin" and "--profile-steps" not in words[:script_at]:  # attach's own, before the script
             args = f"--profile-steps {PARITY_PROFILE} {args}"  # the communication share beside the step time
         print(f"distdebug parity: the {'reference' if name == 'ref' else name}: distdebug attach --parity {mode} "
               f"--run-dir {run_dir} {args}", file=sys.stderr, flush=True)

@@ -16,14 +16,17 @@ import torch
 import torch.distributed as dist
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+def base_parser(description: str, global_batch: bool = False) -> argparse.ArgumentParser:
+    """The arguments every recipe takes; ``global_batch``: the script splits ``--global-batch`` over its ranks
+    (``share``), so it takes that option too (a script that would ignore it does not accept it)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="per-rank batch size")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="the batch of all data-parallel ranks together, each rank taking its share of the same "
-                        "samples: runs at any world size see the same data (a pair for distdebug parity); "
-                        "default: --batch-size on each rank")
+    if global_batch:
+        p.add_argument("--global-batch", type=int, default=None,
+                       help="the batch of all data-parallel ranks together, each rank taking its share of the same "
+                            "samples: runs at any world size see the same data (a pair for distdebug parity); "
+                            "default: --batch-size on each rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--digest-out", default=None, help="directory for per-rank parameter digests")
@@ -60,8 +63,10 @@ def seed_all(seed: int) -> None:
 def share(args: argparse.Namespace, dp_size: int) -> int:
     """This rank's batch size: ``--global-batch`` split over the ``dp_size`` data-parallel ranks (which must divide
     it: the global batch is what a parity pair holds equal), else ``--batch-size``."""
-    if args.global_batch is None:
+    if getattr(args, "global_batch", None) is None:
         return args.batch_size
+    if args.global_batch <= 0:
+        raise SystemExit(f"--global-batch {args.global_batch}: give a positive number of samples")
     if args.global_batch % dp_size:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by the {dp_size} data-parallel ranks")
     return args.global_batch // dp_size

@@ -45,7 +45,7 @@ def synthetic_images(n: int, seed: int) -> TensorDataset:
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], global_batch=True)
     p.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm")
     p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP broadcast_buffers=False")
     args = p.parse_args()
@@ -59,7 +59,8 @@ def main() -> None:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **extra)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     world = dist.get_world_size()
-    data = synthetic_images(64 * (world if args.global_batch is None else 2) * 4, args.seed)  # --global-batch: one set
+    # --global-batch G: one set of 32 G samples at any world size that divides G (no padding)
+    data = synthetic_images(64 * world * 4 if args.global_batch is None else 32 * args.global_batch, args.seed)
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
     loader = DataLoader(data, batch_size=share(args, world), sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()

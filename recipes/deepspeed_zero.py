@@ -32,7 +32,7 @@ def batch(step: int, rank: int, size: int, seed: int) -> tuple[torch.Tensor, tor
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], global_batch=True)
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--checkpoint-dir", default=None, help="where engine.save_checkpoint writes")
     p.add_argument("--checkpoint-at", type=int, default=None,

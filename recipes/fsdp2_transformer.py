@@ -55,7 +55,7 @@ def batch(step: int, rank: int, size: int, seq: int, vocab: int, seed: int) -> t
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], global_batch=True)
     p.set_defaults(lr=3e-3, batch_size=8)
     p.add_argument("--replicate", type=int, default=1,
                    help="HSDP: replicate groups of this size, sharded across world/replicate ranks each")

@@ -28,14 +28,14 @@ def synthetic_regression(n: int, seed: int) -> TensorDataset:
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    args = base_parser(__doc__.splitlines()[0], global_batch=True).parse_args()
     device = setup(args.seed)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     world = dist.get_world_size()
-    # --global-batch: one data set at any world size (DistributedSampler deals its permutation out in turn, so
-    # the ranks' i-th batches together are the 1-rank run's i-th batch)
-    data = synthetic_regression(64 * (world if args.global_batch is None else 2) * 4, args.seed)
+    # --global-batch G: one data set of 32 G samples at any world size that divides G (no padding); DistributedSampler
+    # deals its permutation out in turn, so the ranks' i-th batches together are the 1-rank run's i-th batch
+    data = synthetic_regression(64 * world * 4 if args.global_batch is None else 32 * args.global_batch, args.seed)
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
     loader = DataLoader(data, batch_size=share(args, world), sampler=sampler)
     step, epoch, loss = 0, 0, torch.tensor(0.0)

@@ -30,7 +30,7 @@ from _common import base_parser, finish, param_digest, setup, share, write_diges
 
 
 def main() -> None:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, global_batch=True)
     p.add_argument("--schedule", default="ScheduleGPipe")
     p.add_argument("--layers", type=int, default=0, help="the whole model's layers, split over the stages")
     p.add_argument("--dp", type=int, default=1, help="pipelines side by side (data parallel)")
@@ -78,12 +78,15 @@ def main() -> None:
     last = total - 1 in indices
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=args.lr)
+    size = share(args, args.dp)
+    if args.global_batch is not None and size % 4:
+        raise SystemExit(f"--global-batch {args.global_batch} gives each pipeline {size} samples: a multiple of its 4 "
+                         "micro-batches keeps them equal (the mean of their means is the batch's)")
     for step in range(1, args.steps + 1):
         if args.global_batch is None:  # one batch per pipeline
             g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step + dp_rank)
             x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
         else:  # this pipeline's rows of the step's global batch
-            size = share(args, args.dp)
             g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step)
             x, y = torch.randn(args.global_batch, 8, generator=g), torch.randn(args.global_batch, 1, generator=g)
             x, y = x[dp_rank * size:(dp_rank + 1) * size], y[dp_rank * size:(dp_rank + 1) * size]

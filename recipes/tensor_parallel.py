@@ -44,7 +44,7 @@ class MLP(nn.Module):
 
 
 def main() -> None:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, global_batch=True)
     p.add_argument("--layout", choices=("tp", "ddp_tp", "fsdp_tp", "hsdp_tp"), default="tp")
     p.add_argument("--nan-rank", type=int, default=-1)
     p.add_argument("--nan-step", type=int, default=-1)

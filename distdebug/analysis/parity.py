@@ -240,6 +240,11 @@ def recorded(run: Any) -> Recorded:
     per_rank = {r: recs for r, recs in per_rank.items() if recs}
     if not per_rank:
         raise CannotCompare(f"{run.path} has no parity records: run it with distdebug attach --parity")
+    several = sorted(int(r) for r, recs in per_rank.items() if any((x.get("stages_held") or 1) > 1 for x in recs))
+    if several:
+        raise CannotCompare(f"{run.path}: rank {several[0]} runs several pipeline stages (an interleaved schedule); "
+                            "the recorder reads one model a rank, so part of the model would go uncompared: compare "
+                            "a schedule of one stage a rank (ScheduleGPipe, Schedule1F1B)")
     parts = [x for recs in per_rank.values() for x in recs if "param" in x]  # each rank's parts of the tensors
     if not parts:
         raise CannotCompare(f"{run.path}: its parity records hold no tensors (no model was found to record)")
@@ -271,13 +276,14 @@ def recorded(run: Any) -> Recorded:
                 if isinstance(x["grad_sq_sum"], (int, float)):
                     squares.setdefault(int(x["step"]), []).append(float(x["grad_sq_sum"]))
         holders += held
-    # a step only where every rank that holds a loss (a pipeline's last stage: the others never compute one) or a
-    # part of the norm has it (a rank whose older steps the run-directory budget thinned would otherwise make a
-    # mean of some ranks, a norm of some parts)
-    totals = {t: v for t, v in totals.items() if len(v) == _holders(totals, streams)}
+    # a step only where every rank's sum, or every rank that holds a loss in its step records (a pipeline's last
+    # stage: the others never compute one), or every part of the norm is there (a rank whose older steps the
+    # run-directory budget thinned would otherwise make a mean of some ranks, a norm of some parts)
+    totals = {t: v for t, v in totals.items() if len(v) == len(streams)}  # every rank's (a pipeline records none)
     if totals:
         losses = totals
-    losses = {t: v for t, v in losses.items() if len(v) == _holders(losses, streams)}
+    holding = _holders(losses, streams)
+    losses = {t: v for t, v in losses.items() if len(v) == holding}
     squares = {t: v for t, v in squares.items() if len(v) == holders}
     sketches: dict[int, dict[str, list[float]]] = {}
     squared: dict[int, dict[str, float]] = {}
@@ -480,12 +486,12 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
         for q, v in ref.norms.get(t, {}).items():
             sizes.setdefault(q, {})[t] = v
     # a gradient is a sum of the samples' contributions, which may cancel (a bias's gradient over a balanced batch
-    # is small at one step): its rounding is relative to the terms' scale, not to the sum's. The largest norm that
-    # gradient has at any recorded step of the reference stands for that scale (its floor at every step)
+    # is small at one step): its rounding is relative to the terms' scale, not to the sum's. The largest (finite)
+    # norm that gradient has so far stands for that scale, and at the start of training, where there is no "so
+    # far", the largest over the first FLOOR_AHEAD recorded steps
     for q, by_step in sizes.items():
         if q.startswith("grad:") and by_step:
-            top = max(by_step.values())
-            sizes[q] = {t: top for t in by_step}
+            sizes[q] = _scale_of_terms(by_step)
     # at one step, the tensor is named before the global figures it feeds (the loss is told apart: loss_departs)
     # (a buffer, computed in the forward, before the parameters it does not feed)
     order = [*[f"grad:{n}" for n in ref.names], *[f"buffer:{n}" for n in ref.buffers],
@@ -616,7 +622,7 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
         if t > s:
             break
         per = cand.rank_grads[t]
-        apart = _apart(per, cand.names)
+        apart = _apart(per, cand.names, clipped_apart=bool(_clips_apart(cand.clips.get(t, {}))))
         if apart:
             nm = apart[0]
             vals = ", ".join(f"rank {r}: {g[nm]:.4g}" for r, g in sorted(per.items()) if nm in g)
@@ -629,9 +635,7 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
         if t > s:
             break
         norms_at = cand.clips[t]
-        calls = min((len(v) for v in norms_at.values()), default=0)
-        calls_apart = [i for i in range(calls)
-                       if len(norms_at) >= 2 and _spread([v[i] for v in norms_at.values()]) > 1e-6]
+        calls_apart = _clips_apart(norms_at)
         if calls_apart:
             vals = ", ".join(f"rank {r}: {v[calls_apart[0]]:.4g}" for r, v in sorted(norms_at.items()))
             out.append(Cause("clipping", t, f"clip_grad_norm_ computed another norm on each of the candidate's ranks "
@@ -681,20 +685,52 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
     return sorted(out, key=lambda c: list(CAUSES).index(c.kind))
 
 
-def _apart(per: Mapping[int, Mapping[str, float]], names: list[str]) -> list[str]:
-    """The gradients whose norms the ranks disagree on, the most apart first. Each gradient's norm on each rank
-    over its norm on the first rank: where a clipping by each rank's own norm scales every gradient of a rank by
-    one factor, the typical (median) ratio is that factor, and a gradient never averaged is the one whose ratios
-    leave it (with fewer than three gradients the median says nothing: the ratios' own spread)."""
+FLOOR_AHEAD = 8
+"""A gradient's floor at any step is never below its norm at the first FLOOR_AHEAD recorded steps (the steps where
+a running maximum has seen too little: a cancelling step 1)."""
+
+
+def _scale_of_terms(by_step: Mapping[int, float]) -> dict[int, float]:
+    """A gradient's size for its floor at each step: the largest finite norm it had at or before the step, or in the
+    first FLOOR_AHEAD recorded steps (a gradient that grows later does not loosen its early floor)."""
+    steps = sorted(by_step)
+    early = max((v for t, v in by_step.items() if t in steps[:FLOOR_AHEAD] and math.isfinite(v)), default=0.0)
+    out, running = {}, early
+    for t in steps:
+        if math.isfinite(by_step[t]):
+            running = max(running, by_step[t])
+        out[t] = running
+    return out
+
+
+def _clips_apart(norms_at: Mapping[int, list[float]]) -> list[int]:
+    """The ``clip_grad_norm_`` calls (by their order in the step) whose norms the ranks disagree on."""
+    calls = min((len(v) for v in norms_at.values()), default=0)
+    return [i for i in range(calls) if len(norms_at) >= 2 and _spread([v[i] for v in norms_at.values()]) > 1e-6]
+
+
+def _apart(per: Mapping[int, Mapping[str, float]], names: list[str], clipped_apart: bool = False) -> list[str]:
+    """The gradients whose norms the ranks disagree on, the most apart first: each gradient's norm on each rank
+    over its norm on the first rank, against 1. Where the ranks clipped by their own norms (``clipped_apart``),
+    which scales every gradient of a rank by one factor, against the typical (median) ratio instead: a gradient
+    never averaged is the one that leaves it (with fewer than three gradients the median says nothing: against
+    1). A gradient that is 0 on the first rank and not on another is the furthest apart."""
     ranks = sorted(per)
-    held = [nm for nm in names if all(nm in per[r] for r in ranks) and per[ranks[0]][nm] > 0]
+    held = [nm for nm in names if all(nm in per[r] for r in ranks)]
     if len(ranks) < 2 or not held:
         return []
-    ratios = {nm: [per[r][nm] / per[ranks[0]][nm] for r in ranks[1:]] for nm in held}
-    typical = [sorted(v[i] for v in ratios.values())[len(ratios) // 2] if len(ratios) >= 3 else 1.0
-               for i in range(len(ranks) - 1)]
-    off = {nm: max(abs(x / m - 1) if m > 0 else math.inf for x, m in zip(v, typical, strict=True))
-           for nm, v in ratios.items()}
+    off: dict[str, float] = {}
+    ratios: dict[str, list[float]] = {}
+    for nm in held:
+        base = per[ranks[0]][nm]
+        if base > 0:
+            ratios[nm] = [per[r][nm] / base for r in ranks[1:]]
+        elif any(per[r][nm] > 0 for r in ranks[1:]):
+            off[nm] = math.inf
+    typical = [sorted(v[i] for v in ratios.values())[len(ratios) // 2] if clipped_apart and len(ratios) >= 3
+               else 1.0 for i in range(len(ranks) - 1)]
+    for nm, v in ratios.items():
+        off[nm] = max(abs(x / m - 1) if m > 0 else math.inf for x, m in zip(v, typical, strict=True))
     return sorted((nm for nm, v in off.items() if v > 1e-6), key=lambda nm: -off[nm])
 
 

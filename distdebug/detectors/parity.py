@@ -40,7 +40,8 @@ Sharded parameters (DTensors: FSDP2, tensor parallel, HSDP) are recorded by ever
 replica of a part, sketched at the part's global place, so that the parts' sketches sum to the whole tensor's:
 a sharded candidate is compared with a whole reference without gathering anything. A ZeRO-3 partition is a block
 of the flattened tensor, recorded at its offset the same way; a pipeline's stages each record their own layers
-(plain tensors: the ranks of rank 0's pipeline). Cost per recorded step: on the rank that holds a tensor (rank 0
+(plain tensors: the ranks of rank 0's pipeline; a rank that runs several stages, an interleaved schedule, says so
+and is not compared: one model a rank is recorded). Cost per recorded step: on the rank that holds a tensor (rank 0
 for a replicated one), two passes over the parameters, buffers and gradients (the sketch's
 fold) and about 5 KB of record per parameter (two sketches of 128 float64 numbers as JSON); on every rank, one
 pass over its replicated gradients (their norms) and the data's fingerprint (a float64 copy of each sample's
@@ -138,6 +139,8 @@ class ParityRecorder(Detector):
 
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
             total = original(*args, **kwargs)
+            if torch.compiler.is_compiling():  # inside a compiled region: nothing of ours is traced into it
+                return total
             if isinstance(total, torch.Tensor) and type(total).__name__ != "DTensor" and total.numel() == 1 \
                     and len(det._clips) < 64:
                 det._clips.append(total.detach().reshape(()).to(torch.float64))
@@ -407,7 +410,8 @@ class ParityRecorder(Detector):
         group = lay.data_group()
         stage = lay.stage or {}
         return {"dp": group if group is not False else [self.ctx.rank] if self.ctx is not None else None,
-                "first_stage": (stage.get("index") or 0) == 0 and 0 in (stage.get("indices") or [0])}
+                "first_stage": (stage.get("index") or 0) == 0 and 0 in (stage.get("indices") or [0]),
+                "stages_held": len(stage.get("indices") or [0])}
 
     def on_end(self) -> Iterable[Finding]:
         for h in (self._first_forward, self._data_hook, *self._handles):
@@ -454,14 +458,22 @@ class ParityRecorder(Detector):
                         torch.float64: torch.int64}.get(p.dtype)
                 if bits is None:
                     continue
-                # a ZeRO-3 parameter: its partition, the values the next forward gathers
-                t = (p.ds_tensor.data if hasattr(p, "ds_id")  # type: ignore[attr-defined]
-                     else _local(p) if type(p).__name__ == "DTensor" else p.data)
-                gen = torch.Generator(device=t.device).manual_seed(self.config.seed * 1_000_003 + step * 4099 + i)
-                flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
-                if shift and p.dtype == torch.float32:
-                    flip.bitwise_left_shift_(shift)
-                t.view(bits).bitwise_xor_(flip)
+                # a ZeRO-3 parameter: its partition, the values the next forward gathers; and where DeepSpeed keeps
+                # it whole between steps (a persistent parameter, gathered again inside the step), that whole copy
+                # too, the one the next forward reads (not where it is the partition itself: one rank)
+                targets = [_local(p) if type(p).__name__ == "DTensor" else p.data]
+                if hasattr(p, "ds_id"):
+                    part = p.ds_tensor.data  # type: ignore[attr-defined]
+                    whole = p.data
+                    targets = [part] + ([whole] if whole.numel() == int(p.ds_numel)  # type: ignore[attr-defined]
+                                        and whole.data_ptr() != part.data_ptr() else [])
+                for k, t in enumerate(targets):
+                    gen = torch.Generator(device=t.device).manual_seed(
+                        self.config.seed * 1_000_003 + step * 4099 + i + 7919 * k)
+                    flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
+                    if shift and p.dtype == torch.float32:
+                        flip.bitwise_left_shift_(shift)
+                    t.view(bits).bitwise_xor_(flip)
 
     def _round_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The twin under autocast to a lower dtype: each backward's gradient rounded otherwise, as a sum in that
@@ -515,7 +527,7 @@ def _zero3_place(t: Any) -> tuple[int, ...] | None:
     ``ds_tensor`` is elements ``offset`` to ``offset + held`` of the parameter flattened (DeepSpeed pads the
     flattened tensor to a multiple of its partition group's size and gives rank r of that group the r-th equal
     block: ``partition_parameters._partition_param``); the last rank's padding is not part of it. Recorded by the
-    partition group that holds rank 0 (under MiCS or hpZ other groups hold replicas). None: not this rank's, or
+    partition group that holds rank 0 (under MiCS other groups hold replicas). None: not this rank's, or
     not partitioned."""
     import torch.distributed as dist
 

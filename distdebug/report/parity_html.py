@@ -50,8 +50,10 @@ def svg(lines: list[tuple[str, str, list[tuple[int, float]], bool]], log: bool =
     steps = [t for _, _, pts, _ in lines for t, _ in pts]
     if log and steps and not finite and all(v == 0 for _, _, pts, _ in lines for _, v in pts):
         return "<p>every value is 0: the runs agree bit for bit</p>"
-    if not finite or not steps:
+    if not steps:
         return "<p>nothing to draw</p>"
+    if not finite:  # zeros (log scale) or values that are not finite only: an axis of its own for the marks
+        finite = [1e-12, 1.0] if log else [0.0, 1.0]
     lo, hi = min(finite), max(finite)
     if log:
         lo, hi = math.log10(lo), math.log10(hi)

@@ -115,6 +115,12 @@ def test_a_gradient_that_cancels_at_one_step_is_judged_at_the_scale_of_its_terms
         return compare_runs(ref, twin, cand)
 
     assert runs(2e-8).verdict.equivalent
+    # the scale: the largest finite norm so far, and over the first 8 recorded steps at the start (a gradient that
+    # grows later does not loosen its early floor; an infinite norm, a skipped step's, loosens nothing)
+    from distdebug.analysis.parity import _scale_of_terms
+
+    norms = {1: 0.0026, 2: 0.5, 3: math.inf, **{t: 0.1 for t in range(4, 9)}, 16: 50.0, 32: 1.0}
+    assert _scale_of_terms(norms) == {**{t: 0.5 for t in range(1, 9)}, 16: 50.0, 32: 50.0}
     bad = runs(1e-4).verdict
     assert (bad.first.step, bad.first.quantity) == (1, "grad:2.weight")
 
@@ -209,8 +215,13 @@ def test_each_cause_class_is_named_from_its_evidence_and_its_clean_twin_names_no
     from distdebug.analysis.parity import _apart
 
     norms = {0: {"a": 1.0, "b": 2.0, "c": 0.5, "d": 3.0}, 1: {"a": 0.98, "b": 1.96, "c": 0.49, "d": 3.0}}
-    assert _apart(norms, ["a", "b", "c", "d"]) == ["d"]
+    assert _apart(norms, ["a", "b", "c", "d"], clipped_apart=True) == ["d"]
+    # with no clipping to explain a common factor, every gradient the ranks disagree on is apart (one factor on
+    # all of them: each rank divided by its own count)
+    assert set(_apart(norms, ["a", "b", "c", "d"])) == {"a", "b", "c"}
     assert _apart({0: {"a": 1.0, "b": 2.0}, 1: {"a": 1.0, "b": 2.0}}, ["a", "b"]) == []
+    # a gradient 0 on the first rank and not on another (a row only rank 1's batch reached): the furthest apart
+    assert _apart({0: {"a": 0.0, "b": 2.0}, 1: {"a": 0.3, "b": 2.1}}, ["a", "b"]) == ["a", "b"]
     # clip_grad_norm_ computing each rank's own norm from step 3 (before, and in the clean twin, one global norm on
     # every rank, however many calls): clipping; a departure elsewhere while the ranks clip alike does not name it
     same = {t: {0: [1.5, 0.5], 1: [1.5, 0.5]} for t in range(1, 9)}
@@ -346,6 +357,8 @@ def test_the_html_page_draws_both_losses_and_the_distance_against_its_bound(tmp_
     assert drawn.count("<polyline") == 1 and drawn.count("r='3'") == 2 and "0 at step 4 (bit for bit)" in drawn
     assert drawn.count("r='1.5'") == 1  # step 5 alone between a zero and the end: a dot
     assert "agree bit for bit" in svg([("d", "#000", [(1, 0.0), (2, 0.0)], False)], log=True)
+    drawn = svg([("d", "#000", [(1, 0.0), (2, m.nan)], False)], log=True)  # zeros and a NaN: both still shown
+    assert "0 at step 1 (bit for bit)" in drawn and "nan at step 2" in drawn
 
 
 def test_under_autocast_the_twin_flips_the_last_bit_of_the_compute_dtype_and_a_mixed_pair_names_it():

@@ -39,7 +39,7 @@ class Net(L.LightningModule):
 
 
 def main() -> None:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, global_batch=True)
     p.set_defaults(lr=1e-2, steps=10, global_batch=16)
     args = p.parse_args()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
