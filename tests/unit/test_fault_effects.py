@@ -166,3 +166,35 @@ def test_what_can_show_is_read_from_the_probe_run_records():
     assert sharded.losses == {0: (-3.5, -3.0), 1: (-3.6, -3.1)} and sharded.constant_loss() is None
     assert sharded.param_replicas == {0: [], 1: []} and sharded.replicas_of_param().startswith("no other rank holds")
     assert FAULTS["duplicate_data"].applicable(sharded) == ""
+
+
+def test_parity_faults_that_need_data_parallel_peers_say_so_where_there_are_none():
+    """grad_summed, unreduced_grad and local_clip act through the ranks of a data-parallel group: where a rank has
+    no peer in it (tensor parallelism alone, a pipeline: runtime.layout's group is this rank only) each says why it
+    does not act instead of claiming an effect; with every rank one group (DDP) they act."""
+    from distdebug.fault_injection.local_clip import LocalClip
+    from distdebug.runtime.layout import Layout
+
+    model = torch.nn.Linear(2, 1)  # held here: the context keeps models weakly
+
+    def attached(cls, dp: list[int] | None, **params) -> tuple[object, _Ctx]:
+        c = _Ctx()
+        c.ctx.models = [model]
+        c.ctx.layout = Layout(rank=1, world=2, dp=dp)
+        fault = cls(**params)
+        fault.attach(c.ctx)
+        return fault, c
+
+    alone = [1]  # tensor parallelism alone: nobody else holds this rank's batch
+    fault, c = attached(FAULTS["grad_summed"], alone)
+    assert c.said() == ["no other rank shares this rank's data-parallel group: a sum over it is its average"]
+    fault, c = attached(FAULTS["grad_summed"], None)  # DDP over both ranks: x2
+    assert c.said() == [] and fault.factor == 2
+    fault, c = attached(FAULTS["unreduced_grad"], alone)
+    assert c.said()[0].startswith("no other rank shares weight's data-parallel group")
+    fault, c = attached(FAULTS["unreduced_grad"], None)
+    assert c.said() == [] and fault.target is not None
+    fault, c = attached(LocalClip, alone)
+    assert c.said()[0].startswith("the ranks are not all one data-parallel group")
+    fault, c = attached(LocalClip, None, rank=1)  # its all-reduce needs every rank
+    assert c.said() == ["it acts on every rank (rank=-1): its average over the ranks needs each rank's gradients"]
