@@ -72,6 +72,13 @@ def share(args: argparse.Namespace, dp_size: int) -> int:
     return args.global_batch // dp_size
 
 
+def my_rows(args: argparse.Namespace, dp_size: int, dp_rank: int, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This data-parallel rank's rows of each tensor of a ``--global-batch`` batch: ``share`` of them, in rank order
+    (the ranks' rows together are the whole batch, as one rank reads it)."""
+    size = share(args, dp_size)
+    return tuple(t[dp_rank * size:(dp_rank + 1) * size] for t in batch)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The bytes this rank holds: DTensor shards are digested as the local shard."""
     to_local = getattr(t, "to_local", None)

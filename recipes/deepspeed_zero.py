@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, finish, param_digest, seed_all, share, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, my_rows, param_digest, seed_all, share, write_digest  # noqa: E402
 
 
 def make_model() -> nn.Module:
@@ -64,8 +64,7 @@ def main() -> None:
         if args.global_batch is None:
             x, y = batch(step, dist.get_rank(), args.batch_size, args.seed)
         else:  # the step's global batch, this rank's rows of it
-            size, rank = share(args, dist.get_world_size()), dist.get_rank()
-            x, y = (t[rank * size:(rank + 1) * size] for t in batch(step, 0, args.global_batch, args.seed))
+            x, y = my_rows(args, dist.get_world_size(), dist.get_rank(), *batch(step, 0, args.global_batch, args.seed))
         x, y = x.to(engine.device), y.to(engine.device)
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)

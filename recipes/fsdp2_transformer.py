@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, finish, param_digest, setup, share, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, my_rows, param_digest, setup, write_digest  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -83,8 +83,9 @@ def main() -> None:
         if args.global_batch is None:
             data = batch(step, dist.get_rank(), args.batch_size, seq, vocab, args.seed).to(device)
         else:  # the step's global batch, this rank's rows of it
-            size, rank = share(args, dist.get_world_size()), dist.get_rank()
-            data = batch(step, 0, args.global_batch, seq, vocab, args.seed)[rank * size:(rank + 1) * size].to(device)
+            whole = batch(step, 0, args.global_batch, seq, vocab, args.seed)
+            (data,) = my_rows(args, dist.get_world_size(), dist.get_rank(), whole)
+            data = data.to(device)
         logits = model(data[:, :-1])
         loss = loss_fn(logits, data[:, 1:].reshape(-1))
         loss.backward()

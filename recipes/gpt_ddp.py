@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, base_parser, finish, param_digest, setup, share, write_digest  # noqa: E402
+from _common import StepTimer, base_parser, finish, my_rows, param_digest, setup, write_digest  # noqa: E402
 
 
 class Block(nn.Module):
@@ -104,10 +104,10 @@ def main() -> None:
                 g = torch.Generator().manual_seed(args.seed * 100003 + step * 1009 + micro * 31 + rank)
                 idx = torch.randint(args.vocab, (args.batch_size, args.block + 1), generator=g).to(device)
             else:  # this rank's rows of the micro-batch's global batch
-                size = share(args, dist.get_world_size())
                 g = torch.Generator().manual_seed(args.seed * 100003 + step * 1009 + micro * 31)
-                idx = torch.randint(args.vocab, (args.global_batch, args.block + 1), generator=g)
-                idx = idx[rank * size:(rank + 1) * size].to(device)
+                whole = torch.randint(args.vocab, (args.global_batch, args.block + 1), generator=g)
+                (idx,) = my_rows(args, dist.get_world_size(), rank, whole)
+                idx = idx.to(device)
             last = micro == args.grad_accum - 1
             with ddp.no_sync() if not last else contextlib.nullcontext():
                 if args.loss_in_model:

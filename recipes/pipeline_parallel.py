@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed import pipelining
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import base_parser, finish, param_digest, setup, share, write_digest  # noqa: E402
+from _common import base_parser, finish, my_rows, param_digest, setup, share, write_digest  # noqa: E402
 
 
 def main() -> None:
@@ -89,7 +89,7 @@ def main() -> None:
         else:  # this pipeline's rows of the step's global batch
             g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step)
             x, y = torch.randn(args.global_batch, 8, generator=g), torch.randn(args.global_batch, 1, generator=g)
-            x, y = x[dp_rank * size:(dp_rank + 1) * size], y[dp_rank * size:(dp_rank + 1) * size]
+            x, y = my_rows(args, args.dp, dp_rank, x, y)
         if stage_index == 0 and step == args.nan_step:
             with torch.no_grad():
                 first_linear.weight.fill_(float("nan"))

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import base_parser, finish, local_tensor, param_digest, setup, share, write_digest  # noqa: E402
+from _common import base_parser, finish, local_tensor, my_rows, param_digest, setup, write_digest  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -86,10 +86,9 @@ def main() -> None:
             g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step + dp_rank)
             x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
         else:
-            size = share(args, dp_size)
             g = torch.Generator().manual_seed(100003 * args.seed + 1000 * step)
             x, y = torch.randn(args.global_batch, 8, generator=g), torch.randn(args.global_batch, 1, generator=g)
-            x, y = x[dp_rank * size:(dp_rank + 1) * size], y[dp_rank * size:(dp_rank + 1) * size]
+            x, y = my_rows(args, dp_size, dp_rank, x, y)
         if rank == args.nan_rank and step == args.nan_step:
             with torch.no_grad():
                 local_tensor(inner.w1.weight).fill_(float("nan"))

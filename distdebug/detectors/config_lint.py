@@ -65,17 +65,12 @@ class ConfigLint(Detector):
     def setup(self, ctx: RankContext) -> None:
         """Watch torch.nn.utils.clip_grad_norm_ from the script's first line (clipping in step 1 counts)."""
         self.ctx = ctx
-        import torch.nn.utils
-        import torch.nn.utils.clip_grad as clip_module
         import torch.utils.checkpoint as checkpoint_module
         from torch.nn.parallel import DistributedDataParallel
 
         self.patch(ctx, DistributedDataParallel, "__init__", self._note_ddp_args)
         self.patch(ctx, checkpoint_module, "checkpoint", self._count_checkpoint)
-        original = torch.nn.utils.clip_grad_norm_
-        self.patch(ctx, torch.nn.utils, "clip_grad_norm_", self._wrap_clip)
-        if getattr(clip_module, "clip_grad_norm_", None) is original:
-            self.patch(ctx, clip_module, "clip_grad_norm_", self._wrap_clip)
+        self.patch_clip_grad_norm(ctx, self._wrap_clip)
 
     def _note_ddp_args(self, original: Any) -> Any:
         """DDP's device_ids/output_device as the script passed them: DDP keeps no trace of an output_device

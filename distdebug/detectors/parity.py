@@ -123,13 +123,7 @@ class ParityRecorder(Detector):
         # the data's fingerprint is taken at every forward of that module from then on)
         self._first_forward = torch.nn.modules.module.register_module_forward_pre_hook(
             self.guarded(self._before_first_step))
-        import torch.nn.utils.clip_grad as clip_module
-        from torch.nn import utils as nn_utils
-
-        original = nn_utils.clip_grad_norm_
-        self.patch(ctx, nn_utils, "clip_grad_norm_", self._watch_clip)
-        if getattr(clip_module, "clip_grad_norm_", None) is original:
-            self.patch(ctx, clip_module, "clip_grad_norm_", self._watch_clip)
+        self.patch_clip_grad_norm(ctx, self._watch_clip)
 
     def _watch_clip(self, original: Any) -> Any:
         """clip_grad_norm_ as the script calls it, its result kept (no read: it travels with the step's values). A

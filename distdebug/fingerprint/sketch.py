@@ -21,8 +21,7 @@ Shards: a rank that holds the elements at global offset ``offset`` sketches them
 (``offset + local index``), and the full tensor's sketch is the sum of its shards' (``z`` is a sum over
 elements, ``G`` is linear): a sharded candidate is compared with a whole reference without gathering.
 A contiguous shard (FSDP2's ``Shard(0)``, a ZeRO partition) is an offset; a strided one (tensor parallel's
-columns) is a block at an offset in each dimension (``sketch_block``: its global indices made a chunk at a time),
-or gives its own global indices (``sketch_indexed``).
+columns) is a block at an offset in each dimension (``sketch_block``: its global indices made a chunk at a time).
 
 GPU-shaped: no host read; the result is a device tensor of ``k`` float64 numbers, read with the step's others.
 The elements are visited in chunks of ``CHUNK`` so that the indices and signs never take more memory than that.
@@ -122,11 +121,6 @@ def sketch_block(t: torch.Tensor, offset: tuple[int, ...], full: tuple[int, ...]
             rest = rest // shape[d]
         z += fold(part, index, seed, m)
     return project(z, seed, k)
-
-
-def sketch_indexed(values: torch.Tensor, index: torch.Tensor, seed: int = 0, k: int = K, m: int = M) -> torch.Tensor:
-    """The sketch of elements at arbitrary global flat indices (a strided shard: tensor parallel's columns)."""
-    return project(fold(values.detach().reshape(-1), index.reshape(-1).to(torch.int64), seed, m), seed, k)
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:

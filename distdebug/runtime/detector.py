@@ -173,6 +173,17 @@ class Detector:
         self.__dict__.setdefault("_guarded_handles", []).append(handle)
         return handle
 
+    def patch_clip_grad_norm(self, ctx: RankContext, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """``patch`` torch.nn.utils.clip_grad_norm_ under both names torch keeps it (``torch.nn.utils`` and
+        ``torch.nn.utils.clip_grad``, while they are the same function): a script may call either."""
+        import torch.nn.utils.clip_grad as clip_module
+        from torch.nn import utils as nn_utils
+
+        original = nn_utils.clip_grad_norm_
+        self.patch(ctx, nn_utils, "clip_grad_norm_", make)
+        if getattr(clip_module, "clip_grad_norm_", None) is original:
+            self.patch(ctx, clip_module, "clip_grad_norm_", make)
+
     def patch(self, ctx: RankContext, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
               ) -> None:
         """Replace ``obj.name`` with ``make(original)``, guarded (until the session ends).

@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from distdebug.fingerprint.sketch import distance, mix, relative_error, sketch, sketch_block, sketch_indexed
+from distdebug.fingerprint.sketch import distance, mix, relative_error, sketch, sketch_block
 
 MASK = (1 << 64) - 1
 
@@ -40,12 +40,11 @@ def test_the_sketch_is_linear_and_a_shards_sketches_sum_to_the_whole(monkeypatch
     offsets = [0, 20 * 96, 21 * 96]
     shards = sum(sketch(r, offset=o) for r, o in zip(rows, offsets, strict=True))
     assert torch.allclose(shards, sketch(a), rtol=0, atol=1e-9)
-    # Shard(1) (tensor parallel's columns): strided global indices
-    full_index = torch.arange(a.numel()).reshape(a.shape)
-    halves = [(a[:, :40], full_index[:, :40]), (a[:, 40:], full_index[:, 40:])]
-    assert torch.allclose(sum(sketch_indexed(v, i) for v, i in halves), sketch(a), rtol=0, atol=1e-9)
-    # the same blocks by their offsets (sketch_block: the indices made a chunk at a time, here chunks of 7 elements),
-    # and a 3-D tensor cut in both its last dimensions
+    # Shard(1) (tensor parallel's columns): blocks at a column offset, strided in the whole (sketch_block)
+    halves = [(a[:, :40], (0, 0)), (a[:, 40:], (0, 40))]
+    assert torch.allclose(sum(sketch_block(v, o, tuple(a.shape)) for v, o in halves), sketch(a), rtol=0, atol=1e-9)
+    # the same blocks with the indices made in chunks of 7 elements, and a 3-D tensor cut in both its last
+    # dimensions
     import distdebug.fingerprint.sketch as sketch_module
 
     monkeypatch.setattr(sketch_module, "CHUNK", 7)
