@@ -8,10 +8,9 @@ rank never mis-pairs, and the other detectors' exchanges go on.
 
 from __future__ import annotations
 
-import pytest
-
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -10,11 +10,10 @@ by its size times that count; the bound is LIMIT_MB over FORWARDS, 524 bytes a c
 
 from __future__ import annotations
 
-import pytest
-
 import gc
 
 import psutil
+import pytest
 import torch
 import torch.nn as nn
 

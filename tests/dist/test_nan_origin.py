@@ -132,7 +132,8 @@ def test_accumulation_under_no_sync_reads_the_local_gradients_once_a_step(tmp_pa
     (issue 18: a pass over the gradients per step, not per micro-batch). Training stays bitwise."""
     watched = spawn_ranks(_ddp, 3, tmp=tmp_path / "nan", fault="grad", fault_rank=1, accum=True)
     origin = findings(tmp_path / "nan", 1)[0]
-    assert (origin["detector"], origin["step"], origin["subject"], origin["ranks"]) == ("nan_origin", 3, "2.weight", [1])
+    assert (origin["detector"], origin["step"], origin["subject"], origin["ranks"]) == \
+        ("nan_origin", 3, "2.weight", [1])
     clean = spawn_ranks(_ddp, 3, tmp=tmp_path / "clean", accum=True)
     bare = spawn_ranks(_ddp, 3, tmp=tmp_path / "bare", accum=True, detector=False)
     assert [params for params, _, _ in clean] == [params for params, _, _ in bare]
@@ -198,9 +199,11 @@ def test_fsdp2_origin_is_the_rank_whose_forward_made_it(tmp_path):
     spawn_ranks(_fsdp, 2, tmp=tmp_path, timeout=120)
     (f,) = [f for f in findings(tmp_path, 0) if f["severity"] != "info"]
     assert (f["step"], f["ranks"], f["subject"], f["severity"]) == (3, [0], "0", "error")
-    assert f["message"].startswith("NaN/Inf started on rank 0 at step 3") and f["evidence"]["origin"] == "this rank (forward)"
+    assert f["message"].startswith("NaN/Inf started on rank 0 at step 3")
+    assert f["evidence"]["origin"] == "this rank (forward)"
     (g,) = [f for f in findings(tmp_path, 1) if f["severity"] != "info"]
-    assert (g["step"], g["severity"], g["subject"], g["evidence"]["origin"]) == (3, "warning", "gradients", "another rank")
+    assert (g["step"], g["severity"], g["subject"], g["evidence"]["origin"]) == \
+        (3, "warning", "gradients", "another rank")
 
 
 def _normed(rank, world, tmp, nan_input_rank=None, watch="full"):
@@ -222,7 +225,8 @@ def _normed(rank, world, tmp, nan_input_rank=None, watch="full"):
         opt.step()
         opt.zero_grad()
         if step == 2:  # the module hooks come in at the end of step 1
-            hooked = sorted(name or "root" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks)
+            hooked = sorted(name or "root" for name, m in model.named_modules()
+                            if m._forward_hooks or m._forward_pre_hooks)
     dist.destroy_process_group()
     s.close(0)
     return hooked

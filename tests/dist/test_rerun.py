@@ -52,7 +52,6 @@ def _model(kind: str) -> nn.Module:
 def _train(rank, world, kind="ddp", rerun=False, accumulate=1, perturb=None, steps=5):
     """Train; with ``rerun`` every step is re-executed at its end. ``perturb``: (step, persistent) makes the
     last Linear's output wrong in that step (once, or on every execution from then on)."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distdebug.runtime import rerun as rr
@@ -183,7 +182,6 @@ def test_what_cannot_be_re_executed_alone_is_said():
 
 
 def _session_loop(rank, world, tmp, inject):
-    import torch.distributed as dist
 
     from distdebug.detectors.loss_spike import LossSpike
     from distdebug.detectors.nan_origin import NanOrigin
@@ -238,8 +236,6 @@ def _three_ranks(rank, world, tmp, fault):
     data: its loss departs from the others'); ``flip``: a bit of one of rank 2's parameters flips after
     step 4's update."""
     import time
-
-    import torch.distributed as dist
 
     from distdebug.config import RerunConfig
     from distdebug.detectors.rerun import Rerun

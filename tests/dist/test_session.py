@@ -15,9 +15,9 @@ import distdebug
 from distdebug.artifacts import layout
 from distdebug.artifacts.reader import read_events
 from distdebug.artifacts.writer import EventWriter
+from distdebug.context import RankIdentity
 from distdebug.detectors.base import Detector
 from distdebug.detectors.loss_nonfinite import LossNonFinite
-from distdebug.context import RankIdentity
 from distdebug.runtime.session import Session
 from tests.helpers import spawn_ranks
 
@@ -140,7 +140,7 @@ def _explicit(rank, world, tmp, call_step=True):
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
     distdebug.watch(model)
-    for i in range(4):
+    for _ in range(4):
         loss = model(torch.ones(1, 2)).sum()
         loss.backward()
         with torch.no_grad():
