@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--checkpoint-at", type=int, default=None,
                    help="save a checkpoint after this step, then load it back (a resume in place)")
     p.add_argument("--resume", action="store_true", help="load the latest checkpoint in --checkpoint-dir first")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches a step (DeepSpeed's gradient_accumulation_steps): each rank's share split")
     p.set_defaults(lr=1e-3)
     args, _unknown = p.parse_known_args()  # the deepspeed launcher adds --local_rank
     import deepspeed
@@ -47,9 +49,13 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     seed_all(args.seed)
+    rows = share(args, dist.get_world_size())
+    if args.accumulate < 1 or rows % args.accumulate:
+        raise SystemExit(f"--accumulate {args.accumulate} does not divide each rank's {rows} samples")
+    micro = rows // args.accumulate
     config = {
-        "train_micro_batch_size_per_gpu": share(args, dist.get_world_size()),
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": args.accumulate,
         "optimizer": {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}},
         "zero_optimization": {"stage": args.zero_stage},
         "steps_per_print": 10**9,
@@ -66,9 +72,11 @@ def main() -> None:
         else:  # the step's global batch, this rank's rows of it
             x, y = my_rows(args, dist.get_world_size(), dist.get_rank(), *batch(step, 0, args.global_batch, args.seed))
         x, y = x.to(engine.device), y.to(engine.device)
-        loss = nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
+        for k in range(args.accumulate):  # DeepSpeed's engine steps at the last micro-batch only
+            part = slice(k * micro, (k + 1) * micro)
+            loss = nn.functional.mse_loss(engine(x[part]), y[part])
+            engine.backward(loss)
+            engine.step()
         timer.tick()
         if args.checkpoint_at == step + 1:
             engine.save_checkpoint(args.checkpoint_dir, tag=f"step{step + 1}")

@@ -52,6 +52,17 @@ def distdebug(*args: str, timeout: float = 180, env: dict[str, str] | None = Non
     return run([sys.executable, str(ROOT / "cli.py"), *args], timeout=timeout, env=env, cwd=cwd)
 
 
+def side_by_side(*commands: list[str], timeout: float = 180) -> list[Completed]:
+    """distdebug commands run at once, each with its own rendezvous port; their results in order. For launches
+    that leave a core idle alone (a 1-rank run: its launcher waits while its one rank computes; any run's start
+    and end): two 1-rank runs take the time of one. Not for a test that judges time (a straggler, a stall, a
+    clean run's findings), which crowding changes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda argv: distdebug(*argv, timeout=timeout), commands))
+
+
 def torchrun(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> Completed:
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args], timeout=timeout,
                env=env)

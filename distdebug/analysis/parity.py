@@ -206,7 +206,10 @@ class Recorded:
     autocast: str | None = None
     """The dtype the training forwards compute in under autocast (``bfloat16``); None: the parameters' own."""
     clips: dict[int, dict[int, list[float]]] = field(default_factory=dict)
-    """step -> data-parallel rank -> the norms its ``clip_grad_norm_`` calls computed that step, in call order."""
+    """step -> data-parallel rank -> the norms its clipping calls clipped by that step (``clip_grad_norm_``,
+    ``clip_grads_with_norm_``), in call order."""
+    stages: int = 1
+    """The most pipeline stages one rank ran and recorded (an interleaved schedule: several)."""
 
 
 class CannotCompare(Exception):
@@ -240,11 +243,14 @@ def recorded(run: Any) -> Recorded:
     per_rank = {r: recs for r, recs in per_rank.items() if recs}
     if not per_rank:
         raise CannotCompare(f"{run.path} has no parity records: run it with distdebug attach --parity")
-    several = sorted(int(r) for r, recs in per_rank.items() if any((x.get("stages_held") or 1) > 1 for x in recs))
+    several = sorted(int(r) for r, recs in per_rank.items()
+                     if any((x.get("stages_held") or 1) > (x.get("stages_recorded") or 1) for x in recs))
     if several:
-        raise CannotCompare(f"{run.path}: rank {several[0]} runs several pipeline stages (an interleaved schedule); "
-                            "the recorder reads one model a rank, so part of the model would go uncompared: compare "
-                            "a schedule of one stage a rank (ScheduleGPipe, Schedule1F1B)")
+        raise CannotCompare(f"{run.path}: rank {several[0]} runs several pipeline stages (an interleaved schedule) "
+                            "and the recorder could not read them all (stages whose parameters are not each a part "
+                            "of the whole model under its own names): part of the model would go uncompared; build "
+                            "the stages from the whole model keeping its names (torchtitan's split), or compare a "
+                            "schedule of one stage a rank (ScheduleGPipe, Schedule1F1B)")
     parts = [x for recs in per_rank.values() for x in recs if "param" in x]  # each rank's parts of the tensors
     if not parts:
         raise CannotCompare(f"{run.path}: its parity records hold no tensors (no model was found to record)")
@@ -345,7 +351,8 @@ def recorded(run: Any) -> Recorded:
                     state_dtypes=state_dtypes, rank_grads=rank_grads, data=summed,
                     rows={t: rows[t] for t in summed}, widths={t: sorted(widths.get(t, ())) for t in summed},
                     dp_world=len(dp), autocast=next((x["autocast"] for x in parts if x.get("autocast")), None),
-                    clips={t: {r: v for r, v in per.items() if r in dp} for t, per in clips.items()})
+                    clips={t: {r: v for r, v in per.items() if r in dp} for t, per in clips.items()},
+                    stages=max((int(x.get("stages_recorded") or 1) for x in parts), default=1))
 
 
 def distances(a: Recorded, b: Recorded, steps: list[int]) -> dict[str, dict[int, float]]:
@@ -461,6 +468,10 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
         raise CannotCompare("the twin must be the run made with --parity twin, the reference with --parity record")
     if cand.twin:
         raise CannotCompare("the candidate was made with --parity twin: its results differ on purpose")
+    if twin.stages > 1:
+        raise CannotCompare("the twin runs several pipeline stages a rank (an interleaved schedule): its noise before "
+                            "the first step reaches the first stage it runs only; make the reference and its twin "
+                            "with one stage a rank (ScheduleGPipe, Schedule1F1B), the candidate as it is")
     if twin.autocast != ref.autocast:
         raise CannotCompare(f"the twin computes in {twin.autocast or 'its parameters dtype'} and the reference in "
                             f"{ref.autocast or 'its parameters dtype'}: make the twin with the reference's autocast")
@@ -492,6 +503,7 @@ def compare_runs(ref: Recorded, twin: Recorded, cand: Recorded, slack: float = S
     for q, by_step in sizes.items():
         if q.startswith("grad:") and by_step:
             sizes[q] = _scale_of_terms(by_step)
+    sizes.update(_module_scale({q: v for q, v in sizes.items() if q.startswith("grad:")}))
     # at one step, the tensor is named before the global figures it feeds (the loss is told apart: loss_departs)
     # (a buffer, computed in the forward, before the parameters it does not feed)
     order = [*[f"grad:{n}" for n in ref.names], *[f"buffer:{n}" for n in ref.buffers],
@@ -638,10 +650,10 @@ def causes(ref: Recorded, cand: Recorded, verdict: Verdict, steps: list[int]) ->
         calls_apart = _clips_apart(norms_at)
         if calls_apart:
             vals = ", ".join(f"rank {r}: {v[calls_apart[0]]:.4g}" for r, v in sorted(norms_at.items()))
-            out.append(Cause("clipping", t, f"clip_grad_norm_ computed another norm on each of the candidate's ranks "
-                             f"at step {t} ({vals}): each rank clipped by its own gradients' norm, not the global one "
-                             "(clip after the gradients are averaged; on shards, with a norm all-reduced over them: "
-                             "FSDP's and DTensor's clip_grad_norm_ do)"))
+            out.append(Cause("clipping", t, "the gradients were clipped by another norm on each of the "
+                             f"candidate's ranks at step {t} ({vals}): each rank clipped by its own gradients' norm, "
+                             "not the global one (clip after the gradients are averaged; on shards, with a norm "
+                             "all-reduced over them: FSDP's and DTensor's clip_grad_norm_ do)"))
             break
     # one factor on every gradient
     grads = {q: v for q, v in ref.norms.get(s, {}).items() if q.startswith("grad:")}
@@ -703,8 +715,24 @@ def _scale_of_terms(by_step: Mapping[int, float]) -> dict[int, float]:
     return out
 
 
+def _module_scale(scales: Mapping[str, Mapping[int, float]]) -> dict[str, dict[int, float]]:
+    """Each gradient's scale at each step raised to its module's largest (``grad:a.b.weight`` and ``grad:a.b.bias``
+    are module ``a.b``'s). A sum that cancels exactly leaves only rounding, of its terms' size: a convolution's bias
+    before BatchNorm, a key projection's bias under softmax, whose gradients are zero but for it; their own norms,
+    noise at every step, say nothing of that size. Their terms are the module's backward signal, which its other
+    gradients are built from."""
+    modules: dict[str, list[str]] = {}
+    for q in scales:  # grad:a.b.weight: module a.b; grad:weight: the root module's
+        modules.setdefault(q.rsplit(".", 1)[0] if "." in q else q.split(":", 1)[0], []).append(q)
+    out: dict[str, dict[int, float]] = {}
+    for members in modules.values():
+        for q in members:
+            out[q] = {t: max(scales[m].get(t, 0.0) for m in members) for t in scales[q]}
+    return out
+
+
 def _clips_apart(norms_at: Mapping[int, list[float]]) -> list[int]:
-    """The ``clip_grad_norm_`` calls (by their order in the step) whose norms the ranks disagree on."""
+    """The clipping calls (by their order in the step) whose norms the ranks disagree on."""
     calls = min((len(v) for v in norms_at.values()), default=0)
     return [i for i in range(calls) if len(norms_at) >= 2 and _spread([v[i] for v in norms_at.values()]) > 1e-6]
 

@@ -20,11 +20,12 @@ model discovery found (by its name inside the wrappers: a DDP run's and a plain 
   samples are split between the ranks or micro-batches, or on their order: summed over the ranks it is the
   reference's exactly when the ranks together saw the same samples.
 
-At every step each rank also records its part of the gradients' global norm, the norms its ``clip_grad_norm_``
-calls computed (ranks that clip the averaged gradients compute one; each rank's own norm differs) and its loss as
-backward ran on it, summed over the step's backward calls (``parity_step``: a per-step kind, thinned past the
-run-directory budget's ring like the step records): under gradient accumulation the step record's loss is the
-micro-batches' mean, not the loss whose gradient the step applies.
+At every step each rank also records its part of the gradients' global norm, the norms it clipped by
+(``clip_grad_norm_``'s, ``clip_grads_with_norm_``'s: ranks that clip the averaged gradients compute one; each
+rank's own norm differs) and its loss as backward ran on it, summed over the step's backward calls
+(``parity_step``: a per-step kind, thinned past the run-directory budget's ring like the step records): under
+gradient accumulation the step record's loss is the micro-batches' mean, not the loss whose gradient the step
+applies.
 
 All of it is device work, read with the step's other values in its one device-to-host transfer (``probe``),
 written as one ``parity`` record. Gradients are read as the optimizer used them: reduced (averaged) under DDP,
@@ -40,12 +41,12 @@ Sharded parameters (DTensors: FSDP2, tensor parallel, HSDP) are recorded by ever
 replica of a part, sketched at the part's global place, so that the parts' sketches sum to the whole tensor's:
 a sharded candidate is compared with a whole reference without gathering anything. A ZeRO-3 partition is a block
 of the flattened tensor, recorded at its offset the same way; a pipeline's stages each record their own layers
-(plain tensors: the ranks of rank 0's pipeline; a rank that runs several stages, an interleaved schedule, says so
-and is not compared: one model a rank is recorded). Cost per recorded step: on the rank that holds a tensor (rank 0
-for a replicated one), two passes over the parameters, buffers and gradients (the sketch's
-fold) and about 5 KB of record per parameter (two sketches of 128 float64 numbers as JSON); on every rank, one
-pass over its replicated gradients (their norms) and the data's fingerprint (a float64 copy of each sample's
-first WIDTH numbers, and a product with 8 directions).
+(plain tensors: the ranks of rank 0's pipeline; a rank that runs several stages, an interleaved schedule, records
+each when their names are the whole model's, and says so otherwise: not compared). Cost per recorded step: on
+the rank that holds a tensor (rank 0 for a replicated one), two passes over the parameters, buffers and gradients
+(the sketch's fold) and about 5 KB of record per parameter (two sketches of 128 float64 numbers as JSON); on
+every rank, one pass over its replicated gradients (their norms) and the data's fingerprint (a float64 copy of
+each sample's first WIDTH numbers, and a product with 8 directions).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class ParityRecorder(Detector):
         self._names: list[str] = []
         self._dtypes: list[str] = []
         self.buffers: list[tuple[str, torch.Tensor]] = []
+        self.stages_recorded = 1
+        """The models this rank records: one, or each pipeline stage it runs (an interleaved schedule)."""
         self._buffer_names: list[str] = []
         self._buffer_dtypes: list[str] = []
         self._plain: list[str] = []
@@ -109,7 +112,7 @@ class ParityRecorder(Detector):
         self._handles: list[Any] = []
         """Hooks on the model: the twin's gradient rounding, the autocast reader (removed at the end)."""
         self._clips: list[torch.Tensor] = []
-        """The norms ``clip_grad_norm_`` computed in this step (device tensors, read with the step's values): ranks
+        """The norms the step's clipping calls clipped by (device tensors, read with the step's values): ranks
         that clip by one global norm compute the same; each rank's own (clipping before the reduction, a shard's
         norm) differs between them."""
 
@@ -123,24 +126,50 @@ class ParityRecorder(Detector):
         # the data's fingerprint is taken at every forward of that module from then on)
         self._first_forward = torch.nn.modules.module.register_module_forward_pre_hook(
             self.guarded(self._before_first_step))
+        self._watch_clipping(ctx)
+
+    def _watch_clipping(self, ctx: RankContext) -> None:
+        """The norms the script clips by, under both of torch's ways: ``clip_grad_norm_`` (the norm it computes and
+        returns) and, from torch 2.6, ``get_total_norm`` then ``clip_grads_with_norm_`` (torchtitan's: the norm
+        given to the second, made whole first where it was a DTensor's). ``clip_grad_norm_`` calls the second under
+        its private name: one norm a call, never two."""
+        from torch.nn import utils as nn_utils
+
         self.patch_clip_grad_norm(ctx, self._watch_clip)
+        if hasattr(nn_utils, "clip_grads_with_norm_"):
+            self.patch(ctx, nn_utils, "clip_grads_with_norm_", self._watch_clip_with_norm)
+
+    def _keep_clip(self, total: Any) -> None:
+        """A norm clipped by, kept (no read: it travels with the step's values). A DTensor norm (FSDP2's, tensor
+        parallelism's) is left out: its local value is a part, the clip's own arithmetic makes it whole."""
+        if torch.compiler.is_compiling():  # inside a compiled region: nothing of ours is traced into it
+            return
+        if isinstance(total, torch.Tensor) and type(total).__name__ != "DTensor" and total.numel() == 1 \
+                and len(self._clips) < 64:
+            self._clips.append(total.detach().reshape(()).to(torch.float64, copy=True))
 
     def _watch_clip(self, original: Any) -> Any:
-        """clip_grad_norm_ as the script calls it, its result kept (no read: it travels with the step's values). A
-        DTensor norm (FSDP2's, tensor parallelism's) is left out: its local value is a part, the clip's own
-        arithmetic makes it whole."""
+        """clip_grad_norm_ as the script calls it, the norm it returns kept."""
         det = self
 
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
             total = original(*args, **kwargs)
-            if torch.compiler.is_compiling():  # inside a compiled region: nothing of ours is traced into it
-                return total
-            if isinstance(total, torch.Tensor) and type(total).__name__ != "DTensor" and total.numel() == 1 \
-                    and len(det._clips) < 64:
-                det._clips.append(total.detach().reshape(()).to(torch.float64))
+            det._keep_clip(total)
             return total
 
         return clip_grad_norm_
+
+    def _watch_clip_with_norm(self, original: Any) -> Any:
+        """clip_grads_with_norm_(parameters, max_norm, total_norm, foreach) as the script calls it, the norm it is
+        given kept."""
+        det = self
+
+        def clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            det._keep_clip(kwargs["total_norm"] if "total_norm" in kwargs else args[2] if len(args) > 2 else None)
+            return out
+
+        return clip_grads_with_norm_
 
     def _before_first_step(self, module: torch.nn.Module, args: Any) -> None:
         """The outermost module's first forward (the first module called is the one that calls the others): the
@@ -215,11 +244,25 @@ class ParityRecorder(Detector):
         from distdebug.runtime.discovery import unwrap
 
         self.ctx = ctx
-        models = ctx.models
-        if models:
-            inner = unwrap(models[0])[0]
-            self.named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
-            self.buffers = [(n, b) for n, b in inner.named_buffers() if b.is_floating_point()]
+        models = [unwrap(m)[0] for m in ctx.models]
+        if not models:
+            return
+        stage = ctx.layout.stage if ctx.layout is not None else None
+        held = len((stage or {}).get("indices") or [0])
+        if held > 1:
+            # an interleaved schedule: each stage this rank runs is a model of its own, found by discovery as such;
+            # all are recorded when their names are the whole model's (torchtitan's split: no name in two stages)
+            from distdebug.runtime.layout import pipeline_stage
+
+            stages = [m for m in models if pipeline_stage(m) is not None]
+            names = [n for m in stages for n, _ in (*m.named_parameters(), *m.named_buffers())]
+            whole = len(stages) == held and len(set(names)) == len(names)
+            models = stages if whole else models[:1]
+        else:
+            models = models[:1]
+        self.stages_recorded = len(models)
+        self.named = [(n, p) for m in models for n, p in m.named_parameters() if p.requires_grad]
+        self.buffers = [(n, b) for m in models for n, b in m.named_buffers() if b.is_floating_point()]
 
     def wanted(self, step: int) -> bool:
         return step in self.listed or (self.pow2 and step > 0 and step & (step - 1) == 0)
@@ -405,7 +448,7 @@ class ParityRecorder(Detector):
         stage = lay.stage or {}
         return {"dp": group if group is not False else [self.ctx.rank] if self.ctx is not None else None,
                 "first_stage": (stage.get("index") or 0) == 0 and 0 in (stage.get("indices") or [0]),
-                "stages_held": len(stage.get("indices") or [0])}
+                "stages_held": len(stage.get("indices") or [0]), "stages_recorded": self.stages_recorded}
 
     def on_end(self) -> Iterable[Finding]:
         for h in (self._first_forward, self._data_hook, *self._handles):

@@ -95,9 +95,13 @@ class StepClock:
             ctx.backward_t = time.monotonic()
             self.reduced_at = not discovery.accumulating([d for d in map(discovery.find_ddp, roots()) if d])
 
-    def add_loss(self, t: Any, caller: Any) -> None:
+    def add_loss(self, t: Any, caller: Any, divided_by: float = 1.0) -> None:
         """Add what one backward ran on to the step's loss (a one-element tensor; anything else is not a
-        loss). ``caller``: the frame that called the backward patch (a framework's division is read there)."""
+        loss). ``caller``: the frame that called the backward patch (a framework's division is read there).
+        ``divided_by``: the division the backward applies itself before computing the gradient (DeepSpeed's
+        engine divides the loss it is given by its accumulation steps): the raw sum is of the divided loss,
+        as under a framework that divides before backward, so that one rank accumulating micro-batches and N
+        ranks sum to the same loss."""
         if isinstance(t, torch.Tensor) and t.numel() == 1:
             v = raw = t.detach().to(torch.float64)
             if frameworks.loaded():  # accelerate's or Lightning's division by the accumulation steps, undone
@@ -111,6 +115,8 @@ class StepClock:
                 v = v / scale.detach().to(torch.float64)  # on the device: the loss the script computed
                 raw = v if same or not self.keep_raw else raw / scale.detach().to(torch.float64)
             if self.keep_raw:
+                if divided_by != 1.0:
+                    raw = raw / divided_by
                 self.raw_sum = raw if self.raw_sum is None else self.raw_sum + raw
             self.loss_sum = v if self.loss_sum is None else self.loss_sum + v
             self.loss_n += 1

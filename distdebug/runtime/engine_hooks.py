@@ -24,7 +24,11 @@ def hook_deepspeed_engine(patches: Any, engine: Any) -> None:
 
     @functools.wraps(orig_backward)
     def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-        quietly(session.note_loss, loss)
+        # backward(loss, retain_graph=False, scale_wrt_gas=True): the engine divides the loss by its accumulation
+        # steps unless told not to (a host value on the engine)
+        by_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+        steps = quietly(lambda: float(engine.gradient_accumulation_steps())) if by_gas else None
+        quietly(session.note_loss, loss, steps or 1.0)
         patches._in_engine_backward = True
         try:
             out = orig_backward(loss, *args, **kwargs)

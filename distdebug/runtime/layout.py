@@ -255,7 +255,7 @@ def find_layout(roots: list[Any], rank: int, world: int, grad_groups: dict[Any, 
             if tp_dims:
                 lay.sharded.append(name)
                 lay._tp_dims |= {dims[i] for i in tp_dims if dims}
-        stage = _pipeline_stage(inner)
+        stage = pipeline_stage(inner)
         if stage is not None:
             # An interleaved schedule runs several stages per rank (one model each): all are noted,
             # the first stands for the rank's position.
@@ -332,7 +332,7 @@ def _fsdp2_mesh(inner: Any) -> Any:
     return None
 
 
-def _pipeline_stage(module: Any) -> dict[str, Any] | None:
+def pipeline_stage(module: Any) -> dict[str, Any] | None:
     """The ``torch.distributed.pipelining`` stage running ``module``, if pipelining is in use: found
     through the objects that refer to the module, once (the package is never imported by us: it
     costs seconds)."""

@@ -197,8 +197,9 @@ class Session:
         """An all_reduce the script called (runtime.finder: read during discovery only)."""
         self.finder.note_all_reduce(tensor, group)
 
-    def note_loss(self, tensors: Any) -> None:
-        """What backward runs on (the loss): called by the backward and DeepSpeed engine patches."""
+    def note_loss(self, tensors: Any, divided_by: float = 1.0) -> None:
+        """What backward runs on (the loss): called by the backward and DeepSpeed engine patches (``divided_by``:
+        the engine's own division of it, ``clock.add_loss``)."""
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         self.clock.count_backward()
         if self.finder.discovering:
@@ -208,7 +209,7 @@ class Session:
             localgrads.queue_end_of_backward(t, self.ctx.end_of_backward)
         self.clock.arrive(self.ctx, lambda: self.roots)
         self.clock.start()
-        self.clock.add_loss(t, sys._getframe(1))  # the patch's caller's frame: a framework's division is there
+        self.clock.add_loss(t, sys._getframe(1), divided_by)  # the patch's caller's frame: a framework's division
 
     def after_backward(self) -> None:
         """A backward call returned (gradients accumulated, and reduced under DDP/FSDP2): detectors

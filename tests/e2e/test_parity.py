@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.helpers import RECIPES, distdebug
+from tests.helpers import RECIPES, distdebug, side_by_side
 
 SCRIPT = str(RECIPES / "parity_mlp.py")
 
@@ -110,10 +110,11 @@ def test_a_bfloat16_pair_is_judged_at_bfloat16s_rounding_and_a_mixed_pair_names_
     first test's pair, made here again at 1 rank): departs at step 1 with the precision named. 5 launches."""
     runs = {"bf16": ("record", "1", ["--bf16"]), "bf16-twin": ("twin", "1", ["--bf16"]),
             "bf16-cand": ("record", "2", ["--bf16"]), "ref": ("record", "1", []), "twin": ("twin", "1", [])}
-    for name, (mode, nproc, extra) in runs.items():
-        r = distdebug("attach", "--run-dir", str(tmp_path / name), "--parity", mode, "--nproc-per-node", nproc,
-                      SCRIPT, *extra)
-        assert r.returncode == 0, r.output[-3000:]
+    for together in (["bf16", "bf16-twin", "bf16-cand"], ["ref", "twin"]):  # side by side: a core idles under one
+        for r in side_by_side(*[["attach", "--run-dir", str(tmp_path / name), "--parity", runs[name][0],
+                                 "--nproc-per-node", runs[name][1], SCRIPT, *runs[name][2]] for name in together],
+                              timeout=400):
+            assert r.returncode == 0, r.output[-3000:]
     ok = distdebug("parity", "--json", str(tmp_path / "bf16"), str(tmp_path / "bf16-cand"), "--twin",
                    str(tmp_path / "bf16-twin"))
     got = json.loads(ok.stdout)

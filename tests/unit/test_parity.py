@@ -125,6 +125,40 @@ def test_a_gradient_that_cancels_at_one_step_is_judged_at_the_scale_of_its_terms
     assert (bad.first.step, bad.first.quantity) == (1, "grad:2.weight")
 
 
+def test_a_gradient_zero_but_for_rounding_is_judged_at_its_modules_scale():
+    """A convolution's bias before BatchNorm (a key projection's bias under softmax): its gradient cancels exactly,
+    at every step, leaving rounding of its terms' size (1e-7, against its module's weight gradient of 1.0), which
+    another order of sums draws anew. A candidate whose BatchNorm sums in another order lands 1e-7 from the
+    reference there, 10 times the twin's distance: within the band of its module's scale, where its own norm would
+    call it a departure. A real change of that gradient still departs at its step, named."""
+    from distdebug.analysis.parity import _module_scale, compare_runs
+
+    def with_bias(run, value, off_from=None):
+        run.names.insert(1, "0.bias")
+        run.dtypes["0.bias"] = "torch.float32"
+        for t in run.sketches:
+            off = 1e-2 if off_from is not None and t >= off_from else 0.0
+            run.sketches[t]["grad:0.bias"] = [value + off, 0.0]
+            run.sketches[t]["param:0.bias"] = [0.1, 0.0]
+            run.norms[t].update({"grad:0.bias": 1e-7, "param:0.bias": 0.1})
+        return run
+
+    def verdict(cand_bias, off_from=None):
+        ref, twin = with_bias(made(), 1e-7), with_bias(made(twin=True, noise=1e-7), 1.1e-7)
+        return compare_runs(ref, twin, with_bias(made(world=2, noise=2e-7), cand_bias, off_from)).verdict
+
+    clean = verdict(2e-7)
+    assert clean.equivalent, clean.text()
+    bad = verdict(2e-7, off_from=4)
+    assert (bad.first.step, bad.first.quantity) == (4, "grad:0.bias"), bad.text()
+    # the scale: each gradient's raised to its module's largest, step by step; a module of one gradient keeps its own
+    scales = {"grad:a.weight": {1: 1.0, 2: 2.0}, "grad:a.bias": {1: 1e-7, 2: 1e-7}, "grad:b.bias": {1: 1e-7},
+              "grad:a.b.weight": {1: 5.0}, "grad:weight": {1: 3.0}, "grad:bias": {1: 1e-7}}
+    assert _module_scale(scales) == {"grad:a.weight": {1: 1.0, 2: 2.0}, "grad:a.bias": {1: 1.0, 2: 2.0},
+                                     "grad:b.bias": {1: 1e-7}, "grad:a.b.weight": {1: 5.0},
+                                     "grad:weight": {1: 3.0}, "grad:bias": {1: 3.0}}  # the root module's two
+
+
 def test_the_runs_checks_refuse_what_cannot_be_compared(tmp_path):
     import pytest
 
@@ -389,6 +423,43 @@ def test_under_autocast_the_twin_flips_the_last_bit_of_the_compute_dtype_and_a_m
     assert rec._autocast is None
     p, found = kinds(made(), made(world=2, autocast="bfloat16", depart=[("grad:0.weight", 1)]))
     assert found == [("dtype", 1)] and p.cause.startswith("the candidate's forward computes in bfloat16 (autocast)")
+
+
+def test_the_norm_a_script_clips_by_is_kept_whichever_way_torch_clips():
+    """clip_grad_norm_ (under both of its names), and torchtitan's two calls, get_total_norm then
+    clip_grads_with_norm_: each call's norm kept once (clip_grad_norm_ calls the second under its private name), in
+    the order of the calls, no read; the functions are torch's again when the session restores them."""
+    import torch
+    from torch.nn import utils as nn_utils
+
+    from distdebug.context import RankContext, RankIdentity
+    from distdebug.detectors.parity import ParityRecorder
+
+    saved: list = []
+
+    def patch(obj, name, replacement):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, replacement)
+
+    originals = (nn_utils.clip_grad_norm_, nn_utils.clip_grads_with_norm_)
+    rec = ParityRecorder()
+    rec.ctx = RankContext(identity=RankIdentity.from_env(), run_dir=None, rank_dir=None, patch=patch)
+    try:
+        rec._watch_clipping(rec.ctx)
+        params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))]
+        for p, g in zip(params, (3.0, 4.0), strict=True):
+            p.grad = torch.full_like(p, g)
+        nn_utils.clip_grad_norm_(params, 100.0)  # sqrt(3*9 + 4*16) = sqrt(91)
+        torch.nn.utils.clip_grad.clip_grad_norm_(params, 100.0)
+        total = nn_utils.get_total_norm([p.grad for p in params])
+        nn_utils.clip_grads_with_norm_(params, 1.0, total)  # clips: the norm given is kept, not the one after
+        nn_utils.clip_grads_with_norm_(params, max_norm=1.0, total_norm=total * 2)
+        assert [round(float(c) ** 2, 3) for c in rec._clips] == [91.0, 91.0, 91.0, 364.0]
+        assert float(torch.cat([p.grad for p in params]).norm()) < 1.0  # the clipping itself happened
+    finally:
+        for obj, name, original in reversed(saved):
+            setattr(obj, name, original)
+    assert (nn_utils.clip_grad_norm_, nn_utils.clip_grads_with_norm_) == originals
 
 
 def test_the_twin_must_share_the_references_precision_and_the_steps_loss_is_the_sum_backward_ran_on():
