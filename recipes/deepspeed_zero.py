@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="load the latest checkpoint in --checkpoint-dir first")
     p.add_argument("--accumulate", type=int, default=1,
                    help="micro-batches a step (DeepSpeed's gradient_accumulation_steps): each rank's share split")
+    p.add_argument("--direct-backward", action="store_true",
+                   help="loss.backward() instead of engine.backward(loss) (the engine divides the gradients itself)")
     p.set_defaults(lr=1e-3)
     args, _unknown = p.parse_known_args()  # the deepspeed launcher adds --local_rank
     import deepspeed
@@ -75,7 +77,10 @@ def main() -> None:
         for k in range(args.accumulate):  # DeepSpeed's engine steps at the last micro-batch only
             part = slice(k * micro, (k + 1) * micro)
             loss = nn.functional.mse_loss(engine(x[part]), y[part])
-            engine.backward(loss)
+            if args.direct_backward:
+                loss.backward()
+            else:
+                engine.backward(loss)
             engine.step()
         timer.tick()
         if args.checkpoint_at == step + 1:

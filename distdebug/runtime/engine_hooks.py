@@ -24,11 +24,7 @@ def hook_deepspeed_engine(patches: Any, engine: Any) -> None:
 
     @functools.wraps(orig_backward)
     def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-        # backward(loss, retain_graph=False, scale_wrt_gas=True): the engine divides the loss by its accumulation
-        # steps unless told not to (a host value on the engine)
-        by_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
-        steps = quietly(lambda: float(engine.gradient_accumulation_steps())) if by_gas else None
-        quietly(session.note_loss, loss, steps or 1.0)
+        quietly(session.note_loss, loss, quietly(_engine_division, engine, orig_backward, loss, args, kwargs) or 1.0)
         patches._in_engine_backward = True
         try:
             out = orig_backward(loss, *args, **kwargs)
@@ -49,6 +45,27 @@ def hook_deepspeed_engine(patches: Any, engine: Any) -> None:
 
     engine.backward = backward
     engine.step = step
+    # a direct loss.backward() on the engine's output (newer DeepSpeed, under ZeRO): the engine divides the gradients
+    # by its accumulation steps in a hook of its own (_backward_prologue_per_tensor); the loss is divided alike (the
+    # backward patch reads this)
+    if callable(getattr(engine, "_backward_prologue_per_tensor", None)):
+        patches.direct_division = lambda: float(engine.gradient_accumulation_steps())
+
+
+def _engine_division(engine: Any, orig_backward: Any, loss: Any, args: tuple, kwargs: dict) -> float:
+    """What ``engine.backward(loss, ...)`` divides the loss by before backward: its accumulation steps, unless
+    ``scale_wrt_gas`` is False (an argument: ``backward(loss, retain_graph, scale_wrt_gas)`` since DeepSpeed 0.17,
+    ``backward(loss, allreduce_gradients, release_loss, retain_graph, scale_wrt_gas)`` before, where the engine's
+    own ``scale_wrt_gas``, when set, overrides it). Host values only."""
+    import inspect
+
+    params = inspect.signature(_defined(orig_backward))
+    by_gas = params.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
+    own = getattr(engine, "scale_wrt_gas", None)
+    if own is not None and "allreduce_gradients" in params.parameters:  # the older engine's override
+        by_gas = own
+    steps = float(engine.gradient_accumulation_steps()) if by_gas else 1.0
+    return steps if steps > 0 else 1.0
 
 
 def _deepspeed_scale(engine: Any) -> float | None:
@@ -62,3 +79,27 @@ def _deepspeed_scale(engine: Any) -> float | None:
 def _deepspeed_overflow(engine: Any) -> bool:
     """Whether DeepSpeed's fp16 loss scaler skipped the step just taken (its optimizer's host flag)."""
     return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
+
+
+def _defined(method: Any) -> Any:
+    """The function as DeepSpeed defines it (``self`` first) under its decorators: ``instrument_w_nvtx`` wraps
+    without ``functools.wraps``, so its signature is ``(*args, **kwargs)``; the function is in its closure."""
+    import inspect
+
+    f = getattr(method, "__func__", method)
+    for _ in range(4):
+        if hasattr(f, "__wrapped__"):
+            f = f.__wrapped__
+            continue
+        cells = []
+        for c in f.__closure__ or ():
+            try:
+                cells.append(c.cell_contents)
+            except ValueError:  # a cell not yet filled
+                pass
+        inner = [c for c in cells if inspect.isfunction(c)]
+        if len(inner) != 1 or "self" in inspect.signature(f).parameters:
+            break
+        f = inner[0]
+    return f
+

@@ -97,6 +97,7 @@ class TorchPatches:
         """torch.distributed's collectives as they were before they were wrapped (the harness's own use)."""
         self._restore: list[tuple[Any, str, Any]] = []
         self._in_engine_backward = False
+        self.direct_division: Any = None  # a DeepSpeed engine's division of a direct backward (engine_hooks)
         import weakref
 
         # Async works the script holds, with the operation that made them (weak: a work dropped unwaited
@@ -241,7 +242,8 @@ class TorchPatches:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if patches._in_engine_backward:
                 return original(tensors, *args, **kwargs)
-            quietly(patches.session.note_loss, tensors)
+            divide = patches.direct_division
+            quietly(patches.session.note_loss, tensors, (quietly(divide) if divide is not None else None) or 1.0)
             out = original(tensors, *args, **kwargs)
             quietly(patches.session.after_backward)
             return out

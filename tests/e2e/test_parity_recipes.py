@@ -14,8 +14,9 @@ where the recording is new: the ConvNet's BatchNorm per rank departs at step 1 w
 rate scaled at step 3 is found at step 3 in ZeRO-3's partitions and on both pipelines; each rank clipping its own
 gradients in the GPT; a gradient never averaged under Lightning's clipping.
 
-Needs: 3 launches per recipe and seed (1, 1 and 2 ranks, side by side), one more beside them for a fault: 121
-launches of tiny models, 10 steps each; and DeepSpeed accumulating micro-batches at 1 rank against 2 ranks: 3.
+Needs: 3 launches per recipe and seed (1, 1 and 2 ranks, side by side), one more beside them for a fault, and
+the interleaved stages under names of their own: 121 launches of tiny models, 10 steps each; and DeepSpeed
+accumulating micro-batches at 1 rank (twice: engine.backward, loss.backward) against 2 ranks: 4.
 """
 
 from __future__ import annotations
@@ -136,7 +137,9 @@ def test_every_recipe_at_two_ranks_computes_what_it_computes_at_one(name, seed, 
             "not read them all" in r.stderr and "Traceback" not in r.stderr, r.output[-2000:]
     got = parity(tmp_path, "cand")
     assert got["equivalent"] and got["causes"] == [], got["text"]
-    assert 0 < got["largest"]["ratio"] <= 1 and got["compared"] > 2 * 10, got["text"]  # tensors, not only the loss
+    assert got["largest"]["ratio"] <= 1 and got["compared"] > 2 * 10, got["text"]  # tensors, not only the loss
+    # a benign difference, but where the stages compute the same sums in the same order (a pipeline: bit for bit)
+    assert got["largest"]["ratio"] > 0 or name in ("pipeline", "interleaved"), got["text"]
     assert got["missing"] == [], got["missing"]  # every tensor of the reference found in the candidate's parts
     if fault is None:
         return
@@ -150,13 +153,17 @@ def test_every_recipe_at_two_ranks_computes_what_it_computes_at_one(name, seed, 
 def test_deepspeed_accumulating_micro_batches_at_one_rank_computes_what_two_ranks_compute(tmp_path):
     """DeepSpeed's engine divides the loss it is given by its accumulation steps before backward: ZeRO-2 at 1 rank
     accumulating the global batch in 2 micro-batches against 2 ranks of one micro-batch each is equivalent, the
-    loss included (read as the gradient is of it; undivided, the reference's loss would be twice the candidate's)."""
+    loss included (read as the gradient is of it; undivided, the reference's loss would be twice the candidate's).
+    So is the same reference calling loss.backward() itself, whose gradients the engine divides in a hook."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (a test extra: pip install -e '.[test]')")
     script = ["deepspeed_zero.py", "--zero-stage", "2", "--global-batch", "16"]
     for r in side_by_side(attach(tmp_path, "ref", "record", 1, [*script, "--accumulate", "2"], 2),
                           attach(tmp_path, "twin", "twin", 1, [*script, "--accumulate", "2"], 2),
-                          attach(tmp_path, "cand", "record", 2, script, 2), timeout=400):
+                          attach(tmp_path, "cand", "record", 2, script, 2),
+                          attach(tmp_path, "direct", "record", 1, [*script, "--accumulate", "2", "--direct-backward"],
+                                 2), timeout=400):
         assert r.returncode == 0, r.output[-3000:]
-    got = parity(tmp_path, "cand")
-    assert got["equivalent"] and got["causes"] == [] and got["loss_departs"] is None, got["text"]
-    assert got["missing"] == [] and got["compared"] > 2 * 10, got["text"]
+    for cand in ("cand", "direct"):
+        got = parity(tmp_path, cand)
+        assert got["equivalent"] and got["causes"] == [] and got["loss_departs"] is None, (cand, got["text"])
+        assert got["missing"] == [] and got["compared"] > 2 * 10, got["text"]

@@ -80,3 +80,50 @@ def test_a_load_is_matched_to_the_buffer_save_it_differs_least_from():
     assert closest(saves, {"other": 1}) is None  # other names: never compared
     three = dict(same, t1=-1, t2=-1, t3=-1)
     assert closest(saves, three) is None  # more than a tenth differ
+
+
+def test_deepspeeds_division_of_the_loss_is_read_from_its_backwards_arguments_and_the_raw_loss_divided():
+    """engine.backward(loss) divides the loss by the accumulation steps unless scale_wrt_gas is False: read from
+    the call's arguments by name, through a decorator that hides the signature (DeepSpeed's instrument_w_nvtx), for
+    both of DeepSpeed's signatures (the older one's engine attribute overrides the argument). The clock's raw sum
+    (what parity compares) is the divided loss; the loss the script sees is not divided."""
+    import sys
+
+    import torch
+
+    from distdebug.runtime.clock import StepClock
+    from distdebug.runtime.engine_hooks import _engine_division
+
+    def hidden(func):  # as DeepSpeed's instrument_w_nvtx: no functools.wraps
+        def wrapped_fn(*args, **kwargs):
+            return func(*args, **kwargs)
+        return wrapped_fn
+
+    class New:
+        scale_wrt_gas = None
+
+        def gradient_accumulation_steps(self):
+            return 4
+
+        @hidden
+        def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+            return loss
+
+    class Old(New):
+        @hidden
+        def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False,
+                     scale_wrt_gas=True):
+            return loss
+
+    new, old = New(), Old()
+    assert [_engine_division(new, new.backward, 1.0, args, kwargs) for args, kwargs in
+            (((), {}), ((False, False), {}), ((), {"scale_wrt_gas": False}), ((True, True), {}))] == [4, 1, 1, 4]
+    assert [_engine_division(old, old.backward, 1.0, args, kwargs) for args, kwargs in
+            (((True, False), {}), ((True, False, False, False), {}))] == [4, 1]
+    old.scale_wrt_gas = False  # the older engine's own setting wins over the argument
+    assert _engine_division(old, old.backward, 1.0, (), {}) == 1
+    clock = StepClock()
+    clock.keep_raw = True
+    for _ in range(2):
+        clock.add_loss(torch.tensor(3.0), sys._getframe(), 2.0)  # a frame of no framework's backward
+    assert float(clock.raw_sum) == 3.0 and float(clock.loss_sum) == 6.0
