@@ -19,12 +19,17 @@ def hook_deepspeed_engine(patches: Any, engine: Any) -> None:
     """Step and loss from the engine itself (ZeRO calls its inner optimizer once per sub-group). ``patches``:
     the session's ``TorchPatches`` (its ``_in_engine_backward`` keeps the backward patch off meanwhile);
     typed loosely, as patches.py imports this module."""
+    import inspect
+
     session = patches.session
     orig_backward, orig_step = engine.backward, engine.step
+    signature = quietly(lambda: inspect.signature(_defined(orig_backward)))  # once: the engine's backward is fixed
 
     @functools.wraps(orig_backward)
     def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-        quietly(session.note_loss, loss, quietly(_engine_division, engine, orig_backward, loss, args, kwargs) or 1.0)
+        # the division matters to the raw loss only, kept for the parity recorder alone
+        divided = quietly(_engine_division, engine, signature, loss, args, kwargs) if session.clock.keep_raw else None
+        quietly(session.note_loss, loss, divided or 1.0)
         patches._in_engine_backward = True
         try:
             out = orig_backward(loss, *args, **kwargs)
@@ -52,17 +57,15 @@ def hook_deepspeed_engine(patches: Any, engine: Any) -> None:
         patches.direct_division = lambda: float(engine.gradient_accumulation_steps())
 
 
-def _engine_division(engine: Any, orig_backward: Any, loss: Any, args: tuple, kwargs: dict) -> float:
+def _engine_division(engine: Any, signature: Any, loss: Any, args: tuple, kwargs: dict) -> float:
     """What ``engine.backward(loss, ...)`` divides the loss by before backward: its accumulation steps, unless
     ``scale_wrt_gas`` is False (an argument: ``backward(loss, retain_graph, scale_wrt_gas)`` since DeepSpeed 0.17,
     ``backward(loss, allreduce_gradients, release_loss, retain_graph, scale_wrt_gas)`` before, where the engine's
-    own ``scale_wrt_gas``, when set, overrides it). Host values only."""
-    import inspect
-
-    params = inspect.signature(_defined(orig_backward))
-    by_gas = params.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
+    own ``scale_wrt_gas``, when set, overrides it; ``signature``: ``inspect.signature(_defined(engine.backward))``).
+    Host values only."""
+    by_gas = signature.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
     own = getattr(engine, "scale_wrt_gas", None)
-    if own is not None and "allreduce_gradients" in params.parameters:  # the older engine's override
+    if own is not None and "allreduce_gradients" in signature.parameters:  # the older engine's override
         by_gas = own
     steps = float(engine.gradient_accumulation_steps()) if by_gas else 1.0
     return steps if steps > 0 else 1.0

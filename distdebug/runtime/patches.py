@@ -242,7 +242,7 @@ class TorchPatches:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if patches._in_engine_backward:
                 return original(tensors, *args, **kwargs)
-            divide = patches.direct_division
+            divide = patches.direct_division if patches.session.clock.keep_raw else None  # the raw loss's only
             quietly(patches.session.note_loss, tensors, (quietly(divide) if divide is not None else None) or 1.0)
             out = original(tensors, *args, **kwargs)
             quietly(patches.session.after_backward)
