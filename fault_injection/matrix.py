@@ -369,15 +369,21 @@ def parity_reference(engine_name: str, work: Path, fault_steps: int, timeout: fl
                      standalone: bool = False) -> tuple[Path, Path] | str:
     """The reference of a parity recipe's cells, run once for the replay: the recipe at 1 rank with ``--parity
     record``, and again as its twin (``--parity twin``), for ``fault_steps`` steps (no candidate runs fewer).
-    Returns their run directories, or why they could not be made (every cell on the recipe is then an error)."""
+    Under ``--jobs`` above 1 (``standalone``: each run on its own rendezvous port) the two run side by side: the
+    replay judges their numbers, not their times. Returns their run directories, or why they could not be made
+    (every cell on the recipe is then an error)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from distdebug.procs import run_tree
 
     engine = ENGINES[engine_name]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.pop(envvars.REPLAY_BACKUP, None)
-    out: list[Path] = []
-    for mode in ("record", "twin"):
-        run = work / f"parity-{engine_name}" / ("ref" if mode == "record" else "twin")
+    runs = {mode: work / f"parity-{engine_name}" / ("ref" if mode == "record" else "twin")
+            for mode in ("record", "twin")}
+
+    def launch(mode: str) -> str | None:
+        run = runs[mode]
         shutil.rmtree(run, ignore_errors=True)
         r = run_tree([*_cli(), "attach", "--nproc-per-node", "1", *(["--standalone"] if standalone else []),
                       "--run-dir", str(run), "--parity", mode, str(_script(engine.script)), *engine.args,
@@ -385,8 +391,14 @@ def parity_reference(engine_name: str, work: Path, fault_steps: int, timeout: fl
         if r.returncode != 0 or r.timed_out:
             return (f"the parity reference ({'its twin' if mode == 'twin' else 'the recipe at 1 rank'}) failed "
                     f"({'timed out' if r.timed_out else f'exit code {r.returncode}'}): {r.stderr.strip()[-300:]}")
-        out.append(run)
-    return out[0], out[1]
+        return None
+
+    if standalone:
+        with ThreadPoolExecutor(2) as pool:
+            failed = [why for why in pool.map(launch, runs) if why is not None]
+    else:  # one after the other: a failed reference needs no twin
+        failed = [why] if (why := launch("record") or launch("twin")) is not None else []
+    return failed[0] if failed else (runs["record"], runs["twin"])
 
 
 def judge_exit(fault: Fault | None, code: int, acted: bool, cell: Cell, said: bool = False) -> Cell:

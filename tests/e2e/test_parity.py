@@ -1,11 +1,13 @@
 """Tier 3 (CLI): ``distdebug parity`` on real runs (issue 50, its first slice): the same script at 1 rank (the
 reference), again at 1 rank as its twin (the last bit of every parameter perturbed each step: the band of benign
-rounding), and at 2 ranks under DDP and under FSDP2: equivalent; the same 2 ranks with the loss not divided by
-the world size (its gradients summed, not averaged): departs at step 1, at the first gradient, with that cause
-named.
+rounding), and at 2 ranks under DDP: equivalent (FSDP2 and the other layouts: test_parity_recipes.py); the same 2
+ranks with the loss not divided by the world size (its gradients summed, not averaged): departs at step 1, at the
+first gradient, with that cause named; a pair under autocast to bfloat16, equivalent, and against float32 runs
+departs with the precision named.
 
-Needs: 6 launches of a tiny MLP (1, 1, 2, 2, 2 and 2 ranks), 10 steps each: one sharded by FSDP2 (compared on
-the whole tensor), the last without --parity, to show that recording changes no result.
+Needs: 9 launches of a tiny MLP (1, 1, 2; 2, 2, 1, 1, 2 ranks side by side; one that fails), 10 steps each: one
+without --parity, to show that recording changes no result; three under autocast to bfloat16. The faults' replay:
+10 more.
 """
 
 from __future__ import annotations
@@ -18,16 +20,24 @@ from tests.helpers import RECIPES, distdebug, side_by_side
 SCRIPT = str(RECIPES / "parity_mlp.py")
 
 
-def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at_their_first_step(tmp_path):
+def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_and_another_precision_depart(tmp_path):
+    """The pair made by parity from two launch lines: equivalent, with stage 2 side by side. Then, side by side
+    (their numbers are judged, not their times): the gradients summed (departs at step 1, with its HTML page),
+    the candidate without --parity (bit for bit the recorded one), and a pair under autocast to bfloat16, whose twin
+    perturbs the last bfloat16 bit (parameters and each backward's gradients): 2 ranks against 1, both in bfloat16,
+    equivalent; the same candidate against the float32 reference and twin: departs at step 1 with the precision
+    named. 9 launches."""
     # the reference, its twin and the candidate made by parity itself, from two launch lines
     ok = distdebug("parity", "--work-dir", str(tmp_path), "--launch-ref", f"--nproc-per-node 1 {SCRIPT}",
                    "--launch-cand", f"--nproc-per-node 2 {SCRIPT}", timeout=400)
     assert ok.returncode == 0, ok.output[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cand", "ref", "twin"]
-    runs = {"summed": ("record", "2", ["--sum-grads"]), "fsdp2": ("record", "2", ["--fsdp2"])}
-    for name, (mode, nproc, extra) in runs.items():
-        r = distdebug("attach", "--run-dir", str(tmp_path / name), "--parity", mode, "--nproc-per-node", nproc,
-                      SCRIPT, *extra)
+    # FSDP2's shards, each sketched at its global place by its rank: the FSDP2 pairs of test_parity_recipes.py
+    runs = {"summed": ("record", "2", ["--sum-grads"]), "bare": (None, "2", []), "bf16": ("record", "1", ["--bf16"]),
+            "bf16-twin": ("twin", "1", ["--bf16"]), "bf16-cand": ("record", "2", ["--bf16"])}
+    for r in side_by_side(*[["attach", "--run-dir", str(tmp_path / name), *(["--parity", mode] if mode else []),
+                             "--nproc-per-node", nproc, SCRIPT, *extra] for name, (mode, nproc, extra) in runs.items()],
+                          timeout=400):
         assert r.returncode == 0, r.output[-3000:]
     assert ("parity of 2 rank(s) against 1: the loss and gradient norm at every step, the tensors at 8 recorded "
             "steps (1-8): equivalent (largest observed/bound") in ok.stdout, ok.stdout
@@ -40,15 +50,10 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
                                str(tmp_path / "twin")).stdout)
     assert got["equivalent"] and got["largest"]["observed"] <= got["largest"]["bound"]
     assert got["compared"] == 2 * 10 + 8 * 2 * 4  # loss and gradient norm at 10 steps; 4 gradients, 4 parameters
-    # FSDP2's shards, each sketched at its global place by its rank, compared with the whole reference: equivalent
-    r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "fsdp2"), "--twin", str(tmp_path / "twin"))
-    assert r.returncode == 0 and ": equivalent (largest observed/bound" in r.stdout, r.output
     # the twin is a real band: it departed from the reference (its perturbation acted), by rounding's size only
     twin_vs_ref = distdebug("diff", str(tmp_path / "ref"), str(tmp_path / "twin"))
     assert twin_vs_ref.returncode == 1, twin_vs_ref.output
     # recording changes nothing: the candidate's every tensor at every step is bit for bit a run's without it
-    r = distdebug("attach", "--run-dir", str(tmp_path / "bare"), "--nproc-per-node", "2", SCRIPT)
-    assert r.returncode == 0, r.output[-3000:]
     same = distdebug("diff", str(tmp_path / "cand"), str(tmp_path / "bare"))
     assert same.returncode == 0, same.output
     bad = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "summed"), "--twin", str(tmp_path / "twin"),
@@ -70,6 +75,15 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_depart_at
     r = distdebug("parity", "--work-dir", str(tmp_path / "failed"), "--launch-ref", "--nproc-per-node 1 missing.py",
                   "--launch-cand", f"--nproc-per-node 2 {SCRIPT}")
     assert r.returncode == 2 and "parity: cannot compare: the ref run exited" in r.stderr, r.output[-2000:]
+    # bfloat16 against bfloat16: equivalent; against float32: the precision named
+    ok = distdebug("parity", "--json", str(tmp_path / "bf16"), str(tmp_path / "bf16-cand"), "--twin",
+                   str(tmp_path / "bf16-twin"))
+    got = json.loads(ok.stdout)
+    assert ok.returncode == 0 and got["equivalent"] and got["causes"] == [], ok.output
+    mixed = json.loads(distdebug("parity", "--json", str(tmp_path / "ref"), str(tmp_path / "bf16-cand"), "--twin",
+                                 str(tmp_path / "twin")).stdout)
+    assert not mixed["equivalent"] and mixed["first"]["step"] == 1
+    assert [c["kind"] for c in mixed["causes"]] == ["dtype"] and "computes in bfloat16 (autocast)" in mixed["cause"]
 
 
 def test_each_parity_fault_departs_at_its_step_and_tensor_with_its_class_named(tmp_path):
@@ -80,7 +94,7 @@ def test_each_parity_fault_departs_at_its_step_and_tensor_with_its_class_named(t
     import xml.etree.ElementTree as ET
 
     junit = tmp_path / "faults.xml"
-    r = distdebug("faults", "replay", "--recipe", "parity", "--work-dir", str(tmp_path / "runs"), "--junit",
+    r = distdebug("faults", "replay", "-j", "2", "--recipe", "parity", "--work-dir", str(tmp_path / "runs"), "--junit",
                   str(junit), timeout=1500)
     assert r.returncode == 0, r.output[-4000:]
     assert "7 applicable, 7 caught-localised, 0 not applicable; 1 of 1 clean runs clean; 0 failed" in r.stdout
@@ -102,24 +116,3 @@ def test_each_parity_fault_departs_at_its_step_and_tensor_with_its_class_named(t
     assert outs["clean"].startswith("clean")
     # every cell passed: the runs, the reference's among them, are not kept
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-
-
-def test_a_bfloat16_pair_is_judged_at_bfloat16s_rounding_and_a_mixed_pair_names_the_precision(tmp_path):
-    """Under autocast to bfloat16 the twin perturbs the last bfloat16 bit (parameters and each backward's
-    gradients): 2 ranks against 1, both in bfloat16, equivalent; the same candidate against float32 runs (the
-    first test's pair, made here again at 1 rank): departs at step 1 with the precision named. 5 launches."""
-    runs = {"bf16": ("record", "1", ["--bf16"]), "bf16-twin": ("twin", "1", ["--bf16"]),
-            "bf16-cand": ("record", "2", ["--bf16"]), "ref": ("record", "1", []), "twin": ("twin", "1", [])}
-    for together in (["bf16", "bf16-twin", "bf16-cand"], ["ref", "twin"]):  # side by side: a core idles under one
-        for r in side_by_side(*[["attach", "--run-dir", str(tmp_path / name), "--parity", runs[name][0],
-                                 "--nproc-per-node", runs[name][1], SCRIPT, *runs[name][2]] for name in together],
-                              timeout=400):
-            assert r.returncode == 0, r.output[-3000:]
-    ok = distdebug("parity", "--json", str(tmp_path / "bf16"), str(tmp_path / "bf16-cand"), "--twin",
-                   str(tmp_path / "bf16-twin"))
-    got = json.loads(ok.stdout)
-    assert ok.returncode == 0 and got["equivalent"] and got["causes"] == [], ok.output
-    mixed = json.loads(distdebug("parity", "--json", str(tmp_path / "ref"), str(tmp_path / "bf16-cand"), "--twin",
-                                 str(tmp_path / "twin")).stdout)
-    assert not mixed["equivalent"] and mixed["first"]["step"] == 1
-    assert [c["kind"] for c in mixed["causes"]] == ["dtype"] and "computes in bfloat16 (autocast)" in mixed["cause"]

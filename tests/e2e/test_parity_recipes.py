@@ -6,8 +6,9 @@ ConvNet's ``--sync-bn``: SyncBatchNorm on GPUs, its arithmetic written out on CP
 sharded by rows and by columns), a pipeline of two stages (each stage's layers recorded by its own rank), a
 hand-written all-reduce, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 (its partitions, blocks of the flattened parameters);
 and at one seed Lightning (``Trainer(devices=1)`` against ``devices=2``), the GPT (with its clipping and
-schedule) and the pipeline under an interleaved schedule (two stages a rank, each recorded; stages under names of
-their own cannot be told apart and are refused, said): no false alarm over 38 clean pairs
+schedule) and, beside one of the pipeline's seeds, the pipeline under an interleaved schedule (two stages a rank,
+each recorded; stages under names of their own cannot be told apart and are refused, said): no false alarm over 38
+clean pairs
 (``bench/parity_pairs.py`` runs every pair but the interleaved one at five seeds and prints how close each comes
 to its bound). A fault beside six of them, at one seed, shows the comparison has teeth
 where the recording is new: the ConvNet's BatchNorm per rank departs at step 1 with its class named; the learning
@@ -15,8 +16,9 @@ rate scaled at step 3 is found at step 3 in ZeRO-3's partitions and on both pipe
 gradients in the GPT; a gradient never averaged under Lightning's clipping.
 
 Needs: 3 launches per recipe and seed (1, 1 and 2 ranks, side by side), one more beside them for a fault, and
-the interleaved stages under names of their own: 121 launches of tiny models, 10 steps each; and DeepSpeed
-accumulating micro-batches at 1 rank (twice: engine.backward, loss.backward) against 2 ranks: 4.
+beside the pipeline's fifth seed the interleaved candidate, its fault and the stages under names of their own:
+119 launches of tiny models, 10 steps each; beside ZeRO-2's third seed, DeepSpeed accumulating micro-batches at 1
+rank (its reference, twin and a second reference calling loss.backward itself) against ZeRO-2's candidate: 3.
 """
 
 from __future__ import annotations
@@ -31,13 +33,10 @@ from tests.helpers import DATA, RECIPES, distdebug, side_by_side
 SCRIPTS = DATA / "scripts"
 
 SEEDS = range(5)
-CANDIDATE = {"interleaved": ["--schedule", "ScheduleInterleaved1F1B"]}
-"""The candidates' arguments beyond the reference's."""
-ONE_SEED = {"gpt", "lightning", "interleaved"}
+ONE_SEED = {"gpt", "lightning"}
 """Pairs run at their fault's seed only: the issue asks five seeds of each layout (DDP, a hand-written
 all-reduce, FSDP2, ZeRO-2 and ZeRO-3, tensor parallelism, a pipeline) and a Lightning pair; the GPT is DDP again,
-with clipping, and the interleaved pipeline the pipeline again, two stages a rank. The benchmark runs the GPT and
-Lightning at five seeds too (beyond the suite's budget)."""
+with clipping. The benchmark runs the GPT and Lightning at five seeds too (beyond the suite's budget)."""
 
 
 @dataclass
@@ -65,11 +64,6 @@ PAIRS = {  # name: (script and arguments, a fault in a second candidate or None)
     "pipeline": (["pipeline_parallel.py", "--layers", "4", "--global-batch", "8"],
                  Fault(2, ["--inject", "lr_scaled"], 3, "param:0.0.weight", "hyperparameter",
                        "lr 0.1 in the candidate, 0.05")),
-    # the candidate under an interleaved schedule (CANDIDATE: two stages a rank, four over two ranks), each stage
-    # a model recorded; the reference and its twin of one stage
-    "interleaved": (["pipeline_parallel.py", "--layers", "4", "--global-batch", "8"],
-                    Fault(4, ["--inject", "lr_scaled"], 3, "param:0.0.weight", "hyperparameter",
-                          "lr 0.1 in the candidate, 0.05")),
     "manual_allreduce": (["manual_allreduce.py", "--global-batch", "16"], None),
     "fsdp2": (["fsdp2_transformer.py", "--global-batch", "8"], None),
     "zero2": (["deepspeed_zero.py", "--zero-stage", "2", "--global-batch", "16"], None),
@@ -87,6 +81,15 @@ PAIRS = {  # name: (script and arguments, a fault in a second candidate or None)
 }
 
 
+INTERLEAVED = ["--schedule", "ScheduleInterleaved1F1B"]
+"""The pipeline's second candidate (at INTERLEAVED_FAULT's seed, against the same reference and twin): two stages a
+rank, four over two ranks, each stage a model recorded."""
+INTERLEAVED_FAULT = Fault(4, ["--inject", "lr_scaled"], 3, "param:0.0.weight", "hyperparameter",
+                          "lr 0.1 in the candidate, 0.05")
+ACCUMULATE_SEED = 2
+"""ZeRO-2's seed at which its candidate is also compared with the recipe at 1 rank accumulating two micro-batches."""
+
+
 def attach(tmp_path, name: str, mode: str, nproc: int, script: list[str], seed: int, *extra: str) -> list[str]:
     """distdebug's arguments for one run of the pair."""
     path = (SCRIPTS if script[0].startswith("fw_") else RECIPES) / script[0]
@@ -94,76 +97,90 @@ def attach(tmp_path, name: str, mode: str, nproc: int, script: list[str], seed: 
             str(path), *script[1:], "--seed", str(seed), "--steps", "10"]
 
 
-def side_by_side_runs(tmp_path, script: list[str], seed: int, fault: Fault | None, more: list[str],
-                      *also: list[str]) -> None:
-    """The 1-rank reference, its twin, the 2-rank candidate and the fault's candidate if any, side by side: each
-    run alone leaves a core idle for much of its time (its launcher's start and end, a rank waiting in a
-    collective); at once they take about four fifths of the time one after another takes."""
+def side_by_side_runs(tmp_path, script: list[str], seed: int, fault: Fault | None, *also: list[str]) -> None:
+    """The 1-rank reference, its twin, the 2-rank candidate, the fault's candidate if any and any other run, side
+    by side: each run alone leaves a core idle for much of its time (its launcher's start and end, a rank waiting
+    in a collective); at once they take about four fifths of the time one after another takes."""
     runs = [attach(tmp_path, "ref", "record", 1, script, seed), attach(tmp_path, "twin", "twin", 1, script, seed),
-            attach(tmp_path, "cand", "record", 2, [*script, *more], seed), *also]
-    if fault is not None and fault.change[0] == "-":  # the script's own fault: an argument dropped
-        runs.append(attach(tmp_path, "fault", "record", 2, [a for a in [*script, *more] if a not in fault.change[1:]],
-                           seed))
-    elif fault is not None:
-        runs.append(attach(tmp_path, "fault", "record", 2, [*script, *more], seed, *fault.change))
+            attach(tmp_path, "cand", "record", 2, script, seed), *also]
+    if fault is not None:
+        runs.append(fault_run(tmp_path, "fault", script, seed, fault))
     for r in side_by_side(*runs, timeout=400):
         assert r.returncode == 0, r.output[-3000:]
 
 
-def parity(tmp_path, cand: str) -> dict:
-    r = distdebug("parity", "--json", str(tmp_path / "ref"), str(tmp_path / cand), "--twin", str(tmp_path / "twin"))
+def fault_run(tmp_path, name: str, script: list[str], seed: int, fault: Fault) -> list[str]:
+    """The fault's candidate: the script with an argument dropped (its own fault), or a fault injected."""
+    if fault.change[0] == "-":
+        return attach(tmp_path, name, "record", 2, [a for a in script if a not in fault.change[1:]], seed)
+    return attach(tmp_path, name, "record", 2, script, seed, *fault.change)
+
+
+def parity(tmp_path, cand: str, ref: str = "ref", twin: str = "twin") -> dict:
+    r = distdebug("parity", "--json", str(tmp_path / ref), str(tmp_path / cand), "--twin", str(tmp_path / twin))
     assert r.returncode in (0, 1), r.output[-3000:]
     got = json.loads(r.stdout)
     assert r.returncode == (0 if got["equivalent"] else 1)
     return got
 
 
-@pytest.mark.parametrize(("name", "seed"), [(name, seed) for name, (_, fault) in PAIRS.items()
-                                            for seed in ([fault.seed] if name in ONE_SEED and fault else SEEDS)])
-def test_every_recipe_at_two_ranks_computes_what_it_computes_at_one(name, seed, tmp_path):
-    script, fault = PAIRS[name]
-    for module, needed in (("lightning", name == "lightning"), ("deepspeed", name.startswith("zero"))):
-        if needed:
-            pytest.importorskip(module, reason=f"{module} is not installed (a test extra: pip install -e '.[test]')")
-    fault = fault if fault is not None and seed == fault.seed else None
-    # beside the interleaved pair: stages built with names of their own (no --layers: each stage's "0.weight"),
-    # which a rank running two of them cannot record apart: said, not compared
-    own = [attach(tmp_path, "own-names", "record", 2, ["pipeline_parallel.py", "--global-batch", "8",
-                                                         *CANDIDATE[name]], seed)] if name == "interleaved" else []
-    side_by_side_runs(tmp_path, script, seed, fault, CANDIDATE.get(name, []), *own)
-    if own:
-        r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "own-names"), "--twin", str(tmp_path / "twin"))
-        assert r.returncode == 2 and "runs several pipeline stages (an interleaved schedule) and the recorder could " \
-            "not read them all" in r.stderr and "Traceback" not in r.stderr, r.output[-2000:]
-    got = parity(tmp_path, "cand")
+def assert_equivalent(got: dict, bit_for_bit_allowed: bool = False) -> None:
     assert got["equivalent"] and got["causes"] == [], got["text"]
     assert got["largest"]["ratio"] <= 1 and got["compared"] > 2 * 10, got["text"]  # tensors, not only the loss
     # a benign difference, but where the stages compute the same sums in the same order (a pipeline: bit for bit)
-    assert got["largest"]["ratio"] > 0 or name in ("pipeline", "interleaved"), got["text"]
+    assert got["largest"]["ratio"] > 0 or bit_for_bit_allowed, got["text"]
     assert got["missing"] == [], got["missing"]  # every tensor of the reference found in the candidate's parts
-    if fault is None:
-        return
-    bad = parity(tmp_path, "fault")
+
+
+def assert_departs(bad: dict, fault: Fault) -> None:
     assert not bad["equivalent"], bad["text"]
     assert (bad["first"]["step"], bad["first"]["quantity"]) == (fault.step, fault.first), bad["text"]
     assert bad["causes"][0]["kind"] == fault.cause and fault.said in bad["causes"][0]["text"], bad["text"]
     assert not fault.alone or [c["kind"] for c in bad["causes"]] == [fault.cause], bad["text"]
 
 
-def test_deepspeed_accumulating_micro_batches_at_one_rank_computes_what_two_ranks_compute(tmp_path):
-    """DeepSpeed's engine divides the loss it is given by its accumulation steps before backward: ZeRO-2 at 1 rank
-    accumulating the global batch in 2 micro-batches against 2 ranks of one micro-batch each is equivalent, the
-    loss included (read as the gradient is of it; undivided, the reference's loss would be twice the candidate's).
-    So is the same reference calling loss.backward() itself, whose gradients the engine divides in a hook."""
-    pytest.importorskip("deepspeed", reason="deepspeed is not installed (a test extra: pip install -e '.[test]')")
-    script = ["deepspeed_zero.py", "--zero-stage", "2", "--global-batch", "16"]
-    for r in side_by_side(attach(tmp_path, "ref", "record", 1, [*script, "--accumulate", "2"], 2),
-                          attach(tmp_path, "twin", "twin", 1, [*script, "--accumulate", "2"], 2),
-                          attach(tmp_path, "cand", "record", 2, script, 2),
-                          attach(tmp_path, "direct", "record", 1, [*script, "--accumulate", "2", "--direct-backward"],
-                                 2), timeout=400):
-        assert r.returncode == 0, r.output[-3000:]
-    for cand in ("cand", "direct"):
-        got = parity(tmp_path, cand)
-        assert got["equivalent"] and got["causes"] == [] and got["loss_departs"] is None, (cand, got["text"])
-        assert got["missing"] == [] and got["compared"] > 2 * 10, got["text"]
+@pytest.mark.parametrize(("name", "seed"), [(name, seed) for name, (_, fault) in PAIRS.items()
+                                            for seed in ([fault.seed] if name in ONE_SEED and fault else SEEDS)])
+def test_every_recipe_at_two_ranks_computes_what_it_computes_at_one(name, seed, tmp_path):
+    """Beside two of the pairs, at one seed, more candidates against the same reference and twin: the pipeline
+    under an interleaved schedule (INTERLEAVED), and ZeRO-2's candidate against the recipe accumulating at 1 rank."""
+    script, fault = PAIRS[name]
+    for module, needed in (("lightning", name == "lightning"), ("deepspeed", name.startswith("zero"))):
+        if needed:
+            pytest.importorskip(module, reason=f"{module} is not installed (a test extra: pip install -e '.[test]')")
+    fault = fault if fault is not None and seed == fault.seed else None
+    interleaved = name == "pipeline" and seed == INTERLEAVED_FAULT.seed
+    accumulating = name == "zero2" and seed == ACCUMULATE_SEED
+    also = []
+    if interleaved:
+        also += [attach(tmp_path, "interleaved", "record", 2, [*script, *INTERLEAVED], seed),
+                 fault_run(tmp_path, "interleaved-fault", [*script, *INTERLEAVED], seed, INTERLEAVED_FAULT),
+                 # stages built with names of their own (no --layers: each stage's "0.weight"), which a rank
+                 # running two of them cannot record apart: said, not compared
+                 attach(tmp_path, "own-names", "record", 2, ["pipeline_parallel.py", "--global-batch", "8",
+                                                              *INTERLEAVED], seed)]
+    if accumulating:
+        acc = [*script, "--accumulate", "2"]
+        also += [attach(tmp_path, "acc-ref", "record", 1, acc, seed),
+                 attach(tmp_path, "acc-twin", "twin", 1, acc, seed),
+                 attach(tmp_path, "direct", "record", 1, [*acc, "--direct-backward"], seed)]
+    side_by_side_runs(tmp_path, script, seed, fault, *also)
+    assert_equivalent(parity(tmp_path, "cand"), bit_for_bit_allowed=name == "pipeline")
+    if fault is not None:
+        assert_departs(parity(tmp_path, "fault"), fault)
+    if interleaved:
+        assert_equivalent(parity(tmp_path, "interleaved"), bit_for_bit_allowed=True)
+        assert_departs(parity(tmp_path, "interleaved-fault"), INTERLEAVED_FAULT)
+        r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "own-names"), "--twin", str(tmp_path / "twin"))
+        assert r.returncode == 2 and "runs several pipeline stages (an interleaved schedule) and the recorder could " \
+            "not read them all" in r.stderr and "Traceback" not in r.stderr, r.output[-2000:]
+    if accumulating:
+        # DeepSpeed's engine divides the loss it is given by its accumulation steps before backward: the recipe at
+        # 1 rank accumulating the global batch in 2 micro-batches is equivalent to the 2 ranks of one micro-batch
+        # each, the loss included (read as the gradient is of it; undivided, the reference's loss would be twice
+        # the candidate's). So is the same reference calling loss.backward() itself, whose gradients the engine
+        # divides in a hook.
+        for cand in ("cand", "direct"):
+            got = parity(tmp_path, cand, ref="acc-ref", twin="acc-twin")
+            assert got["equivalent"] and got["causes"] == [] and got["loss_departs"] is None, (cand, got["text"])
+            assert got["missing"] == [] and got["compared"] > 2 * 10, got["text"]
