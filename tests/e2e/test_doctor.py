@@ -100,10 +100,8 @@ def test_deepspeed_zero_grad_between_backward_and_step_is_caught_at_runtime(tmp_
         (f,) = [x for x in read_events(layout.events_path(tmp_path / "bug", rank))[0]
                 if x["kind"] == "finding" and x["detector"] == "config_lint"]
         assert (f["severity"], f["step"], f["subject"]) == ("error", 3, "engine.zero_grad")
-    r = distdebug("attach", "--run-dir", str(tmp_path / "ok"), script, "--steps", "4")
-    assert r.returncode == 0, r.output
-    assert [x for rank in (0, 1) for x in read_events(layout.events_path(tmp_path / "ok", rank))[0]
-            if x["kind"] == "finding"] == []  # zero_grad after step() is only redundant
+    # its clean twin (zero_grad after step() is only redundant: no finding), the same script without
+    # --zero-grad-at: test_config_errors's test_deepspeed_settings_and_saves_read_from_the_live_engine ("ok")
 
 
 def test_lint_reads_a_module_level_deepspeed_loop():

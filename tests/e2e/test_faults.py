@@ -48,6 +48,7 @@ def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
                                    "params": {"rank": 1, "step": 4}}]
     text = distdebug("report", str(tmp_path)).stdout
     assert "fault injected on purpose: nan_grad on rank 1 at step 4 (param 4.weight)" in text
+    assert len(incidents_of(tmp_path)) == 1  # one incident per injected fault, as the catalogue's cells
     assert "never acted" not in text
     # the step re-executed to name the module (nan_origin's on-demand watch) is paid once, apart from the
     # steady cost per step (issue 48, item 7; its clean twin: test_attach's rerun run re-executes nothing)
@@ -156,6 +157,12 @@ DDP's catalogue (the launch's environment, a hang, a straggler, re-execution, a 
 on the DDP recipe. Each runs once on DDP (suite time), the two tests together the whole catalogue."""
 
 
+ON_THE_MANUAL_RECIPE_ELSEWHERE = ("nan_grad", "transient_compute")
+"""The manual recipe's cells that another test runs as they are (the same recipe, fault, rank and step, its
+finding's rank, step and subject, one incident): test_inject_acts_on_an_unmodified_script_and_is_recorded,
+test_a_transient_fault_is_told_in_the_report_with_its_action. Skipped in the catalogue's manual part."""
+
+
 @pytest.mark.smoke
 def test_the_catalogue_parts_replay_every_fault_and_every_data_parallel_recipe():
     """No runs: the parts below, together, plan every fault and a clean run, on every data-parallel recipe."""
@@ -177,8 +184,8 @@ def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path, part):
     engines = CATALOGUE_PARTS[part]
     junit = tmp_path / "faults.xml"
     args = [a for e in engines for a in ("--recipe", e)]
-    if part == "ddp":
-        args += [a for f in FITTED_ON_THE_USERS_DDP_SCRIPT for a in ("--skip", f)]
+    skipped = {"ddp": FITTED_ON_THE_USERS_DDP_SCRIPT, "manual": ON_THE_MANUAL_RECIPE_ELSEWHERE}.get(part, ())
+    args += [a for f in skipped for a in ("--skip", f)]
     r = distdebug("faults", "replay", "--keep-runs", "--work-dir", str(tmp_path / "runs"), "--junit", str(junit),
                   *args, timeout=1500)
     assert r.returncode == 0, r.output
@@ -189,7 +196,6 @@ def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path, part):
         if run.is_dir():
             assert len(incidents_of(run)) == (name != "clean"), (engine, name, incidents_of(run))
     # Every fault on each of its engines in this part, each engine's clean run: all run, nothing else.
-    skipped = FITTED_ON_THE_USERS_DDP_SCRIPT if part == "ddp" else ()
     assert set(cases) == {(e, n) for n, e in plan(None, list(engines)) if n not in skipped}
     # Every fault caught with the exact rank, step and subject; every clean run: no finding at all.
     for (engine, name), c in cases.items():
@@ -386,6 +392,7 @@ def test_a_transient_fault_is_told_in_the_report_with_its_action(tmp_path):
     assert (f["severity"], f["ranks"], f["step"]) == ("error", [1], 4)
     assert f["evidence"]["verdict"] == "not reproducible" and f["evidence"]["differs"][0] == "the model's output"
     assert f["fix"].startswith("drain rank 1's machine")
+    assert len(incidents_of(tmp_path)) == 1  # one incident per injected fault, as the catalogue's cells
     text = distdebug("report", str(tmp_path)).stdout  # a table: its cells wrap, so words are looked for
     words = " ".join(text.replace("│", " ").split())  # a cell's lines run on (the row's other cells between them)
     assert all(w in words for w in ("rerun", "re-execution", "step 4", "not", "reproducible", "transient", "fault",

@@ -31,6 +31,9 @@ def test_configuration_statistics_and_replicas_are_one_incident_with_the_configu
         ("config_lint", "broadcast_buffers"), ("bn_divergence", "features.1"), ("bn_divergence", "features.4"),
         ("replica_divergence", "features.1.running_mean")]
     assert inc["fix"] == "keep broadcast_buffers=True, or convert to SyncBatchNorm"
+    # each BatchNorm named at the step its statistics first differ, with both ranks
+    bn = [(f["subject"], f["step"], f["ranks"]) for f in report["findings"] if f["detector"] == "bn_divergence"]
+    assert bn == [("features.1", 2, [0, 1]), ("features.4", 2, [0, 1])], bn
     assert all("advice" in m for m in inc["members"])
     # One causal model for the incident and the advice: what followed is said to be the root's consequence;
     # every finding carries its card's code (issue 49).

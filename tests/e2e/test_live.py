@@ -74,20 +74,11 @@ def test_stacks_of_a_running_job_name_the_sleeping_rank_and_the_others_in_the_co
         kill_tree(proc.pid)
 
 
-def test_stacks_of_a_finished_run_is_one_clear_line(tmp_path):
-    r = distdebug("attach", "--run-dir", str(tmp_path / "run"), SCRIPT, "--steps", "2")
-    assert r.returncode == 0, r.output
-    r = distdebug("stacks", str(tmp_path / "run"))
-    assert r.returncode == 1, r.output
-    (line,) = r.stderr.strip().splitlines()
-    assert line.startswith("distdebug: error: no rank of ") and "'distdebug report' reads a finished one" in line
-
-
-
 def test_a_status_line_on_a_terminal_and_top_from_another_while_it_runs_and_after(tmp_path):
     """attach on a terminal (a pseudo-terminal here): one status line for the node, refreshed; `distdebug
     top --json` from outside while it runs (every rank, its step, running); `distdebug top` after it ended:
-    the final state; and no status line when attach's output is not a terminal."""
+    the final state; and no status line when attach's output is not a terminal, whose finished run `distdebug
+    stacks` answers in one clear line."""
     import json
     import os
     import pty
@@ -130,3 +121,8 @@ def test_a_status_line_on_a_terminal_and_top_from_another_while_it_runs_and_afte
     assert "distdebug top (2 ranks, ended)" in final.stdout and final.stdout.count("exited 0") == 2, final.stdout
     piped = distdebug("attach", "--run-dir", str(tmp_path / "piped"), SCRIPT, "--steps", "4", "--sleep", "1.2")
     assert piped.returncode == 0 and "steps/s" not in piped.output
+    # stacks of a finished run: one clear line
+    r = distdebug("stacks", str(tmp_path / "piped"))
+    assert r.returncode == 1, r.output
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("distdebug: error: no rank of ") and "'distdebug report' reads a finished one" in line
