@@ -206,27 +206,25 @@ def test_a_raising_plugin_detector_takes_its_options_and_is_switched_off_trainin
                                                        f"{plugin}.at_step must be int, got 'three'")
 
 
-def test_module_mode_and_secret_redaction(tmp_path):
+def test_module_mode_the_default_run_dir_the_newest_runs_report_and_secret_redaction(tmp_path):
+    """One launch: a module (-m) with secrets in the environment, no --run-dir: the run directory made under
+    ./distdebug-runs, named by its time and the script, `latest` pointing at it, `distdebug report` with no
+    argument reading it, and no secret's value anywhere in it."""
     env = make_env(HF_TOKEN="hunter2-secret", MY_PASSWORD="pw-secret-value")
-    r = distdebug("attach", "--run-dir", str(tmp_path), "-m", "distdebug.recipes.ddp_convnet", "--steps", "2", env=env)
-    assert r.returncode == 0, r.output
-    assert len(kinds(tmp_path, 0, "step")) == 2
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["module"] is True and manifest["env"]["HF_TOKEN"] == "<redacted>"
-    for path in tmp_path.rglob("*"):
-        if path.is_file():
-            text = path.read_text(errors="replace")
-            assert "hunter2-secret" not in text and "pw-secret-value" not in text, path
-
-
-def test_default_run_dir_and_report_of_the_newest_run(tmp_path):
-    r = distdebug("attach", str(RECIPES / "ddp_convnet.py"), "--steps", "2", cwd=tmp_path)
+    r = distdebug("attach", "-m", "distdebug.recipes.ddp_convnet", "--steps", "2", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.output
     runs_root = tmp_path / "distdebug-runs"
     (run_dir,) = [p for p in runs_root.iterdir() if not p.is_symlink()]
     assert run_dir.name.endswith("-ddp_convnet") and (runs_root / "latest").resolve() == run_dir
     rep = distdebug("report", cwd=tmp_path)
     assert rep.returncode == 0 and str(run_dir) in rep.stdout.replace("\n", "")
+    assert len(kinds(run_dir, 0, "step")) == 2
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["module"] is True and manifest["env"]["HF_TOKEN"] == "<redacted>"
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            assert "hunter2-secret" not in text and "pw-secret-value" not in text, path
 
 
 @pytest.mark.waits  # its ranks sleep through a stall timeout or a hang: it may run beside a CPU-bound test
