@@ -70,7 +70,6 @@ class Session:
         echo: bool = True,
     ) -> None:
         self.identity = identity
-        teardown.note_modules_before_groups()
         self.ctx = RankContext(identity, run_dir, rank_dir)
         self.patches = TorchPatches(self)
         self.ctx.report = self.report

@@ -18,11 +18,6 @@ same treatment: None is their "not created yet". Objects the script left in refe
 (an FSDP2 module's state holds its mesh, and so its group) are freed by a garbage collection at
 the rank's end, after the script returned.
 ``alive`` lists what would still meet interpreter teardown, for the end record and the advice.
-
-The walk runs twice a rank (at ``destroy_process_group`` and at the end) over every module's globals, but over the
-functions only of the modules imported once a group could exist (``note_modules_before_groups``, at the session's
-start): a default is evaluated when its ``def`` runs, so a module imported while no group existed holds none in its
-defaults (torch's two thousand modules, imported before the script: about a tenth of a second a walk a rank).
 """
 
 from __future__ import annotations
@@ -45,16 +40,6 @@ def _registered_groups() -> set[int] | None:
         return {id(pg) for pg in c10d._world.pg_map}
     except Exception:
         return None
-
-
-_before_groups: dict[str, types.ModuleType] = {}
-"""The modules imported while no process group existed (name -> module): their functions' defaults hold none."""
-
-
-def note_modules_before_groups() -> None:
-    """Remember the modules imported so far, if no process group exists yet (else every module is walked)."""
-    if not _registered_groups():  # torch.distributed unused, or no group made yet
-        _before_groups.update((name, m) for name, m in list(sys.modules.items()) if isinstance(m, types.ModuleType))
 
 
 def _functions(module: types.ModuleType):
@@ -110,7 +95,7 @@ def _release(registered: set[int]) -> list[str]:
         return group and id(value) not in registered
 
     released: list[str] = []
-    for key, module in list(sys.modules.items()):
+    for module in list(sys.modules.values()):
         if not isinstance(module, types.ModuleType):
             continue
         try:
@@ -123,8 +108,6 @@ def _release(registered: set[int]) -> list[str]:
                 released.append(f"{module.__name__}.{name}")
             except Exception:
                 pass
-        if _before_groups.get(key) is module:  # imported before any group: no default holds one
-            continue
         for func in _functions(module):
             defaults = func.__defaults__
             if defaults and any(stale(d) for d in defaults):
