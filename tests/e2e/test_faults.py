@@ -158,8 +158,9 @@ on the DDP recipe. Each runs once on DDP (suite time), the two tests together th
 
 
 ON_THE_MANUAL_RECIPE_ELSEWHERE = ("nan_grad", "transient_compute")
-"""The manual recipe's cells that another test runs as they are (the same recipe, fault, rank and step, its
-finding's rank, step and subject, one incident): test_inject_acts_on_an_unmodified_script_and_is_recorded,
+"""The manual recipe's cells that another test runs (the same recipe, fault and rank, at step 4 of 6 where the
+catalogue's is step 3 of 10; its finding's rank, step and subject, one incident):
+test_inject_acts_on_an_unmodified_script_and_is_recorded,
 test_a_transient_fault_is_told_in_the_report_with_its_action. Skipped in the catalogue's manual part."""
 
 
@@ -202,6 +203,14 @@ def test_replay_of_the_whole_catalogue_on_the_cpu_recipes(tmp_path, part):
         assert c.find("failure") is None, (engine, name, c.find("failure").get("message"))
         assert c.find("system-out").text.startswith("clean" if name == "clean" else "caught-localised"), \
             (engine, name)
+    if part == "sharded-and-doctor":
+        # ZeRO-2 skips the non-finite step itself: the NaN is born on rank 1 (its first non-finite module output),
+        # and rank 0, which never sees a non-finite value, has no error of its own
+        run = tmp_path / "runs" / "nan_activation-zero2" / "run"
+        (err,) = [f for f in records(run, 1, "finding") if f["detector"] == "nan_origin" and f["severity"] == "error"]
+        assert err["ranks"] == [1] and err["message"].startswith(
+            f"NaN/Inf started on rank 1 at step {err['step']}: first non-finite module output"), err
+        assert not [f for f in records(run, 0, "finding") if f["severity"] == "error"]
     clean = sum(1 for _, n in cases if n == "clean")
     ran = len(cases) - clean
     assert (f"{ran} applicable, {ran} caught-localised, 0 not applicable; {clean} of {clean} clean runs clean; "

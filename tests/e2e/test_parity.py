@@ -1,11 +1,11 @@
 """Tier 3 (CLI): ``distdebug parity`` on real runs (issue 50, its first slice): the same script at 1 rank (the
 reference), again at 1 rank as its twin (the last bit of every parameter perturbed each step: the band of benign
-rounding), and at 2 ranks under DDP: equivalent (FSDP2 and the other layouts: test_parity_recipes.py); the same 2
-ranks with the loss not divided by the world size (its gradients summed, not averaged): departs at step 1, at the
-first gradient, with that cause named; a pair under autocast to bfloat16, equivalent, and against float32 runs
-departs with the precision named.
+rounding), and at 2 ranks under DDP and under FSDP2: equivalent (the other layouts: test_parity_recipes.py); the same 2
+ranks with the loss not divided by the world size (its gradients summed, not averaged): departs at step 1, at the first
+gradient, with that cause named; a pair under autocast to bfloat16, equivalent, and against float32 runs departs with
+the precision named.
 
-Needs: 9 launches of a tiny MLP (1, 1, 2; 2, 2, 1, 1, 2 ranks side by side; one that fails), 10 steps each: one
+Needs: 10 launches of a tiny MLP (1, 1, 2; 2, 2, 2, 1, 1, 2 ranks side by side; one that fails), 10 steps each: one
 without --parity, to show that recording changes no result; three under autocast to bfloat16. The faults' replay:
 10 more.
 """
@@ -21,19 +21,19 @@ SCRIPT = str(RECIPES / "parity_mlp.py")
 
 
 def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_and_another_precision_depart(tmp_path):
-    """The pair made by parity from two launch lines: equivalent, with stage 2 side by side. Then, side by side
-    (their numbers are judged, not their times): the gradients summed (departs at step 1, with its HTML page),
-    the candidate without --parity (bit for bit the recorded one), and a pair under autocast to bfloat16, whose twin
-    perturbs the last bfloat16 bit (parameters and each backward's gradients): 2 ranks against 1, both in bfloat16,
-    equivalent; the same candidate against the float32 reference and twin: departs at step 1 with the precision
-    named. 9 launches."""
+    """The pair made by parity from two launch lines: equivalent, with stage 2 side by side. Then, side by side (their
+    numbers are judged, not their times): the gradients summed (departs at step 1, with its HTML page), FSDP2's shards
+    against the plain reference (equivalent), the candidate without --parity (bit for bit the recorded one), and a pair
+    under autocast to bfloat16, whose twin perturbs the last bfloat16 bit (parameters and each backward's gradients): 2
+    ranks against 1, both in bfloat16, equivalent; the same candidate against the float32 reference and twin: departs at
+    step 1 with the precision named. 10 launches."""
     # the reference, its twin and the candidate made by parity itself, from two launch lines
     ok = distdebug("parity", "--work-dir", str(tmp_path), "--launch-ref", f"--nproc-per-node 1 {SCRIPT}",
                    "--launch-cand", f"--nproc-per-node 2 {SCRIPT}", timeout=400)
     assert ok.returncode == 0, ok.output[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cand", "ref", "twin"]
-    # FSDP2's shards, each sketched at its global place by its rank: the FSDP2 pairs of test_parity_recipes.py
-    runs = {"summed": ("record", "2", ["--sum-grads"]), "bare": (None, "2", []), "bf16": ("record", "1", ["--bf16"]),
+    runs = {"summed": ("record", "2", ["--sum-grads"]), "fsdp2": ("record", "2", ["--fsdp2"]),
+            "bare": (None, "2", []), "bf16": ("record", "1", ["--bf16"]),
             "bf16-twin": ("twin", "1", ["--bf16"]), "bf16-cand": ("record", "2", ["--bf16"])}
     for r in side_by_side(*[["attach", "--run-dir", str(tmp_path / name), *(["--parity", mode] if mode else []),
                              "--nproc-per-node", nproc, SCRIPT, *extra] for name, (mode, nproc, extra) in runs.items()],
@@ -50,6 +50,10 @@ def test_two_ranks_compute_what_one_rank_computes_and_summed_gradients_and_anoth
                                str(tmp_path / "twin")).stdout)
     assert got["equivalent"] and got["largest"]["observed"] <= got["largest"]["bound"]
     assert got["compared"] == 2 * 10 + 8 * 2 * 4  # loss and gradient norm at 10 steps; 4 gradients, 4 parameters
+    # DDP against FSDP2: FSDP2's shards, each sketched at its global place by its rank, compared with the reference's
+    # whole (plain) tensors: equivalent
+    r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "fsdp2"), "--twin", str(tmp_path / "twin"))
+    assert r.returncode == 0 and ": equivalent (largest observed/bound" in r.stdout, r.output
     # the twin is a real band: it departed from the reference (its perturbation acted), by rounding's size only
     twin_vs_ref = distdebug("diff", str(tmp_path / "ref"), str(tmp_path / "twin"))
     assert twin_vs_ref.returncode == 1, twin_vs_ref.output
