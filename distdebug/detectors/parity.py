@@ -109,6 +109,10 @@ class ParityRecorder(Detector):
         twin's perturbation is of that dtype's last bit."""
         self._backwards = 0
         """Gradients the twin has rounded so far (each draws a new pattern)."""
+        self._twin_params: list[tuple[str, torch.Tensor]] = []
+        """The twin's parameters, in the order of their gradient hooks."""
+        self._rounded: set[int] = set()
+        """The twin's parameters whose gradient was rounded this step (by its hook, or before the optimizer step)."""
         self._handles: list[Any] = []
         """Hooks on the model: the twin's gradient rounding, the autocast reader (removed at the end)."""
         self._clips: list[torch.Tensor] = []
@@ -185,8 +189,14 @@ class ParityRecorder(Detector):
         if self.config.twin:
             named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             self._perturb(0, named)
+            self._twin_params = named
             for i, (_, p) in enumerate(named):  # each backward's gradients, under autocast (_round_grad)
                 self._handles.append(p.register_hook(self.guarded(functools.partial(self._round_grad, i))))
+            # the gradients no hook of a parameter sees (FSDP2 writes its sharded parameters' gradients after its
+            # reduce-scatter; a DTensor's): rounded before the optimizer's step instead
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._handles.append(register_optimizer_step_pre_hook(self.guarded(self._round_unhooked)))
         # autocast as the forward runs (a framework may enter it inside forward: accelerate wraps it): read at the
         # pre-hook of the first module that holds parameters, inside the outermost one's forward
         leaf = next((m for m in module.modules() if next(m.parameters(recurse=False), None) is not None), None)
@@ -433,6 +443,7 @@ class ParityRecorder(Detector):
         self._data, self._rows, self._no_data = None, 0, False
         self._widths = set()
         self.current = event.step + 1
+        self._rounded = set()
         if self.config.twin and self.named:
             self._perturb(event.step, self.named)
         return ()
@@ -520,13 +531,37 @@ class ParityRecorder(Detector):
         their own sums: a bfloat16 candidate's first gradients then read as a departure."""
         shift = {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
         if not shift or grad.dtype != torch.float32 or type(grad).__name__ == "DTensor":
-            return None
+            return None  # a DTensor's: _round_unhooked, before the optimizer's step
+        self._rounded.add(i)
         self._backwards += 1
         seed = self.config.seed * 1_000_003 + self.current * 4099 + self._backwards * 131 + i + 7
         gen = torch.Generator(device=grad.device).manual_seed(seed)
         flip = torch.randint(0, 2, grad.shape, generator=gen, device=grad.device, dtype=torch.int32)
         rounded = (grad.detach().contiguous().view(torch.int32) ^ flip.bitwise_left_shift_(shift)).view(torch.float32)
         return grad + (rounded - grad).detach()  # the same value, still differentiable (a double backward)
+
+    def _round_unhooked(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The twin under autocast to a lower dtype, before an optimizer's step: the gradients its hooks did not
+        round this step rounded in place, as ``_round_grad`` rounds (the last bit of that dtype in a random half of
+        the elements): FSDP2's sharded gradients, written after its reduce-scatter where no hook of the parameter
+        runs, and a DTensor's (its local part). Without it the first step's gradients of an FSDP2 reference's twin
+        keep float32's rounding, and a healthy bfloat16 candidate's read as a departure at step 1."""
+        shift = {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
+        if not shift:
+            return
+        with torch.no_grad():
+            for i, (_, p) in enumerate(self._twin_params):
+                grad = p.grad
+                if i in self._rounded or grad is None:
+                    continue
+                local = _local(grad)
+                if local.dtype != torch.float32 or not local.is_contiguous():
+                    continue
+                self._rounded.add(i)
+                seed = self.config.seed * 1_000_003 + self.current * 4099 + i * 131 + 104_729
+                gen = torch.Generator(device=local.device).manual_seed(seed)
+                flip = torch.randint(0, 2, local.shape, generator=gen, device=local.device, dtype=torch.int32)
+                local.view(torch.int32).bitwise_xor_(flip.bitwise_left_shift_(shift))
 
     def _seen_autocast(self, module: torch.nn.Module) -> None:
         """The dtype a training forward computes in under autocast (None: its parameters' own), read from torch's
