@@ -12,6 +12,8 @@ model sharded by FSDP2 instead of replicated by DDP. ``--sum-grads``: the loss m
 a script that all-reduces with SUM and never divides does): every gradient is N times the reference's. ``--bn``:
 a BatchNorm layer, plain (torch's SyncBatchNorm runs on GPUs only): per-rank statistics, which 1 rank and N ranks
 do not share. ``--bf16``: the forward under autocast to bfloat16 (on the CPU: this recipe runs on CPUs only).
+``--param-dtype bfloat16``: the model itself in bfloat16 (parameters, gradients, the optimizer's state and the
+all-reduce), as a script that calls ``model.to(torch.bfloat16)`` trains; the loss in float32.
 
     distdebug parity --launch-ref '--nproc-per-node 1 recipes/parity_mlp.py' \\
                      --launch-cand '--nproc-per-node 2 recipes/parity_mlp.py'
@@ -35,6 +37,8 @@ def main() -> None:
     p.add_argument("--sum-grads", action="store_true")
     p.add_argument("--bn", action="store_true", help="a BatchNorm layer (per-rank statistics)")
     p.add_argument("--bf16", action="store_true", help="the forward and the loss under autocast to bfloat16")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the model's own dtype (bfloat16: pure bfloat16 training, no autocast)")
     p.add_argument("--seed", type=int, default=0, help="the model's and the data's seed")
     p.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (fully_shard) instead of DDP")
     args = p.parse_args()
@@ -47,7 +51,8 @@ def main() -> None:
     layers: list[nn.Module] = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)]
     if args.bn:
         layers.insert(1, nn.BatchNorm1d(32))
-    model: nn.Module = nn.Sequential(*layers)
+    dtype = getattr(torch, args.param_dtype)
+    model: nn.Module = nn.Sequential(*layers).to(dtype)
     if args.fsdp2:
         from torch.distributed.fsdp import fully_shard
 
@@ -66,7 +71,7 @@ def main() -> None:
         opt.zero_grad()
         for xb, yb in zip(x.chunk(args.accumulate), y.chunk(args.accumulate), strict=True):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                loss = nn.functional.mse_loss(model(xb).float(), yb) / args.accumulate
+                loss = nn.functional.mse_loss(model(xb.to(dtype)).float(), yb) / args.accumulate
             if args.sum_grads:
                 loss = loss * world
             loss.backward()

@@ -34,8 +34,9 @@ so one rank's record is the job's.
 ``twin``: this run is the reference's twin. Before its first forward and after each step the last bit of a random
 half of every parameter's elements is flipped (float32: one unit in the last place; a generator seeded by the
 step): the noise a different but mathematically equal order of sums leaves, every step, whose growth over the
-steps is the band a candidate is judged against (``analysis.parity``). A twin's results differ from its
-reference on purpose.
+steps is the band a candidate is judged against (``analysis.parity``). Under autocast to a lower dtype, that
+dtype's last bit, in the parameters and in each step's gradients (as backward makes them, or before the optimizer's
+step where no hook sees them: FSDP2's sharded gradients). A twin's results differ from its reference on purpose.
 
 Sharded parameters (DTensors: FSDP2, tensor parallel, HSDP) are recorded by every rank that holds the first
 replica of a part, sketched at the part's global place, so that the parts' sketches sum to the whole tensor's:
