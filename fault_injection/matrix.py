@@ -395,9 +395,12 @@ def parity_reference(engine_name: str, work: Path, fault_steps: int, timeout: fl
 
     if standalone:
         with ThreadPoolExecutor(2) as pool:
-            failed = [why for why in pool.map(launch, runs) if why is not None]
+            whys = list(pool.map(launch, runs))
     else:  # one after the other: a failed reference needs no twin
-        failed = [why] if (why := launch("record") or launch("twin")) is not None else []
+        whys = [launch("record")]
+        if whys[0] is None:
+            whys.append(launch("twin"))
+    failed = [why for why in whys if why is not None]
     return failed[0] if failed else (runs["record"], runs["twin"])
 
 

@@ -496,11 +496,17 @@ class ParityRecorder(Detector):
                         state[n] = kinds
         return {"hyper": hyper, "state_dtypes": state}
 
+    @property
+    def _low_bit(self) -> int:
+        """Under autocast to a lower dtype, the bit of a float32 that is that dtype's last (16 for bfloat16, 13 for
+        float16): where the twin flips; 0 without autocast."""
+        return {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
+
     def _perturb(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """The twin's noise: the last bit of a random half of each parameter's elements flipped (device work). Under
         autocast to a lower dtype, the last bit of that dtype (a float32 parameter's bit 16 for bfloat16, 13 for
         float16): the rounding the forward computes with, where a float32 flip would mostly vanish in the cast."""
-        shift = {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
+        shift = self._low_bit
         with torch.no_grad():
             for i, (_, p) in enumerate(named):
                 bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
@@ -517,9 +523,7 @@ class ParityRecorder(Detector):
                     targets = [part] + ([whole] if whole.numel() == int(p.ds_numel)  # type: ignore[attr-defined]
                                         and whole.data_ptr() != part.data_ptr() else [])
                 for k, t in enumerate(targets):
-                    gen = torch.Generator(device=t.device).manual_seed(
-                        self.config.seed * 1_000_003 + step * 4099 + i + 7919 * k)
-                    flip = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
+                    flip = _flips(t, self.config.seed * 1_000_003 + step * 4099 + i + 7919 * k, bits)
                     if shift and p.dtype == torch.float32:
                         flip.bitwise_left_shift_(shift)
                     t.view(bits).bitwise_xor_(flip)
@@ -530,14 +534,13 @@ class ParityRecorder(Detector):
         gradient's elements), as backward computes it (a tensor hook: before its accumulation and before DDP
         reduces it). Perturbing the parameters alone leaves the first step's gradients without the rounding of
         their own sums: a bfloat16 candidate's first gradients then read as a departure."""
-        shift = {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
+        shift = self._low_bit
         if not shift or grad.dtype != torch.float32 or type(grad).__name__ == "DTensor":
             return None  # a DTensor's: _round_unhooked, before the optimizer's step
         self._rounded.add(i)
         self._backwards += 1
-        seed = self.config.seed * 1_000_003 + self.current * 4099 + self._backwards * 131 + i + 7
-        gen = torch.Generator(device=grad.device).manual_seed(seed)
-        flip = torch.randint(0, 2, grad.shape, generator=gen, device=grad.device, dtype=torch.int32)
+        flip = _flips(grad, self.config.seed * 1_000_003 + self.current * 4099 + self._backwards * 131 + i + 7,
+                      torch.int32)
         rounded = (grad.detach().contiguous().view(torch.int32) ^ flip.bitwise_left_shift_(shift)).view(torch.float32)
         return grad + (rounded - grad).detach()  # the same value, still differentiable (a double backward)
 
@@ -547,7 +550,7 @@ class ParityRecorder(Detector):
         the elements): FSDP2's sharded gradients, written after its reduce-scatter where no hook of the parameter
         runs, and a DTensor's (its local part). Without it the first step's gradients of an FSDP2 reference's twin
         keep float32's rounding, and a healthy bfloat16 candidate's read as a departure at step 1."""
-        shift = {"bfloat16": 16, "float16": 13}.get(self._autocast or "", 0)
+        shift = self._low_bit
         if not shift:
             return
         with torch.no_grad():
@@ -560,8 +563,7 @@ class ParityRecorder(Detector):
                     continue
                 self._rounded.add(i)
                 seed = self.config.seed * 1_000_003 + self.current * 4099 + i * 131 + 104_729
-                gen = torch.Generator(device=local.device).manual_seed(seed)
-                flip = torch.randint(0, 2, local.shape, generator=gen, device=local.device, dtype=torch.int32)
+                flip = _flips(local, seed, torch.int32)
                 local.view(torch.int32).bitwise_xor_(flip.bitwise_left_shift_(shift))
 
     def _seen_autocast(self, module: torch.nn.Module) -> None:
@@ -574,6 +576,13 @@ class ParityRecorder(Detector):
             self._autocast = str(torch.get_autocast_dtype(kind)).replace("torch.", "") if on else None
         except (RuntimeError, TypeError):  # a device type autocast does not know
             self._autocast = None
+
+
+def _flips(t: torch.Tensor, seed: int, bits: torch.dtype) -> torch.Tensor:
+    """A random half of ``t``'s elements 1, the others 0, as integers of type ``bits`` (t's size): the twin's pattern
+    of flipped bits, drawn on t's device from ``seed``."""
+    gen = torch.Generator(device=t.device).manual_seed(seed)
+    return torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=bits)
 
 
 def _first_tensor(values: Any) -> torch.Tensor | None:
