@@ -225,6 +225,50 @@ def fast_cpu_fingerprint(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(_bytes(v), _seed(v) ^ FAST_TAG)
 
 
+class _HostPlan:
+    """The byte views and seeds of one list of CPU tensors, hashed again at the next step (issue 62)."""
+
+    __slots__ = ("ids", "nbytes", "ptrs", "seeds", "views")
+
+    def __init__(self, ids: list[int], ptrs: list[int], nbytes: list[int], views: list[Any], seeds: list[int]) -> None:
+        self.ids, self.ptrs, self.nbytes, self.views, self.seeds = ids, ptrs, nbytes, views, seeds
+
+
+_PLANS: list[_HostPlan] = []
+"""The last few lists hashed (most recent first): a replica check hashes the same parameters every step."""
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CPU: Any = vars(torch._C.TensorBase)["is_cpu"].__get__  # mapped over a list in C
+
+
+def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
+    """``fast_cpu_fingerprint`` of each CPU tensor. The same tensors (the same objects, at the same addresses and
+    lengths) as a recent call reuse that call's byte views and seeds: what is left is one xxh3 call a tensor,
+    about 0.3 us with the checks, against 2 us to rebuild them. Nothing here holds a tensor: a plan keeps ids,
+    addresses and lengths, checked against the live tensors (which the caller holds) before any byte is read."""
+    ids = list(map(id, tensors))
+    for k, plan in enumerate(_PLANS):
+        if plan.ids == ids:
+            if list(map(_DATA_PTR, tensors)) == plan.ptrs and [t.nbytes for t in tensors] == plan.nbytes:
+                if k:
+                    _PLANS.insert(0, _PLANS.pop(k))
+                return list(map(xxhash.xxh3_64_intdigest, plan.views, plan.seeds))
+            del _PLANS[k]
+            break
+    views: list[Any] = []
+    seeds: list[int] = []
+    plain = True
+    for t in tensors:
+        cls = type(t)
+        v = t if (cls is torch.Tensor or cls is torch.nn.Parameter) and t.is_contiguous() else local_view(t)
+        plain = plain and v is t
+        views.append(_bytes(v))
+        seeds.append(_seed(v) ^ FAST_TAG)
+    if plain:  # a DTensor's local part or a contiguous copy is a new tensor at each call: nothing to reuse
+        _PLANS.insert(0, _HostPlan(ids, list(map(_DATA_PTR, tensors)), [t.nbytes for t in tensors], views, seeds))
+        del _PLANS[8:]
+    return list(map(xxhash.xxh3_64_intdigest, views, seeds))
+
+
 # ---------------------------------------------------------------- the device path (torch kernels)
 _INDEX: dict[Any, torch.Tensor] = {}
 
@@ -355,16 +399,23 @@ class PendingFingerprints:
         forced = envvars.device_path_forced()
         on_host: list[tuple[str, torch.Tensor]] = []
         by_device: dict[Any, list[tuple[str, torch.Tensor]]] = {}
-        for name, t in named:
-            if t.device.type == "cpu" and not forced:
-                on_host.append((name, t))
+        tensors = [t for _, t in named]
+        if not forced and all(map(_IS_CPU, tensors)):  # the common CPU case, without a loop of Python a tensor
+            if portable:
+                on_host = list(named)
             else:
-                by_device.setdefault(t.device, []).append((name, t))
+                self.done = dict(zip(self.names, fast_cpu_fingerprints(tensors), strict=True))
+        else:
+            for name, t in named:
+                if t.device.type == "cpu" and not forced:
+                    on_host.append((name, t))
+                else:
+                    by_device.setdefault(t.device, []).append((name, t))
         if on_host and portable:
             for (name, t), sums in zip(on_host, cpu_sums_many([t for _, t in on_host]), strict=True):
                 self.done[name] = combine_device(sums, t)
         elif on_host:
-            self.done.update((name, fast_cpu_fingerprint(t)) for name, t in on_host)
+            self.done.update(zip([n for n, _ in on_host], fast_cpu_fingerprints([t for _, t in on_host]), strict=True))
         self.parts: list[tuple[list[str], list[int], torch.Tensor]] = [
             ([n for n, _ in items], [_seed(t) for _, t in items], device_sums([t for _, t in items]))
             for items in by_device.values()

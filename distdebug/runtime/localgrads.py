@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from distdebug.context import RankContext
+from distdebug.envvars import device_path_forced
+from distdebug.fingerprint.hostpass import HostPass
 from distdebug.runtime.discovery import accumulating, unwrap
 
 Listener = Callable[[tuple[str, ...], torch.Tensor], None]
@@ -37,6 +39,9 @@ class LocalGradNorms:
     def __init__(self, ddp: Any) -> None:
         self._ddp = weakref.ref(ddp)
         self.named = [(n, p) for n, p in unwrap(ddp)[0].named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        self.names = tuple(n for n, _ in self.named)
+        self._host = HostPass()
         self.listeners: list[Listener] = []
         self._keys: dict[tuple[int, ...], tuple[str, ...]] = {}
 
@@ -46,17 +51,27 @@ class LocalGradNorms:
             if ddp is None or not self.listeners or accumulating([ddp]):
                 return
             with torch.no_grad():
-                present = [(i, g) for i, (_, p) in enumerate(self.named)
-                           if (g := p.grad) is not None and g.layout is torch.strided]
-                if not present:
-                    return
-                which = tuple(i for i, _ in present)
-                key = self._keys.get(which)
-                if key is None:
-                    if len(self._keys) >= 64:
-                        self._keys.clear()
-                    key = self._keys[which] = tuple(self.named[i][0] for i in which)
-                norms = torch.stack(torch._foreach_norm([g for _, g in present], 2.0, dtype=torch.float32))
+                grads = [p.grad for p in self.params]
+                host = None
+                if not any(g is None for g in grads) and not device_path_forced():
+                    # Every gradient there, on a CPU: one pass on the host (fingerprint.hostpass), where torch's
+                    # multi-tensor norm would run a kernel a tensor (3 us each).
+                    host = self._host.norms(grads)
+                if host is not None:
+                    key, norms = self.names, torch.from_numpy(host)
+                else:
+                    present = [(i, g) for i, g in enumerate(grads) if g is not None and g.layout is torch.strided]
+                    if not present:
+                        return
+                    which = tuple(i for i, _ in present)
+                    known = self._keys.get(which)
+                    if known is not None:
+                        key = known
+                    else:
+                        if len(self._keys) >= 64:
+                            self._keys.clear()
+                        key = self._keys[which] = tuple(self.named[i][0] for i in which)
+                    norms = torch.stack(torch._foreach_norm([g for _, g in present], 2.0, dtype=torch.float32))
             for listen in self.listeners:
                 listen(key, norms)  # each is its detector's guarded hook: it never raises
         except Exception:  # never into the backward: the detectors see no local gradients this time

@@ -52,6 +52,21 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, buc
         return counting(*args, **kwargs)
 
     torch._foreach_norm = counted  # how many passes over a set of tensors the detector makes (restored below)
+    # On a CPU the passes run on the host (fingerprint.hostpass): counted alike, when they answered
+    from distdebug.fingerprint.hostpass import HostPass
+
+    host = {name: getattr(HostPass, name) for name in ("norms", "any_nonfinite")}
+
+    def host_counted(name):
+        def call(self, tensors):
+            out = host[name](self, tensors)
+            if out is not None:
+                norms.append(1)
+            return out
+        return call
+
+    for name in host:
+        setattr(HostPass, name, host_counted(name))
     for step in range(1, steps + 1):
         state["step"] = step
         for micro in range(2 if accum else 1):  # accumulation: the first micro-batch under no_sync()
@@ -70,6 +85,8 @@ def _ddp(rank, world, tmp, fault=None, fault_rank=1, detector=True, steps=5, buc
             per_param = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
             state["hooks"] = (len(s.ctx.end_of_backward), per_param)
     torch._foreach_norm = counting
+    for name, fn in host.items():
+        setattr(HostPass, name, fn)
     state["norms_per_step"] = len(norms) / steps
     out = [float(x) for p in model.parameters() for x in p.detach().flatten()]
     dist.destroy_process_group()

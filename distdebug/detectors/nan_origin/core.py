@@ -15,6 +15,7 @@ import torch
 from distdebug.config import NanOriginConfig
 from distdebug.context import RankContext
 from distdebug.detectors.base import Detector
+from distdebug.fingerprint.hostpass import HostPass
 
 
 @dataclass
@@ -41,6 +42,7 @@ class NanOriginState(Detector):
         self.names: dict[int, str] = {}  # id(param) -> name as the user wrote it
         self.params: list[tuple[str, torch.nn.Parameter]] = []
         self.grad_ptrs: dict[int, str] = {}
+        self._host_params = HostPass()  # the parameters' finiteness on the host, on a CPU (fingerprint.hostpass)
         # Bounded whatever the loop does (any number of forwards, buckets or all_reduces per step): one
         # value per module / parameter group, later ones folded in by max(|sum|) (fold_in).
         self.fwd: dict[str, torch.Tensor] = {}  # module -> |sum| of its outputs this step, in forward order

@@ -17,8 +17,13 @@ from distdebug.detectors.nan_origin.collectives import Collectives, fsdp_params
 from distdebug.detectors.nan_origin.flags import finite_flag, finite_norm, finite_preserving, fold_in
 from distdebug.detectors.nan_origin.gradients import LocalGradients
 from distdebug.detectors.nan_origin.replay import Replay
+from distdebug.envvars import device_path_forced
 from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.discovery import ddp_params, find_ddp, first_tensor, runs_compiled, unwrap
+
+_ZERO = torch.zeros((), dtype=torch.float32)
+_INF = torch.full((), float("inf"), dtype=torch.float32)
+"""The host pass's answer for the parameters, as the flag the device path would give (a constant: no kernel)."""
 
 
 class Watch(Replay, Collectives, LocalGradients):
@@ -155,7 +160,12 @@ class Watch(Replay, Collectives, LocalGradients):
         tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
         with torch.no_grad():
             scalars = [f for _, f in fwd] + [v for _, v in local if not v.dim()]
-            if tensors:
+            # On a CPU, one pass over the parameters' exponent bits on the host (fingerprint.hostpass): torch's
+            # multi-tensor norm falls back there to a kernel a tensor, 3 us each. On a device, the fused norm.
+            host = None if not tensors or device_path_forced() else self._host_params.any_nonfinite(tensors)
+            if host is not None:
+                scalars.append(_INF if host else _ZERO)
+            elif tensors:
                 # float32: an fp16 parameter's own norm overflows past 65504
                 scalars += torch._foreach_norm(tensors, finite_norm(tensors[0]), dtype=torch.float32)
             # one vector per end-of-backward reading (a value per local gradient)

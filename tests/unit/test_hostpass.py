@@ -1,0 +1,87 @@
+"""Tier 1 (no processes): the host's multi-tensor passes over CPU tensors (fingerprint.hostpass) and the cached
+fast fingerprints (fingerprint.hashing.fast_cpu_fingerprints) give torch's answers, whatever moves (issue 62)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from distdebug.fingerprint import hostpass
+from distdebug.fingerprint.hashing import fast_cpu_fingerprint, fast_cpu_fingerprints
+from distdebug.fingerprint.hostpass import CHUNK, HostPass
+
+
+def _model_tensors(n: int = 200, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    out = []
+    for i in range(n):
+        shape = (4, 4) if i % 2 == 0 else (4,)
+        out.append(torch.randn(*shape, generator=g).to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_any_nonfinite_finds_one_bad_value_anywhere_in_any_float_dtype(dtype, bad):
+    ts = _model_tensors(dtype=dtype) + [torch.randn(CHUNK + 5).to(dtype)]  # small ones gathered, a large one alone
+    p = HostPass()
+    assert p.any_nonfinite(ts) is False
+    for i, pos in ((0, 0), (77, 3), (199, 2), (200, CHUNK + 4)):
+        with torch.no_grad():
+            old = ts[i].view(-1)[pos].item()
+            ts[i].view(-1)[pos] = bad
+        assert p.any_nonfinite(ts) is True, (i, pos)  # the same addresses: read in place again
+        assert hostpass.any_nonfinite(ts) is True  # a first look: gathered by address
+        with torch.no_grad():
+            ts[i].view(-1)[pos] = old
+        assert p.any_nonfinite(ts) is False
+
+
+def test_the_largest_finite_values_are_finite():
+    ts = [torch.tensor([torch.finfo(d).max, -torch.finfo(d).max, torch.finfo(d).tiny], dtype=d)
+          for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
+    assert hostpass.any_nonfinite(ts) is False
+
+
+def test_norms_match_torchs_and_follow_tensors_that_move():
+    p = HostPass()
+    for _ in range(3):  # new tensors at new addresses every step, as gradients after zero_grad(set_to_none)
+        ts = _model_tensors() + [torch.empty(0), torch.randn(CHUNK + 3)]
+        want = torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.float32)).numpy()
+        got = p.norms(ts)
+        assert got is not None and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        with torch.no_grad():
+            ts[5][1] = float("nan")
+        assert math.isnan(p.norms(ts)[5])
+    h = [torch.randn(3).half(), torch.tensor([65504.0, 1.0]).half()]  # a float16 norm past float16's largest
+    np.testing.assert_allclose(p.norms(h), torch.stack(torch._foreach_norm(h, 2.0, dtype=torch.float32)).numpy(),
+                               rtol=1e-3)
+
+
+def test_what_numpy_cannot_read_exactly_is_left_to_torch():
+    p = HostPass()
+    assert p.norms([torch.randn(3).bfloat16()]) is None  # no bfloat16 in numpy: torch's path
+    assert p.any_nonfinite([torch.randn(4, 4).t()]) is None  # strided
+    assert p.any_nonfinite([torch.arange(3)]) is None  # an integer tensor has no finiteness to check here
+    assert p.any_nonfinite([]) is None
+    a = torch.randn(4)
+    assert p.any_nonfinite([a]) is False and p.any_nonfinite([a, torch.randn(2, 2).t()]) is None
+
+
+def test_cached_fingerprints_are_the_fingerprints_and_see_every_change():
+    ts = _model_tensors(50)
+    want = [fast_cpu_fingerprint(t) for t in ts]
+    assert fast_cpu_fingerprints(ts) == want and fast_cpu_fingerprints(ts) == want  # built, then reused
+    with torch.no_grad():
+        ts[7][0] += 1  # in place: the same address, other bytes
+    assert fast_cpu_fingerprints(ts) == [fast_cpu_fingerprint(t) for t in ts] != want
+    ts[3] = torch.randn(4, 4)  # another tensor in the list
+    assert fast_cpu_fingerprints(ts) == [fast_cpu_fingerprint(t) for t in ts]
+    p = torch.nn.Parameter(torch.randn(8))
+    before = fast_cpu_fingerprints([p])
+    p.data = torch.randn(8)  # the same object, new storage
+    assert fast_cpu_fingerprints([p]) == [fast_cpu_fingerprint(p)] != before
