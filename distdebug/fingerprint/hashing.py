@@ -47,6 +47,7 @@ import torch
 import xxhash
 
 from distdebug import envvars
+from distdebug.fingerprint.hostpass import DATA_PTR, IS_CPU
 
 _MASK64 = (1 << 64) - 1
 BLOCK = 1 << 20
@@ -218,11 +219,15 @@ def fast_cpu_fingerprint(t: torch.Tensor) -> int:
     """xxh3-64 of a CPU tensor's bytes in place (no copy, one pass at memory speed), seeded with its dtype,
     shape and FAST_TAG. For comparisons with the same tensor on other ranks, which hold it on the same
     kind of device; not equal to its portable fingerprint (``cpu_fingerprint``)."""
-    cls = type(t)
-    v = t if (cls is torch.Tensor or cls is torch.nn.Parameter) and t.is_contiguous() else local_view(t)
-    # no detach for a plain contiguous tensor: called once per tensor per checked step, so the few
-    # microseconds of wrapping count
+    v = _fast_view(t)
     return xxhash.xxh3_64_intdigest(_bytes(v), _seed(v) ^ FAST_TAG)
+
+
+def _fast_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes the fast fingerprint reads: ``t`` itself when it is a plain contiguous tensor (no
+    detach: called once per tensor per checked step, so the few microseconds of wrapping count)."""
+    cls = type(t)
+    return t if (cls is torch.Tensor or cls is torch.nn.Parameter) and t.is_contiguous() else local_view(t)
 
 
 class _HostPlan:
@@ -236,8 +241,6 @@ class _HostPlan:
 
 _PLANS: list[_HostPlan] = []
 """The last few lists hashed (most recent first): a replica check hashes the same parameters every step."""
-_DATA_PTR = torch.Tensor.data_ptr
-_IS_CPU: Any = vars(torch._C.TensorBase)["is_cpu"].__get__  # mapped over a list in C
 
 
 def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
@@ -248,7 +251,7 @@ def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
     ids = list(map(id, tensors))
     for k, plan in enumerate(_PLANS):
         if plan.ids == ids:
-            if list(map(_DATA_PTR, tensors)) == plan.ptrs and [t.nbytes for t in tensors] == plan.nbytes:
+            if list(map(DATA_PTR, tensors)) == plan.ptrs and [t.nbytes for t in tensors] == plan.nbytes:
                 if k:
                     _PLANS.insert(0, _PLANS.pop(k))
                 return list(map(xxhash.xxh3_64_intdigest, plan.views, plan.seeds))
@@ -258,13 +261,12 @@ def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
     seeds: list[int] = []
     plain = True
     for t in tensors:
-        cls = type(t)
-        v = t if (cls is torch.Tensor or cls is torch.nn.Parameter) and t.is_contiguous() else local_view(t)
+        v = _fast_view(t)
         plain = plain and v is t
         views.append(_bytes(v))
         seeds.append(_seed(v) ^ FAST_TAG)
     if plain:  # a DTensor's local part or a contiguous copy is a new tensor at each call: nothing to reuse
-        _PLANS.insert(0, _HostPlan(ids, list(map(_DATA_PTR, tensors)), [t.nbytes for t in tensors], views, seeds))
+        _PLANS.insert(0, _HostPlan(ids, list(map(DATA_PTR, tensors)), [t.nbytes for t in tensors], views, seeds))
         del _PLANS[8:]
     return list(map(xxhash.xxh3_64_intdigest, views, seeds))
 
@@ -400,7 +402,7 @@ class PendingFingerprints:
         on_host: list[tuple[str, torch.Tensor]] = []
         by_device: dict[Any, list[tuple[str, torch.Tensor]]] = {}
         tensors = [t for _, t in named]
-        if not forced and all(map(_IS_CPU, tensors)):  # the common CPU case, without a loop of Python a tensor
+        if not forced and all(map(IS_CPU, tensors)):  # the common CPU case, without a loop of Python a tensor
             if portable:
                 on_host = list(named)
             else:

@@ -38,13 +38,14 @@ _EXP = {  # dtype -> (numpy word type, exponent mask): a value is not finite iff
 }
 _NUMPY_FLOAT = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
-_DATA_PTR = torch.Tensor.data_ptr
+# A tensor's address and attributes, mapped over a list in C (a Python loop costs twice as much); shared with the
+# fingerprints' and the capture's checks of the same lists
+DATA_PTR = torch.Tensor.data_ptr
+IS_CPU: Any = vars(torch._C.TensorBase)["is_cpu"].__get__
+_NBYTES: Any = vars(torch._C.TensorBase)["nbytes"].__get__
+_DTYPE: Any = vars(torch._C.TensorBase)["dtype"].__get__
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
 _MEMMOVE = ctypes.memmove
-
-
-def _plain(t: Any) -> bool:
-    cls = type(t)
-    return (cls is torch.Tensor or cls is torch.nn.Parameter) and t.is_cpu and t.is_contiguous()
 
 
 def _array(ptr: int, n: int, dtype: Any) -> np.ndarray:
@@ -97,13 +98,6 @@ class _Plan:
             self.groups.append((dtype, gathered, alone))
 
 
-_PLAIN = {torch.Tensor, torch.nn.Parameter}
-# The getters of a tensor's attributes, mapped over a list in C (a Python loop costs twice as much)
-_IS_CPU: Any = vars(torch._C.TensorBase)["is_cpu"].__get__
-_NBYTES: Any = vars(torch._C.TensorBase)["nbytes"].__get__
-_DTYPE: Any = vars(torch._C.TensorBase)["dtype"].__get__
-
-
 class HostPass:
     """A pass over a list of CPU tensors that comes back every step (the parameters, the local gradients). Its
     plan is made once for the list's dtypes and lengths. Tensors at the addresses of the last call (parameters)
@@ -120,11 +114,11 @@ class HostPass:
     def _gather(self, tensors: list[Any], table: dict[Any, Any]) -> tuple[_Plan, list[int]] | None:
         """The plan, with the small tensors' bytes gathered into its buffers, and every tensor's address; None
         when a tensor is not for the host path."""
-        if not tensors:
+        if not tensors or not getattr(tensors[0], "is_cpu", False):  # a device's tensors: its fused kernels, at once
             return None
         plan = self._plan
         try:
-            ptrs = list(map(_DATA_PTR, tensors))
+            ptrs = list(map(DATA_PTR, tensors))
             nbytes = list(map(_NBYTES, tensors))
         except (TypeError, RuntimeError):  # not a tensor, or one without storage
             return None
@@ -137,7 +131,7 @@ class HostPass:
                 np.concatenate(arrays, out=buf)
             return plan, ptrs
         self._ptrs, self._arrays = None, None
-        if not (set(map(type, tensors)) <= _PLAIN and all(map(_IS_CPU, tensors))
+        if not (set(map(type, tensors)) <= _PLAIN and all(map(IS_CPU, tensors))
                 and all(map(torch.Tensor.is_contiguous, tensors))):
             return None
         dtypes = list(map(_DTYPE, tensors))

@@ -18,6 +18,7 @@ import torch
 
 from distdebug import envvars
 from distdebug.fingerprint.hashing import device_sums, fast_cpu_fingerprint
+from distdebug.fingerprint.hostpass import DATA_PTR
 
 MAX_CALLS = 64
 """Forward calls of the model held for one step at most (bounded memory whatever the loop does)."""
@@ -293,9 +294,6 @@ class Recorder:
         return total
 
 
-_DATA_PTR = torch.Tensor.data_ptr
-
-
 class _Detached:
     """The detached views of a list of tensors, kept while they keep their storage (a view shares it): one
     detach a tensor a step was 0.5 us, a third of the capture's cost on a 1,000-tensor model (issue 62)."""
@@ -306,7 +304,7 @@ class _Detached:
 
     def of(self, src: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         try:
-            ptrs = list(map(_DATA_PTR, src))
+            ptrs = list(map(DATA_PTR, src))
         except Exception:  # a tensor without storage: detached afresh
             return [t.detach() for t in src]
         if ptrs != self.ptrs or len(self.views) != len(src):

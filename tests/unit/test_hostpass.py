@@ -68,6 +68,7 @@ def test_what_numpy_cannot_read_exactly_is_left_to_torch():
     assert p.any_nonfinite([torch.randn(4, 4).t()]) is None  # strided
     assert p.any_nonfinite([torch.arange(3)]) is None  # an integer tensor has no finiteness to check here
     assert p.any_nonfinite([]) is None
+    assert p.any_nonfinite([torch.empty(3, device="meta")]) is None  # another device: its own fused kernels
     a = torch.randn(4)
     assert p.any_nonfinite([a]) is False and p.any_nonfinite([a, torch.randn(2, 2).t()]) is None
 
