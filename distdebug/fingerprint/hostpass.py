@@ -9,9 +9,10 @@ storage: FSDP2 frees storages by resizing them), and the tensors of a pass are j
 into one numpy buffer: one vectorised test or sum over them all, a few microseconds of Python per chunk and
 about half a microsecond a tensor.
 
-A list that comes back every step keeps its plan (``HostPass``: which buffer and offset each tensor's bytes go
-to), made again only when its dtypes or lengths change; the bytes are gathered by address at each call, since
-gradients come back at new addresses every step. Nothing holds a tensor: the caller holds them while a pass
+A list that comes back every step keeps its plan (``HostPass``: which chunk and offset each tensor's bytes go
+to, one buffer of at most CHUNK elements a dtype, reused for every chunk), made again only when its dtypes or
+lengths change; tensors that stayed where they were are read in place, tensors that moved (gradients come back
+at new addresses every step) are gathered by address. Nothing holds a tensor: the caller holds them while a pass
 reads them.
 
 Only for what numpy can read exactly: float64, float32, float16 and bfloat16 (as 16-bit words) for finiteness;
@@ -56,9 +57,24 @@ def _array(ptr: int, n: int, dtype: Any) -> np.ndarray:
     return np.frombuffer(view, dtype=dtype)
 
 
+class _Chunk:
+    """Small tensors of one dtype read together: where each one's bytes go in its group's buffer."""
+
+    __slots__ = ("dst", "members", "size", "sizes", "starts")
+
+    def __init__(self, members: list[int], nbytes: list[int], item: int, base: int) -> None:
+        self.members = members
+        self.sizes = [nbytes[j] for j in members]
+        starts = np.cumsum([0] + [n // item for n in self.sizes[:-1]])
+        self.starts = starts  # each tensor's first element in the buffer
+        self.dst = [base + st * item for st in starts.tolist()]
+        self.size = sum(self.sizes) // item  # elements
+
+
 class _Plan:
-    """Where each tensor of a list of this shape (dtypes and lengths) goes: small ones are gathered by address into
-    buffers of at most CHUNK elements a dtype (one ``memmove`` each), a large one is read in place."""
+    """Where each tensor of a list of this shape (dtypes and lengths) is read: small ones a chunk of at most CHUNK
+    elements at a time, gathered into one buffer a dtype (filled again for each chunk: the memory a pass holds is
+    that buffer, whatever the model's size), a large one in place, a block at a time."""
 
     def __init__(self, dtypes: list[Any], nbytes: list[int], table: dict[Any, Any]) -> None:
         self.dtypes, self.nbytes = dtypes, nbytes
@@ -66,54 +82,43 @@ class _Plan:
         for i, d in enumerate(dtypes):
             if nbytes[i]:  # empty tensors hold nothing to read
                 by_dtype.setdefault(d, []).append(i)
-        self.moves: tuple[list[int], list[int], list[int]] = ([], [], [])  # (tensor index, destination, bytes)
-        # (dtype, [(tensor indices, buffer, element starts)] gathered, [(tensor index, element type)] in place)
-        self.groups: list[tuple[Any, list[tuple[list[int], np.ndarray, np.ndarray]], list[int]]] = []
+        # (dtype, its buffer, its chunks, the tensors read alone)
+        self.groups: list[tuple[Any, np.ndarray, list[_Chunk], list[int]]] = []
         for dtype, idx in by_dtype.items():
             kind = table[dtype][0] if isinstance(table[dtype], tuple) else table[dtype]
             item = np.dtype(kind).itemsize
-            gathered: list[tuple[list[int], np.ndarray, np.ndarray]] = []
-            alone: list[int] = []
-            chunk: list[int] = []
+            alone = [i for i in idx if nbytes[i] // item > CHUNK]
+            small = [i for i in idx if nbytes[i] // item <= CHUNK]
+            members: list[list[int]] = []
             total = 0
-            for i in idx + [-1]:
-                n = nbytes[i] // item if i >= 0 else 0
-                if i >= 0 and n > CHUNK:
-                    alone.append(i)
-                    continue
-                if chunk and (i < 0 or total + n > CHUNK):
-                    sizes = [nbytes[j] // item for j in chunk]
-                    buf = np.empty(sum(sizes), dtype=kind)
-                    base = buf.ctypes.data
-                    starts = np.cumsum([0] + sizes[:-1])
-                    for j, st in zip(chunk, starts.tolist(), strict=True):
-                        self.moves[0].append(j)
-                        self.moves[1].append(base + st * item)
-                        self.moves[2].append(nbytes[j])
-                    gathered.append((chunk, buf, starts))
-                    chunk, total = [], 0
-                if i >= 0:
-                    chunk.append(i)
-                    total += n
-            self.groups.append((dtype, gathered, alone))
+            for i in small:
+                n = nbytes[i] // item
+                if not members or total + n > CHUNK:
+                    members.append([])
+                    total = 0
+                members[-1].append(i)
+                total += n
+            buf = np.empty(max((sum(nbytes[j] for j in m) // item for m in members), default=0), dtype=kind)
+            self.groups.append((dtype, buf, [_Chunk(m, nbytes, item, buf.ctypes.data) for m in members], alone))
 
 
 class HostPass:
     """A pass over a list of CPU tensors that comes back every step (the parameters, the local gradients). Its
     plan is made once for the list's dtypes and lengths. Tensors at the addresses of the last call (parameters)
-    are read in place through arrays made once, joined into the plan's buffers; tensors that moved (gradients
-    come back at new addresses every step) are checked to be plain contiguous CPU tensors and gathered by address,
-    one ``memmove`` a small tensor. Then one numpy test or sum a chunk. One per list and purpose."""
+    are read in place through arrays made once, joined into the plan's buffer a chunk at a time; tensors that
+    moved (gradients come back at new addresses every step) are checked to be plain contiguous CPU tensors and
+    gathered by address, one ``memmove`` a small tensor. Then one numpy test or sum a chunk. One per list and
+    purpose."""
 
     def __init__(self) -> None:
         self._plan: _Plan | None = None
         self._table: dict[Any, Any] | None = None
-        self._ptrs: list[int] | None = None  # the addresses of the last call
-        self._arrays: list[tuple[list[np.ndarray], np.ndarray]] | None = None  # in place, for those addresses
+        self._ptrs: list[int] | None = None  # the addresses of the last call, when its tensors were checked
+        self._arrays: dict[int, list[np.ndarray]] = {}  # id of a chunk -> arrays in place, for those addresses
 
-    def _gather(self, tensors: list[Any], table: dict[Any, Any]) -> tuple[_Plan, list[int]] | None:
-        """The plan, with the small tensors' bytes gathered into its buffers, and every tensor's address; None
-        when a tensor is not for the host path."""
+    def _plan_for(self, tensors: list[Any], table: dict[Any, Any]) -> tuple[_Plan, list[int], bool] | None:
+        """The plan, every tensor's address, and whether they are where they were at the last call (read in
+        place); None when a tensor is not for the host path."""
         if not tensors or not getattr(tensors[0], "is_cpu", False):  # a device's tensors: its fused kernels, at once
             return None
         plan = self._plan
@@ -123,14 +128,9 @@ class HostPass:
         except (TypeError, RuntimeError):  # not a tensor, or one without storage
             return None
         if plan is not None and self._table is table and ptrs == self._ptrs and nbytes == plan.nbytes:
-            # The very memory a plain CPU tensor of this length held at the last call: read in place again
-            if self._arrays is None:
-                self._arrays = [([_array(ptrs[i], plan.nbytes[i], buf.dtype) for i in members], buf)
-                                for _, gathered, _ in plan.groups for members, buf, _ in gathered]
-            for arrays, buf in self._arrays:
-                np.concatenate(arrays, out=buf)
-            return plan, ptrs
-        self._ptrs, self._arrays = None, None
+            # The very memory a plain CPU tensor of this length held at the last call
+            return plan, ptrs, True
+        self._ptrs, self._arrays = None, {}
         if not (set(map(type, tensors)) <= _PLAIN and all(map(IS_CPU, tensors))
                 and all(map(torch.Tensor.is_contiguous, tensors))):
             return None
@@ -140,22 +140,33 @@ class HostPass:
                 return None
             plan = self._plan = _Plan(dtypes, nbytes, table)
             self._table = table
-        index, dst, size = plan.moves
-        list(map(_MEMMOVE, dst, [ptrs[i] for i in index], size))
         self._ptrs = ptrs
-        return plan, ptrs
+        return plan, ptrs, False
+
+    def _fill(self, buf: np.ndarray, chunk: _Chunk, ptrs: list[int], in_place: bool) -> np.ndarray:
+        """The chunk's tensors' values, joined in ``buf`` (its first ``chunk.size`` elements)."""
+        out = buf[:chunk.size]
+        if in_place:
+            arrays = self._arrays.get(id(chunk))
+            if arrays is None:
+                arrays = self._arrays[id(chunk)] = [_array(ptrs[j], n, buf.dtype)
+                                                    for j, n in zip(chunk.members, chunk.sizes, strict=True)]
+            np.concatenate(arrays, out=out)
+        else:
+            list(map(_MEMMOVE, chunk.dst, [ptrs[j] for j in chunk.members], chunk.sizes))
+        return out
 
     def any_nonfinite(self, tensors: list[Any]) -> bool | None:
         """Whether any value of these CPU tensors is NaN or Inf, read from their exponent bits (exact: no sum
         that overflows); None when a tensor is not for the host path (the caller takes torch's)."""
-        got = self._gather(tensors, _EXP)
+        got = self._plan_for(tensors, _EXP)
         if got is None:
             return None
-        plan, ptrs = got
-        for dtype, gathered, alone in plan.groups:
+        plan, ptrs, in_place = got
+        for dtype, buf, chunks, alone in plan.groups:
             word, mask = _EXP[dtype]
-            for _, buf, _ in gathered:
-                if np.any((buf & mask) == mask):
+            for chunk in chunks:
+                if np.any((self._fill(buf, chunk, ptrs, in_place) & mask) == mask):
                     return True
             for i in alone:
                 a = _array(ptrs[i], plan.nbytes[i], word)
@@ -167,18 +178,17 @@ class HostPass:
     def norms(self, tensors: list[Any]) -> np.ndarray | None:
         """The 2-norm of each CPU tensor (float32 squares summed in float64), as a float32 array in the tensors'
         order; None when a tensor is not for the host path. A NaN or Inf gives a non-finite norm."""
-        got = self._gather(tensors, _NUMPY_FLOAT)
+        got = self._plan_for(tensors, _NUMPY_FLOAT)
         if got is None:
             return None
-        plan, ptrs = got
+        plan, ptrs, in_place = got
         out = np.zeros(len(tensors), dtype=np.float64)
-        for dtype, gathered, alone in plan.groups:
-            kind = _NUMPY_FLOAT[dtype]
-            for members, buf, starts in gathered:
-                x = buf.astype(np.float32, copy=False)
-                out[members] = np.add.reduceat(x * x, starts, dtype=np.float64)
+        for dtype, buf, chunks, alone in plan.groups:
+            for chunk in chunks:
+                x = self._fill(buf, chunk, ptrs, in_place).astype(np.float32, copy=False)
+                out[chunk.members] = np.add.reduceat(x * x, chunk.starts, dtype=np.float64)
             for i in alone:
-                a = _array(ptrs[i], plan.nbytes[i], kind)
+                a = _array(ptrs[i], plan.nbytes[i], _NUMPY_FLOAT[dtype])
                 total = 0.0
                 for o in range(0, a.size, CHUNK):
                     x = a[o:o + CHUNK].astype(np.float64)

@@ -86,3 +86,19 @@ def test_cached_fingerprints_are_the_fingerprints_and_see_every_change():
     before = fast_cpu_fingerprints([p])
     p.data = torch.randn(8)  # the same object, new storage
     assert fast_cpu_fingerprints([p]) == [fast_cpu_fingerprint(p)] != before
+
+
+def test_many_chunks_share_one_bounded_buffer_and_every_chunk_is_read():
+    """A model larger than a chunk: its small tensors are read a chunk at a time through one buffer of at most
+    CHUNK elements (memory a pass holds is bounded whatever the model), and a NaN in the last chunk is found."""
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(50_000, generator=g) for _ in range(12)]  # 600,000 elements: three chunks
+    p, q = HostPass(), HostPass()
+    np.testing.assert_allclose(q.norms(ts), torch.stack(torch._foreach_norm(ts, 2.0)).numpy(), rtol=1e-5)
+    assert p.any_nonfinite(ts) is False and p.any_nonfinite(ts) is False  # gathered, then in place
+    with torch.no_grad():
+        ts[11][49_999] = float("nan")
+    assert p.any_nonfinite(ts) is True and math.isnan(q.norms(ts)[11])
+    for hp in (p, q):
+        assert hp._plan is not None
+        assert len(hp._plan.groups[0][2]) == 3 and hp._plan.groups[0][1].size <= CHUNK
