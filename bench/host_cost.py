@@ -133,7 +133,9 @@ def main() -> None:
             print(f"{n:>5}x{m:<2} {statistics.median(bare):9.3f} {statistics.median(att):12.3f} {d:11.3f} "
                   f"{min(diffs):8.3f}..{max(diffs):<8.3f} {ops:9.0f}", flush=True)
     results: dict[str, tuple[float, bool]] = {}
-    if len({n for n, _, _ in points}) >= 2 and len({m for _, m, _ in points}) >= 2:
+    # three coefficients: a fit needs more shapes than that, over two sizes and two micro-batch counts (with three
+    # or fewer it passes through every point and says nothing)
+    if len(points) > 3 and len({n for n, _, _ in points}) >= 2 and len({m for _, m, _ in points}) >= 2:
         (fixed, per_t, per_mf), resid = fit(points)
         print(f"model: {fixed:.3f} ms fixed + {per_t * 1e3:.2f} us per tensor + {per_mf * 1e3:.2f} us per module a "
               f"forward (largest residual {resid:.3f} ms)")
