@@ -58,6 +58,14 @@ def profiler_windows(times_s: dict[int, float], traces: list[dict[str, Any]],
     return out
 
 
+def off_paid_ms(cost: dict[str, Any] | None) -> float | None:
+    """What each off step of the in-job A/B still paid the session (ms; None without off steps)."""
+    off = int((cost or {}).get("off_steps") or 0)
+    if not cost or off <= 0 or "off_session_ms" not in cost:
+        return None
+    return float(cost["off_session_ms"]) / off
+
+
 def per_rank(cost: dict[str, Any] | None, median_ms: float | None, times_s: dict[int, float] | None = None,
              traces: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """One rank's steady cost per step (ms) per owner, against its median step time (ms: past step 1, the
@@ -67,7 +75,10 @@ def per_rank(cost: dict[str, Any] | None, median_ms: float | None, times_s: dict
     n = int((cost or {}).get("steps") or 0) - int((cost or {}).get("off_steps") or 0)
     if not cost or n <= 0:
         return None
-    owners = {k: float(v) / n for k, v in (cost.get("training_thread_ms") or {}).items()}
+    spent = {k: float(v) for k, v in (cost.get("training_thread_ms") or {}).items()}
+    if SESSION in spent:  # the session's time in the off steps is theirs, not the steps counted here
+        spent[SESSION] = max(0.0, spent[SESSION] - float(cost.get("off_session_ms") or 0.0))
+    owners = {k: v / n for k, v in spent.items()}
     threads = {k: float(v) / n for k, v in (cost.get("threads_cpu_ms") or {}).items()}
     total = sum(owners.values())
     startup = sum(float(v) for v in (cost.get("startup_ms") or {}).values())

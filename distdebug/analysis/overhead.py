@@ -49,8 +49,10 @@ def _relative(pairs: list[dict[str, Any]], on_key: str, off_key: str) -> tuple[f
     return m / base, lo / base, hi / base, base
 
 
-def ab(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One rank's A/B from its pairs; None without a complete pair."""
+def ab(records: list[dict[str, Any]], off_paid_ms: float | None = None) -> dict[str, Any] | None:
+    """One rank's A/B from its pairs; None without a complete pair. ``off_paid_ms``: what an off step still
+    paid the harness on the training thread (the session's own accounting, analysis.cost.off_paid_ms): the
+    difference cannot see it, a run without distdebug does not pay it, so it is added to what the user pays."""
     complete = [r for r in records if r.get("on_s") and r.get("off_s")]
     pairs = [r for r in complete if not r.get("one_off")]  # the steady cost: one-offs are counted apart
     if not pairs:
@@ -70,13 +72,20 @@ def ab(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     if all(p.get("on_cpu_s") and p.get("off_cpu_s") for p in pairs):
         cfrac, clo, chi, cbase = _relative(pairs, "on_cpu_s", "off_cpu_s")
         out.update(cpu_fraction=round(cfrac, 5), cpu_ci=[round(clo, 5), round(chi, 5)],
-                   cpu_per_step_ms=round(cfrac * cbase * 1e3, 4), cpu_step_ms_off=round(cbase * 1e3, 4))
+                   cpu_per_step_ms=round(cfrac * cbase * 1e3, 4), cpu_step_ms_off=round(cbase * 1e3, 4),
+                   cpu_median_ms_off=round(statistics.median(t for p in pairs for t in p["off_cpu_s"]) * 1e3, 4))
+    if off_paid_ms is not None:
+        out["off_paid_ms"] = off = round(off_paid_ms, 4)
+        out["paid_ms"] = round(out.get("cpu_per_step_ms", out["per_step_ms"]) + off, 4)
     return out
 
 
-def summarize_ab(per_rank: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """The job's A/B: rank 0's (or the lowest rank that has one), with every rank's under ``ranks``."""
-    ranks = {r: v for r, v in ((r, ab(b)) for r, b in sorted(per_rank.items())) if v is not None}
+def summarize_ab(per_rank: dict[int, list[dict[str, Any]]],
+                 off_paid: dict[int, float | None] | None = None) -> dict[str, Any] | None:
+    """The job's A/B: rank 0's (or the lowest rank that has one), with every rank's under ``ranks``;
+    ``off_paid``: per rank, what its off steps still paid (``ab``)."""
+    paid = off_paid or {}
+    ranks = {r: v for r, v in ((r, ab(b, paid.get(r))) for r, b in sorted(per_rank.items())) if v is not None}
     if not ranks:
         return None
     first = min(ranks)
@@ -98,5 +107,9 @@ def describe(o: dict[str, Any]) -> str:
         clo, chi = o["cpu_ci"]
         text += (f"; the training thread's CPU time {o['cpu_fraction'] * 100:+.1f}% (95% CI {clo * 100:.1f}.."
                  f"{chi * 100:.1f}%), {o['cpu_per_step_ms']:.3f} ms a step of {o['cpu_step_ms_off']:.2f} ms")
-    return text + (f"; median step {o['median_fraction'] * 100:+.1f}%, 95th percentile "
-                   f"{o['p95_fraction'] * 100:+.1f}%")
+    text += (f"; median step {o['median_fraction'] * 100:+.1f}%, 95th percentile "
+             f"{o['p95_fraction'] * 100:+.1f}%")
+    if "paid_ms" in o:
+        text += (f"; against a run without distdebug {o['paid_ms']:.3f} ms a step on the training thread (the off "
+                 f"steps still paid {o['off_paid_ms']:.3f} ms: the session's step counting and record)")
+    return text

@@ -132,6 +132,7 @@ def summarize(run: Run) -> RunSummary:
     per_rank_layout: dict[int, dict[str, Any]] = {}
     costs: dict[int, dict[str, Any]] = {}
     blocks: dict[int, list[dict[str, Any]]] = {}
+    off_paid: dict[int, float | None] = {}
     thinned: dict[str, list[int]] = {}
     for rank, stream in sorted(run.ranks.items()):
         records = stream.last_attempt()
@@ -172,6 +173,7 @@ def summarize(run: Run) -> RunSummary:
         peaks = [r for r in records if r.get("kind") == schema.MEMORY_PEAK]
         peak = peaks[-1] if peaks else digest.memory_max  # a killed rank has no peak record
         blocks[rank] = [r for r in records if r.get("kind") == schema.OVERHEAD_BLOCK]
+        off_paid[rank] = cost.off_paid_ms(digest.harness_cost)
         rank_cost = cost.per_rank(digest.harness_cost, digest.work_median_ms(), digest.traced,
                                   [r for r in records if r.get("kind") == schema.TRACE])
         if rank_cost is not None:
@@ -227,7 +229,7 @@ def summarize(run: Run) -> RunSummary:
         disk=[f"node {k}: {t}" for k, node in sorted(run.nodes.items())
               if (t := volume_summary(node.get("volume"))) is not None],
         harness_cost=cost.summarize_cost(costs),
-        overhead=overhead.summarize_ab(blocks),
+        overhead=overhead.summarize_ab(blocks, off_paid),
     )
 
 

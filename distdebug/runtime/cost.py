@@ -100,6 +100,10 @@ class Ledger:
         """One-off regions so far: a step in which it grows did work once (the in-job A/B leaves it out)."""
         self.windows_open = 0
         """One-off work lasting over steps, open now (a profiler window)."""
+        self.off_session_ns = 0
+        """The session's time in those steps (their step counting and record, the wrappers' check that the
+        harness is off): what an off unit of the in-job A/B still pays, which its difference cannot see."""
+        self._session_mark = 0
 
     def once(self, what: str, ns: int, count: bool = True) -> None:
         """``ns`` of one-off work (``one_off``)."""
@@ -116,6 +120,13 @@ class Ledger:
         if self._start is None:
             self._start, self._start_step = self._last, step
 
+    def step_mode(self, off: bool) -> None:
+        """A step boundary is over; the step ran with the detectors paused (``off``) or not."""
+        now = self.ns.get(SESSION, 0)
+        if off:
+            self.off_session_ns += now - self._session_mark
+        self._session_mark = now
+
     def add(self, owner: str, ns: int, calls: int = 1) -> None:
         """``ns`` of training-thread time to ``owner`` (calls: how many hook or patch calls it covers)."""
         self.ns[owner] = self.ns.get(owner, 0) + ns
@@ -130,7 +141,7 @@ class Ledger:
             if hook_ns or hook_calls:
                 ns[det.name] = ns.get(det.name, 0) + hook_ns
                 calls[det.name] = calls.get(det.name, 0) + hook_calls
-        return {"ns": ns, "calls": calls, "reads": self.reads, "off": self.off_steps}
+        return {"ns": ns, "calls": calls, "reads": self.reads, "off": self.off_steps, "off_ns": self.off_session_ns}
 
     def snapshot(self) -> dict[str, Any]:
         """The record's fields: from the end of step 1 to the end of the last step, the ``steps`` counted,
@@ -139,7 +150,7 @@ class Ledger:
         owner (until the end of step 1, once)."""
         for name, seconds in thread_cpu_s().items():
             self._thread_s[name] = max(self._thread_s.get(name, 0.0), seconds)
-        empty: dict[str, Any] = {"ns": {}, "calls": {}, "reads": 0, "off": 0}
+        empty: dict[str, Any] = {"ns": {}, "calls": {}, "reads": 0, "off": 0, "off_ns": 0}
         start, last = self._start or empty, self._last or empty
 
         def since(key: str) -> dict[str, Any]:
@@ -148,6 +159,7 @@ class Ledger:
         return {
             "steps": self._last_step - self._start_step,
             "off_steps": last["off"] - start["off"],
+            "off_session_ms": round((last["off_ns"] - start["off_ns"]) / 1e6, 4),
             "training_thread_ms": {k: round(v / 1e6, 4) for k, v in sorted(since("ns").items())},
             "calls": dict(sorted(since("calls").items())),
             "threads_cpu_ms": {k: round(v * 1e3, 3) for k, v in sorted(self._thread_s.items())},

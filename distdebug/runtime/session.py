@@ -202,6 +202,8 @@ class Session:
         the engine's own division of it, ``clock.add_loss``)."""
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         self.clock.count_backward()
+        if Detector.paused:  # --measure-overhead's off unit: the bare run's backward (runtime.overhead)
+            return
         if self.finder.discovering:
             self.ctx.models = self.roots
             self.dispatch.each("before_backward", lambda d: d.before_backward(self.ctx))
@@ -214,7 +216,8 @@ class Session:
     def after_backward(self) -> None:
         """A backward call returned (gradients accumulated, and reduced under DDP/FSDP2): detectors
         that read gradients before the script's own clipping do it here (device work, no read)."""
-        self.dispatch.after_backward()
+        if not Detector.paused:
+            self.dispatch.after_backward()
 
     def note_scaled(self, scaler: Any, out: Any) -> None:
         """``GradScaler.scale(loss)`` returned ``out`` (loss times the scale): remembered weakly, a few."""
@@ -297,7 +300,9 @@ class Session:
         ``skipped``: a loss scaler skipped the optimizer's update (an overflow it handled by design);
         ``loss_scale``: the loss scale of this step when known on the host (DeepSpeed's). Its time is
         the session's, less each detector's part (runtime.cost)."""
+        off = Detector.paused
         cost.timed(self.ledger, cost.SESSION, self._boundary, skipped, loss_scale)
+        self.ledger.step_mode(off)  # what an off step still paid the session: the A/B cannot see it
         try:  # bookkeeping of ours, called from the optimizer's step: it never raises into the script
             self.ledger.end_step(self.detectors, self.step)
             if checked_step(self.step):

@@ -54,6 +54,9 @@ def test_measure_overhead_pairs_steps_on_every_rank_and_reports_an_interval(tmp_
     text = " ".join(distdebug("report", str(tmp_path / "run")).stdout.split())
     assert "harness overhead " in text and "(95% CI " in text and "over 24 steps (12 on/off pairs of 1 step" in text
     assert "the training thread's CPU time " in text
+    # what the off steps still paid the session is measured and added: the figure against a run without us
+    assert 0 < o["off_paid_ms"] and o["paid_ms"] == round(o["cpu_per_step_ms"] + o["off_paid_ms"], 4)
+    assert f"against a run without distdebug {o['paid_ms']:.3f} ms a step" in text
 
 
 def test_every_run_reports_what_the_harness_cost_it(tmp_path):

@@ -277,3 +277,57 @@ def test_a_pair_with_one_off_work_is_left_out_of_the_comparison():
     with cost.one_off("a window", ledger, opens=-1):
         pass
     assert (ledger.one_off_regions, ledger.windows_open, ledger.one_off_times["a window"]) == (2, 0, 1)
+
+
+def test_an_off_step_pays_only_the_sessions_counting_and_the_report_adds_what_it_paid():
+    # The A/B's off half must be the run without distdebug: a backward in it is counted and nothing more (no
+    # end-of-backward pass queued, no loss kept, no detector told); what the off steps still paid the session is
+    # measured apart and added to the A/B's difference (issue 62: the off half paid the session's gradient
+    # norms and capture, so the report said less than a run without distdebug showed).
+    from distdebug.context import RankIdentity
+    from distdebug.runtime.session import Session
+
+    after = []
+
+    class After(Detector):
+        name = "after"
+
+        def after_backward(self):
+            after.append(1)
+
+    s = Session(RankIdentity(rank=0, local_rank=0, world_size=1, local_world_size=1, node=0, attempt=0, host="h",
+                             pid=1), None, [After()], echo=False)
+    s.dispatch.arrange()
+    s.finder.discovering = False
+    queued = []
+    s.ctx.end_of_backward.append(lambda: queued.append(1))
+    w = torch.ones(2, requires_grad=True)
+    for paused in (True, False):
+        Detector.paused = paused
+        try:
+            loss = (w * 2).sum()
+            s.note_loss(loss)
+            loss.backward()
+            s.after_backward()
+        finally:
+            Detector.paused = False
+    assert queued == [1] and after == [1]  # the on step only
+    assert s.clock.backward_calls == 2 and s.clock.loss_n == 1  # both counted; the off step's loss not kept
+    led = cost.Ledger()
+    led.add(cost.SESSION, 3_000_000)
+    led.step_mode(False)  # an on step: 3 ms of the session's
+    led.add(cost.SESSION, 200_000)
+    led.off_steps += 1
+    led.step_mode(True)  # an off step: 0.2 ms
+    assert led.off_session_ns == 200_000
+    assert cost_analysis.off_paid_ms({"off_steps": 1, "off_session_ms": 0.2}) == 0.2
+    assert cost_analysis.off_paid_ms({"off_steps": 0}) is None
+    pairs = [{"block": k, "on_first": True, "on_s": [0.011], "off_s": [0.010], "on_cpu_s": [0.011],
+              "off_cpu_s": [0.010]} for k in range(4)]
+    o = ab.ab(pairs, 0.2)
+    assert (o["cpu_per_step_ms"], o["off_paid_ms"], o["paid_ms"]) == (1.0, 0.2, 1.2)
+    assert "against a run without distdebug 1.200 ms a step" in ab.describe({**o, "rank": 0})
+    # the self-accounting's per-step figures count the on steps: the off steps' session time is not theirs
+    c = cost_analysis.per_rank({"steps": 4, "off_steps": 2, "off_session_ms": 0.4,
+                                "training_thread_ms": {"session": 6.4}}, 10.0)
+    assert c is not None and c["per_step_ms"]["session"] == 3.0

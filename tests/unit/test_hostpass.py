@@ -102,3 +102,38 @@ def test_many_chunks_share_one_bounded_buffer_and_every_chunk_is_read():
     for hp in (p, q):
         assert hp._plan is not None
         assert len(hp._plan.groups[0][2]) == 3 and hp._plan.groups[0][1].size <= CHUNK
+
+
+def test_host_copy_copies_every_byte_follows_moved_tensors_and_refuses_what_it_cannot_copy():
+    from distdebug.fingerprint.hostpass import HostCopy
+
+    src = [torch.randn(3, 4), torch.randn(7, dtype=torch.float64), torch.tensor([1, 2, 3]), torch.randn(0)]
+    dst = [torch.empty_like(t) for t in src]
+    hc = HostCopy()
+    assert hc.copy(dst, src)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+    src[0].mul_(2)  # changed in place: the cached plan copies the new values
+    assert hc.copy(dst, src) and torch.equal(dst[0], src[0])
+    src[1] = torch.randn(7, dtype=torch.float64)  # moved: a new plan, the new tensor's bytes
+    assert hc.copy(dst, src) and torch.equal(dst[1], src[1])
+    assert not hc.copy(dst, [torch.randn(4, 3).t(), *src[1:]])  # strided: torch's path
+    assert not hc.copy(dst, [torch.randn(3, 4, dtype=torch.float64), *src[1:]])  # another dtype
+    assert not hc.copy(dst, [torch.randn(5), *src[1:]])  # another length
+    assert not hc.copy(dst[:2], src)
+    assert not hc.copy([torch.empty(3, device="meta")], [torch.empty(3, device="meta")])
+
+
+def test_flat_clones_lie_end_to_end_and_are_filled_in_one_call_per_dtype():
+    from distdebug.fingerprint.hostpass import HostCopy, flat_clones
+
+    src = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.randn(2), torch.randn(0), torch.randn(6)]
+    dst = flat_clones(src)
+    assert [d.shape for d in dst] == [s.shape for s in src] and [d.dtype for d in dst] == [s.dtype for s in src]
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+    hc = HostCopy()
+    for s in src:
+        s.add_(1)
+    assert hc.copy(dst, src) and all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+    assert len(hc._runs) == 1 and len(hc._single[0]) == 1  # float32 end to end; the float64 one alone
+    strided = [torch.randn(4, 3).t()]
+    assert not flat_clones(strided)[0].data_ptr() == strided[0].data_ptr()  # a plain clone, not a view of it
