@@ -75,8 +75,9 @@ def ab(records: list[dict[str, Any]], off_paid_ms: float | None = None) -> dict[
                    cpu_per_step_ms=round(cfrac * cbase * 1e3, 4), cpu_step_ms_off=round(cbase * 1e3, 4),
                    cpu_median_ms_off=round(statistics.median(t for p in pairs for t in p["off_cpu_s"]) * 1e3, 4))
     if off_paid_ms is not None:
-        out["off_paid_ms"] = off = round(off_paid_ms, 4)
-        out["paid_ms"] = round(out.get("cpu_per_step_ms", out["per_step_ms"]) + off, 4)
+        residual = round(off_paid_ms, 4)
+        seen: float = out.get("cpu_per_step_ms", out["per_step_ms"])
+        out.update(off_paid_ms=residual, paid_ms=round(seen + residual, 4))
     return out
 
 
