@@ -94,6 +94,7 @@ def per_rank(cost: dict[str, Any] | None, median_ms: float | None, times_s: dict
         "fraction": round(total / median_ms, 5) if median_ms else None,
         "threads_cpu_per_step_ms": {k: round(v, 4) for k, v in threads.items()},
         "host_reads_per_step": round(int(cost.get("host_reads") or 0) / n, 3),
+        "backwards_per_step": round(int(cost.get("backwards") or 0) / max(1, int(cost.get("steps") or 0)), 3),
         "startup_ms": round(startup, 3),
         "one_off": once,
         "profiler_windows": windows,

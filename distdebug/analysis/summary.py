@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distdebug.analysis import cost, overhead
+from distdebug.analysis import cost, costmodel, overhead
 from distdebug.analysis.errors import error_findings
 from distdebug.analysis.incidents import Incident
 from distdebug.analysis.incidents import group as group_incidents
@@ -207,6 +207,7 @@ def summarize(run: Run) -> RunSummary:
         failure = failure or node.get("message")
     manifest = run.manifest or {}
     merged = _merge(findings)
+    ab = overhead.summarize_ab(blocks, off_paid)
     dirs = run.paths or [run.path]
     silent = never_acted(manifest.get("faults"), injected, not_acted)
     return RunSummary(
@@ -228,9 +229,19 @@ def summarize(run: Run) -> RunSummary:
         thinned=[f"{ranks_text(r)}: {text}" for text, r in thinned.items()],
         disk=[f"node {k}: {t}" for k, node in sorted(run.nodes.items())
               if (t := volume_summary(node.get("volume"))) is not None],
-        harness_cost=cost.summarize_cost(costs),
-        overhead=overhead.summarize_ab(blocks, off_paid),
+        harness_cost=_with_model(cost.summarize_cost(costs), discovery, ab),
+        overhead=ab,
     )
+
+
+def _with_model(harness_cost: dict[str, Any] | None, discovery: dict[str, Any] | None,
+                ab: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The job's cost model (analysis.costmodel) for the rank the cost is said of, under ``model``."""
+    if harness_cost is None:
+        return None
+    rank = str(harness_cost["rank"])
+    model = costmodel.assess(discovery, harness_cost["ranks"].get(rank), ((ab or {}).get("ranks") or {}).get(rank))
+    return {**harness_cost, "model": model} if model is not None else harness_cost
 
 
 def thinned_text(records: list[dict[str, Any]], rank_dir: Path) -> str | None:

@@ -10,6 +10,7 @@ from rich.markup import escape as esc
 from rich.table import Table
 
 from distdebug import cards
+from distdebug.analysis.costmodel import describe as describe_model
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.summary import RunSummary
 from distdebug.report.fmt import memory_mb, number, one_off_text, rank_list
@@ -118,6 +119,8 @@ def _cost(console: Console, cost: dict[str, Any] | None) -> None:
                   + (f" [dim]({esc(parts)})[/dim]" if parts else "")
                   + (f"; background threads' CPU {esc(threads)} ms" if threads else "")
                   + f"; host reads {r['host_reads_per_step']:g} per step; " + esc(one_off_text(r)))
+    if cost.get("model"):
+        console.print(esc(describe_model(cost["model"])))
     if cost.get("advice"):
         console.print(f"[yellow]{esc(cost['advice'])}[/yellow]")
 

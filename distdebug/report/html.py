@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from distdebug import cards
+from distdebug.analysis.costmodel import describe as describe_model
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.plots import plot_data
 from distdebug.analysis.summary import RunSummary
@@ -227,6 +228,8 @@ def _harness_cost(summary: RunSummary) -> str:
                      f"{head}<th>host reads per step</th><th>start-up ms (once)</th></tr>"
                      + "".join(row(rank, r) for rank, r in ranks.items()) + "</table>"
                      + f"<p>rank {cost['rank']}: {_e(one_off_text(ranks[str(cost['rank'])]))}</p>")
+        if cost.get("model"):
+            parts.append(f"<p>{_e(describe_model(cost['model']))}</p>")
         if cost.get("advice"):
             parts.append(f"<p class='note'>{_e(cost['advice'])}</p>")
     if not parts:

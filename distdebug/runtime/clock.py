@@ -87,13 +87,16 @@ class StepClock:
         self.backward_calls += 1
         self.backward_total += 1
 
-    def arrive(self, ctx: RankContext, roots: Callable[[], list[torch.nn.Module]]) -> None:
+    def arrive(self, ctx: RankContext, roots: Callable[[], list[torch.nn.Module]]) -> bool:
         """``ctx.backward_t``: the arrival at the gradient reduction (straggler). The step's first backward,
         or under accumulation (DDP's no_sync(), accelerate's and Lightning's) the first one that reduces: the
-        micro-batches before it wait for no one, and a slow rank is late there by all of them."""
+        micro-batches before it wait for no one, and a slow rank is late there by all of them. Returns whether
+        this backward reduces (not every DDP wrapper is inside ``no_sync()``)."""
+        reduces = not discovery.accumulating([d for d in map(discovery.find_ddp, roots()) if d])
         if self.backward_calls == 1 or not self.reduced_at:
             ctx.backward_t = time.monotonic()
-            self.reduced_at = not discovery.accumulating([d for d in map(discovery.find_ddp, roots()) if d])
+            self.reduced_at = reduces
+        return reduces
 
     def add_loss(self, t: Any, caller: Any, divided_by: float = 1.0) -> None:
         """Add what one backward ran on to the step's loss (a one-element tensor; anything else is not a

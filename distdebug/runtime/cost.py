@@ -111,12 +111,12 @@ class Ledger:
         self.one_off_times[what] = self.one_off_times.get(what, 0) + int(count)
         self.one_off_regions += 1
 
-    def end_step(self, detectors: list[Any], step: int) -> None:
+    def end_step(self, detectors: list[Any], step: int, backwards: int = 0) -> None:
         """A step boundary is over: its totals are what the per-step figures are made of (what comes after
         the last step, the drain at the end, is not a step's cost). The end of the first step also marks
         the start: what was spent until then (discovery, attach, the first fingerprints) is start-up,
         paid once, and the per-step figures count from there."""
-        self._last, self._last_step = self._totals(detectors), step
+        self._last, self._last_step = {**self._totals(detectors), "backwards": backwards}, step
         if self._start is None:
             self._start, self._start_step = self._last, step
 
@@ -150,7 +150,7 @@ class Ledger:
         owner (until the end of step 1, once)."""
         for name, seconds in thread_cpu_s().items():
             self._thread_s[name] = max(self._thread_s.get(name, 0.0), seconds)
-        empty: dict[str, Any] = {"ns": {}, "calls": {}, "reads": 0, "off": 0, "off_ns": 0}
+        empty: dict[str, Any] = {"ns": {}, "calls": {}, "reads": 0, "off": 0, "off_ns": 0, "backwards": 0}
         start, last = self._start or empty, self._last or empty
 
         def since(key: str) -> dict[str, Any]:
@@ -160,6 +160,7 @@ class Ledger:
             "steps": self._last_step - self._start_step,
             "off_steps": last["off"] - start["off"],
             "off_session_ms": round((last["off_ns"] - start["off_ns"]) / 1e6, 4),
+            "backwards": last.get("backwards", 0) - start.get("backwards", 0),  # backward calls: forwards a step
             "training_thread_ms": {k: round(v / 1e6, 4) for k, v in sorted(since("ns").items())},
             "calls": dict(sorted(since("calls").items())),
             "threads_cpu_ms": {k: round(v * 1e3, 3) for k, v in sorted(self._thread_s.items())},

@@ -223,7 +223,8 @@ def describe_model(root: torch.nn.Module, manual_grad_collectives: bool = False)
     sync_bn = [name for name, mod in inner.named_modules() if isinstance(mod, torch.nn.SyncBatchNorm)]
     ddp = find_ddp(root)
     noted = ddp_params(ddp) if ddp is not None else None
-    n, nbytes = _param_count([p for _, p in noted] if noted else inner.parameters())
+    params = [p for _, p in noted] if noted else list(inner.parameters())
+    n, nbytes = _param_count(params)
     labels = [
         f"deepspeed-zero{options['deepspeed']['zero_stage']}" if w == "deepspeed" else w for w in chain
     ]
@@ -241,6 +242,8 @@ def describe_model(root: torch.nn.Module, manual_grad_collectives: bool = False)
         "options": options,
         "parameters": n,
         "parameter_bytes": nbytes,
+        "parameter_tensors": len(params),  # the shape of the harness's host cost (analysis.costmodel)
+        "modules": sum(1 for _ in inner.modules()),
         "batchnorm_modules": len(bn),
         "syncbatchnorm_modules": len(sync_bn),
     }

@@ -36,6 +36,9 @@ class LocalGradNorms:
     """Called at the end of each backward (``ctx.end_of_backward``): the norm of each local gradient of one
     DDP model, as one device vector, handed to every listener with the names of the parameters it covers."""
 
+    syncing_only = True
+    """Not queued for a backward under ``no_sync()`` (``queue_end_of_backward``): it would return at once."""
+
     def __init__(self, ddp: Any) -> None:
         self._ddp = weakref.ref(ddp)
         self.named = [(n, p) for n, p in unwrap(ddp)[0].named_parameters() if p.requires_grad]
@@ -93,17 +96,21 @@ def local_grad_norms(ctx: RankContext, ddp: Any) -> LocalGradNorms:
     return entry
 
 
-def queue_end_of_backward(t: Any, end_of_backward: list[Callable[[], None]]) -> None:
+def queue_end_of_backward(t: Any, end_of_backward: list[Callable[[], None]], reduces: bool = True) -> None:
     """``ctx.end_of_backward`` (given) for the backward that starts on ``t`` (called by the session): a
     pre-hook on the graph's root (the first node the engine runs) queues them, so they run at the graph's
     end before anything queued later (DDP's reducer queues its finalisation when its last bucket is ready).
     One hook a backward, removed when it has run; a root without a graph (no grad_fn) has no backward to
-    watch."""
+    watch. ``reduces``: false for a backward under ``no_sync()``, for which the calls that want only the
+    syncing backward (``syncing_only``) are not queued (no hook at all when that is every call: a micro-batch
+    of an accumulation pays nothing here)."""
+    calls = [c for c in end_of_backward if reduces or not getattr(c, "syncing_only", False)]
+    if not calls:
+        return
     roots = t if isinstance(t, (tuple, list)) else (t,)
     fn = next((r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None), None)
     if fn is None:
         return
-    calls = list(end_of_backward)
     handle: list[Any] = []
 
     def run() -> None:

@@ -207,9 +207,9 @@ class Session:
         if self.finder.discovering:
             self.ctx.models = self.roots
             self.dispatch.each("before_backward", lambda d: d.before_backward(self.ctx))
+        reduces = self.clock.arrive(self.ctx, lambda: self.roots)
         if self.ctx.end_of_backward:
-            localgrads.queue_end_of_backward(t, self.ctx.end_of_backward)
-        self.clock.arrive(self.ctx, lambda: self.roots)
+            localgrads.queue_end_of_backward(t, self.ctx.end_of_backward, reduces)
         self.clock.start()
         self.clock.add_loss(t, sys._getframe(1), divided_by)  # the patch's caller's frame: a framework's division
 
@@ -304,7 +304,7 @@ class Session:
         cost.timed(self.ledger, cost.SESSION, self._boundary, skipped, loss_scale)
         self.ledger.step_mode(off)  # what an off step still paid the session: the A/B cannot see it
         try:  # bookkeeping of ours, called from the optimizer's step: it never raises into the script
-            self.ledger.end_step(self.detectors, self.step)
+            self.ledger.end_step(self.detectors, self.step, self.clock.backward_total)
             if checked_step(self.step):
                 self._emit_cost()
             if self._ab is not None:

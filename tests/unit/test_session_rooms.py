@@ -359,3 +359,31 @@ def test_the_end_of_backward_calls_run_once_at_the_graphs_end_and_their_hook_goe
     loss.backward()
     assert seen == [True]  # its hook removed once it had run
     queue_end_of_backward(torch.ones(()), calls)  # no graph: nothing to watch
+
+
+def test_a_backward_under_no_sync_queues_only_the_calls_that_want_every_backward():
+    # the shared local-gradient norms want the syncing backward only: a micro-batch under no_sync() gets no hook
+    # for them (issue 62: one hook and one callback a micro-batch that returned at once); a call that counts
+    # every backward (the re-execution's capture) is still queued
+    from distdebug.runtime.localgrads import queue_end_of_backward
+
+    w = torch.ones(2, requires_grad=True)
+    seen: list[str] = []
+
+    class Syncing:
+        syncing_only = True
+
+        def __call__(self) -> None:
+            seen.append("norms")
+
+    every = [lambda: seen.append("count")]
+    loss = (w * 3).sum()
+    queue_end_of_backward(loss, [Syncing()], reduces=False)
+    loss.backward(retain_graph=True)
+    assert seen == []
+    queue_end_of_backward(loss, [Syncing(), *every], reduces=False)
+    loss.backward(retain_graph=True)
+    assert seen == ["count"]
+    queue_end_of_backward(loss, [Syncing(), *every], reduces=True)
+    loss.backward()
+    assert seen == ["count", "norms", "count"]
