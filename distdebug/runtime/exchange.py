@@ -120,6 +120,7 @@ class Exchange:
                                          group_desc=HARNESS_GROUP_DESC)
         self.world = dist.get_world_size(self.group)
         self._posts: dict[str, int] = {}  # posts made per tag, on the posting thread
+        self._unflushed = False  # a post since the last flush (the posting thread's)
         self._inner: dict[str, int] = {}  # inner gathers per tag, on the exchange thread
         self._queue: queue.Queue = queue.Queue()  # bounded by CAPACITY in post(), so close() never blocks
         self._parts: dict[tuple[str, int], dict[int, Any]] = {}  # (tag, count) -> rank -> payload, until complete
@@ -151,11 +152,14 @@ class Exchange:
                           "behind): posts are dropped on this rank until it catches up")
             return False
         self._queue.put((tag, n, payload, callback, prepare))
+        self._unflushed = True
         return True
 
     def flush(self) -> None:
-        """The posts of this step boundary are all made: send them (one round, if there are any)."""
-        if self.running:
+        """The posts of this step boundary are all made: send them (one round, if there are any). A boundary
+        that posted nothing wakes no thread (most boundaries: the checks exchange at the checked steps)."""
+        if self.running and self._unflushed:
+            self._unflushed = False
             self._queue.put(FLUSH)
 
     def gather(self, tag: str, payload: Any) -> list[Any]:
