@@ -208,7 +208,12 @@ NESTED: dict[str, list[tuple[str, str]]] = {
         ("fraction", "that rank's steady cost over its median step"),
         ("total_per_step_ms", "that rank's steady cost a step, in ms"),
         ("median_step_ms", "that rank's median step, in ms"),
-        ("advice", "past 3% of the median step: which detector costs most and how to trade it; else null")],
+        ("advice", "past 3% of the median step: which detector costs most and how to trade it; else null"),
+        ("model", "the host-cost model for this job's shape (analysis.costmodel): `tensors`, `modules`, `forwards` "
+                  "(a step), `model` (its coefficients), `measured_on`, `model_ms`, `measured_ms` and `how` (the "
+                  "A/B's figure against a run without distdebug, else the self-accounting), `median_step_ms`, "
+                  "`share` and `share_at_tenth` (of the median step and of a step 10 times shorter); absent for a "
+                  "run that does not record its shape")],
     "harness_cost.ranks[R]": [
         ("steps", "steps the figures are over"),
         ("median_step_ms", "the rank's median step, in ms"),
@@ -218,6 +223,7 @@ NESTED: dict[str, list[tuple[str, str]]] = {
         ("fraction", "the sum over the median step"),
         ("threads_cpu_per_step_ms", "the harness's own threads -> their CPU ms a step"),
         ("host_reads_per_step", "device-to-host reads a step (the harness allows itself one)"),
+        ("backwards_per_step", "backward calls a step (the forwards of the cost model)"),
         ("startup_ms", "what step 1 cost: discovery, hooks, the first fingerprints"),
         ("one_off", "what was paid once: `what`, `ms`, `times` (a re-executed step, ...)"),
         ("profiler_windows", "each profiler window: its `steps` and the `extra_ms` its steps took above the median"),
@@ -239,11 +245,16 @@ NESTED: dict[str, list[tuple[str, str]]] = {
         ("cpu_ci", "its 95% interval"),
         ("cpu_per_step_ms", "the CPU ms a step"),
         ("cpu_step_ms_off", "the training thread's CPU ms a step with the detectors off"),
+        ("cpu_median_ms_off", "the median of those steps (what `bench/host_cost.py` sets against a bare run's)"),
+        ("off_paid_ms", "what each off step still paid the session on the training thread (its step counting and "
+                        "record), measured: the difference cannot see it"),
+        ("paid_ms", "the CPU ms a step (the wall ms on a CUDA job) plus `off_paid_ms`: against a run without "
+                    "distdebug"),
         ("rank", "the rank these figures are (the lowest that measured)"),
         ("ranks", "rank (a string) -> its own figures, as above")],
     "discovery": [
         ("models", "each model found: `class`, `wrapper`, `wrappers`, `options`, `parameters`, `parameter_bytes`, "
-                   "`batchnorm_modules`, `syncbatchnorm_modules`"),
+                   "`parameter_tensors`, `modules`, `batchnorm_modules`, `syncbatchnorm_modules`"),
         ("optimizers", "each optimizer: `class`, `param_groups`, `parameters`, `lr`"),
         ("process_group", "`backend`, `world_size`, `rank`"),
         ("step_source", "what marks a step: `optimizer` (its step), or the script's loop where no optimizer steps"),
