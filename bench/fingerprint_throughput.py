@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from distdebug.fingerprint.hashing import fingerprints  # noqa: E402
+from distdebug.fingerprint.pending import fingerprints  # noqa: E402
 
 
 def model_like(total_bytes: int) -> list[tuple[str, torch.Tensor]]:

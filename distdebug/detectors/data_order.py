@@ -26,7 +26,7 @@ from distdebug.cards.data_order import CARD
 from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows_to_read
+from distdebug.fingerprint.pending import PendingFingerprints, finish_read, rows_to_read
 from distdebug.runtime.callsite import user_line
 from distdebug.runtime.discovery import first_tensor
 from distdebug.runtime.exchange import ExchangeUser

@@ -27,7 +27,7 @@ from distdebug.context import RankContext, StepEvent
 from distdebug.detectors.base import Detector
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.compare import compare, with_group
-from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, rows_to_read
+from distdebug.fingerprint.pending import PendingFingerprints, finish_read, rows_to_read
 from distdebug.runtime.exchange import ExchangeUser
 
 MAX_NAMED = 10

@@ -45,7 +45,8 @@ from distdebug.detectors.base import Detector
 from distdebug.detectors.replica_set import ReplicaSet, model_layout
 from distdebug.findings import Finding, Severity
 from distdebug.fingerprint.compare import compare, divergence_finding, odd_ones_out
-from distdebug.fingerprint.hashing import PendingFingerprints, finish_read, root_digest, rows_to_read
+from distdebug.fingerprint.hashing import root_digest
+from distdebug.fingerprint.pending import PendingFingerprints, finish_read, rows_to_read
 from distdebug.fingerprint.snapshots import SnapshotWriter
 from distdebug.runtime.discovery import ddp_exists, find_ddp
 from distdebug.runtime.exchange import CAPACITY, ExchangeUser

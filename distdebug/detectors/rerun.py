@@ -65,7 +65,7 @@ class Rerun(ExchangeUser, Detector):
         self.done: set[int] = set()  # steps re-executed on this rank
         self.flags: list[tuple[int, str, dict[str, Any]]] = []  # (step, why, evidence), from any thread
         self.posted: dict[int, list[int]] = {}  # step -> this rank's parameter fingerprints exchanged for it
-        self._pending: Any = None  # this boundary's fingerprints (fingerprint.hashing.PendingFingerprints)
+        self._pending: Any = None  # this boundary's fingerprints (fingerprint.pending.PendingFingerprints)
         self.parted = False  # the replicas differed at the last step judged (exchange thread)
         spike = LossSpikeConfig()
         self.cross = CrossRank(spike.threshold, spike.window)
@@ -121,7 +121,7 @@ class Rerun(ExchangeUser, Detector):
         launched here and read with the step's one host read."""
         if self.exchange is None:
             return None
-        from distdebug.fingerprint.hashing import PendingFingerprints, rows_to_read
+        from distdebug.fingerprint.pending import PendingFingerprints, rows_to_read
 
         named = [(f"{k}.{n}", p.detach()) for k, rec in enumerate(self.recorders)
                  for n, p in zip(rec.param_names, rec.params, strict=True)]
@@ -129,7 +129,7 @@ class Rerun(ExchangeUser, Detector):
         return rows_to_read([self._pending])
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
-        from distdebug.fingerprint.hashing import finish_read
+        from distdebug.fingerprint.pending import finish_read
 
         pending, self._pending = self._pending, None
         fps = finish_read([pending], self.values(event)) if pending is not None else None
@@ -216,7 +216,7 @@ class Rerun(ExchangeUser, Detector):
         """The parameters as the next step read them (its capture) against those exchanged at ``step``'s end:
         'stored' (the same: the wrong value stays in memory) or 'read' (two reads of an unchanged tensor
         disagree); None when the next step's capture is not held."""
-        from distdebug.fingerprint.hashing import fingerprints
+        from distdebug.fingerprint.pending import fingerprints
 
         nxt = rec.last(step + 1)
         posted = self.posted.get(step)

@@ -46,8 +46,7 @@ import numpy as np
 import torch
 import xxhash
 
-from distdebug import envvars
-from distdebug.fingerprint.hostpass import DATA_PTR, IS_CPU
+from distdebug.fingerprint.hostpass import DATA_PTR
 
 _MASK64 = (1 << 64) - 1
 BLOCK = 1 << 20
@@ -381,84 +380,6 @@ def device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
 def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
     """The two sums of one tensor, on its device: a 2-element int64 tensor (not read)."""
     return device_sums([t])[0]
-
-
-# ---------------------------------------------------------------- many tensors, read now or later
-class PendingFingerprints:
-    """Fingerprints of named tensors whose device part is not read yet.
-
-    CPU tensors are done at once on the host. Device tensors' sums are launched on their device and
-    kept as one (N, 2) int64 tensor per device (``device_rows``); the caller reads them when it reads
-    everything else (the step's one host read) and calls ``finish`` with the values. Only dtype and
-    shape are kept of each tensor, never the tensor.
-    """
-
-    def __init__(self, named: list[tuple[str, torch.Tensor]], portable: bool = False) -> None:
-        """``portable``: CPU tensors take the portable fingerprint (comparable with a copy on another
-        device), else the fast one (for comparisons across ranks of one job)."""
-        self.names = [n for n, _ in named]
-        self.done: dict[str, int] = {}
-        forced = envvars.device_path_forced()
-        on_host: list[tuple[str, torch.Tensor]] = []
-        by_device: dict[Any, list[tuple[str, torch.Tensor]]] = {}
-        tensors = [t for _, t in named]
-        if not forced and all(map(IS_CPU, tensors)):  # the common CPU case, without a loop of Python a tensor
-            if portable:
-                on_host = list(named)
-            else:
-                self.done = dict(zip(self.names, fast_cpu_fingerprints(tensors), strict=True))
-        else:
-            for name, t in named:
-                if t.device.type == "cpu" and not forced:
-                    on_host.append((name, t))
-                else:
-                    by_device.setdefault(t.device, []).append((name, t))
-        if on_host and portable:
-            for (name, t), sums in zip(on_host, cpu_sums_many([t for _, t in on_host]), strict=True):
-                self.done[name] = combine_device(sums, t)
-        elif on_host:
-            self.done.update(zip([n for n, _ in on_host], fast_cpu_fingerprints([t for _, t in on_host]), strict=True))
-        self.parts: list[tuple[list[str], list[int], torch.Tensor]] = [
-            ([n for n, _ in items], [_seed(t) for _, t in items], device_sums([t for _, t in items]))
-            for items in by_device.values()
-        ]
-
-    @property
-    def device_rows(self) -> list[torch.Tensor]:
-        return [rows for _, _, rows in self.parts]
-
-    def finish(self, host_rows: list[list[list[int]]] | None = None) -> dict[str, int]:
-        """The fingerprints, in the caller's order; ``host_rows``: each device part as read (None: read now)."""
-        if host_rows is None:
-            host_rows = [rows.tolist() for rows in self.device_rows]  # one read per device
-        out = dict(self.done)
-        for (names, seeds, _), rows in zip(self.parts, host_rows, strict=True):
-            for name, seed, fp in zip(names, seeds, rows, strict=True):
-                out[name] = combine_device(fp, seed)
-        return {name: out[name] for name in self.names}
-
-
-def rows_to_read(parts: list[PendingFingerprints]) -> dict[str, torch.Tensor]:
-    """The device rows of several pending fingerprint sets, keyed for a detector's probe (runtime.readout)."""
-    return {f"{i}.{j}": rows for i, part in enumerate(parts) for j, rows in enumerate(part.device_rows)}
-
-
-def finish_read(parts: list[PendingFingerprints], values: dict[str, Any]) -> dict[str, int] | None:
-    """The fingerprints of ``parts`` from the values read under rows_to_read's keys, in order; None when
-    a row is missing (the step's read failed)."""
-    fps: dict[str, int] = {}
-    for i, part in enumerate(parts):
-        keys = [f"{i}.{j}" for j in range(len(part.device_rows))]
-        if any(k not in values for k in keys):
-            return None
-        fps.update(part.finish([values[k] for k in keys]))
-    return fps
-
-
-def fingerprints(named: list[tuple[str, torch.Tensor]], portable: bool = False) -> dict[str, int]:
-    """Fingerprint many tensors now: CPU ones on the host, device ones on the device, one read per device.
-    ``portable``: the same value for a tensor and its copy on another device (see the module's docstring)."""
-    return PendingFingerprints(named, portable).finish()
 
 
 _NAME_SEEDS: dict[tuple[str, ...], int] = {}

@@ -15,9 +15,11 @@ backward, update and its own boundary work, all in one mode), twice: wall time, 
 the training thread (``time.thread_time``: what the harness's work on the training thread adds, without
 the time spent waiting for the other ranks in collectives or for the OS to run this thread: the other
 ranks' and the machine's interference removed). Off means off: hooks and patches pass through
-(``Detector.paused``), the boundary reads nothing and calls no detector; the session's own wrappers
-stay (their cost is in every run's self-accounting, runtime.cost). Faults act in both modes, and so does
-checkpoint_roundtrip, whose saves and loads must pair up.
+(``Detector.paused``), a backward is counted and nothing more (the session keeps no loss and queues no
+gradient norms), the boundary reads nothing and calls no detector. What an off step still pays the session
+(its counting and its record) is measured apart (``Ledger.off_session_ns``) and added by the analysis: the
+difference alone cannot see it, and a run without distdebug does not pay it. Faults act in both modes, and so
+does checkpoint_roundtrip, whose saves and loads must pair up.
 
 The first WARM steps are always on (discovery at step 1, first fingerprints). Each finished pair is one
 ``overhead_block`` record: its index, which unit was on, both units' step times (wall and CPU).

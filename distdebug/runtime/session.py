@@ -202,11 +202,11 @@ class Session:
         the engine's own division of it, ``clock.add_loss``)."""
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         self.clock.count_backward()
-        if Detector.paused:  # --measure-overhead's off unit: the bare run's backward (runtime.overhead)
-            return
         if self.finder.discovering:
             self.ctx.models = self.roots
             self.dispatch.each("before_backward", lambda d: d.before_backward(self.ctx))
+        if Detector.paused:  # --measure-overhead's off unit: the bare run's backward (runtime.overhead)
+            return
         reduces = self.clock.arrive(self.ctx, lambda: self.roots)
         if self.ctx.end_of_backward:
             localgrads.queue_end_of_backward(t, self.ctx.end_of_backward, reduces)
@@ -302,8 +302,8 @@ class Session:
         the session's, less each detector's part (runtime.cost)."""
         off = Detector.paused
         cost.timed(self.ledger, cost.SESSION, self._boundary, skipped, loss_scale)
-        self.ledger.step_mode(off)  # what an off step still paid the session: the A/B cannot see it
         try:  # bookkeeping of ours, called from the optimizer's step: it never raises into the script
+            self.ledger.step_mode(off)  # what an off step still paid the session: the A/B cannot see it
             self.ledger.end_step(self.detectors, self.step, self.clock.backward_total)
             if checked_step(self.step):
                 self._emit_cost()

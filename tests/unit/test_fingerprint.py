@@ -13,9 +13,9 @@ from distdebug.fingerprint.hashing import (
     cpu_fingerprint,
     device_fingerprint,
     fast_cpu_fingerprint,
-    fingerprints,
     root_digest,
 )
+from distdebug.fingerprint.pending import fingerprints
 from distdebug.fingerprint.snapshots import SnapshotWriter, read_snapshots
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8]

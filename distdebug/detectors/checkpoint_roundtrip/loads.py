@@ -29,7 +29,7 @@ from distdebug.detectors.checkpoint_roundtrip.records import (
     tensor_items,
 )
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.hashing import fingerprints
+from distdebug.fingerprint.pending import fingerprints
 
 
 class Loads(RoundTripState):

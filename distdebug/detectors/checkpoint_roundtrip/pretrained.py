@@ -15,7 +15,7 @@ from typing import Any
 from distdebug.detectors.checkpoint_roundtrip.loads import Loads
 from distdebug.detectors.checkpoint_roundtrip.records import RESTORE_FIX
 from distdebug.findings import Finding, Severity
-from distdebug.fingerprint.hashing import fingerprints
+from distdebug.fingerprint.pending import fingerprints
 
 
 class Pretrained(Loads):

@@ -13,7 +13,7 @@ from typing import Any
 
 from distdebug.detectors.checkpoint_roundtrip.core import RoundTripState
 from distdebug.detectors.checkpoint_roundtrip.records import BUFFER_SAVES, dcp_path, file_stamp, target, tensor_items
-from distdebug.fingerprint.hashing import fingerprints
+from distdebug.fingerprint.pending import fingerprints
 
 
 class Saves(RoundTripState):
