@@ -69,7 +69,8 @@ def describe(m: dict[str, Any]) -> str:
     """``host cost model: 1.05 ms + 4.6 us x 1,000 tensors + ... = 6.5 ms a step; measured 6.2 ms ...``"""
     c = m["model"]
     text = (f"host cost model ({m['measured_on']}): {c['fixed_ms']:.2f} ms + {c['per_tensor_us']:.1f} us x "
-            f"{m['tensors']:,.0f} tensors + {c['per_forward_us']:.0f} us x {m['forwards']:.3g} forwards a step")
+            f"{m['tensors']:,.0f} tensors + {c['per_forward_us']:.0f} us x {m['forwards']:.3g} forward"
+            f"{'' if m['forwards'] == 1 else 's'} a step")
     if c["per_module_forward_us"]:
         text += f" + {c['per_module_forward_us']:.2f} us x {m['modules']:,.0f} modules x forwards"
     text += f" = {m['model_ms']:.2f} ms a step; this job measured {m['measured_ms']:.2f} ms ({m['how']})"
