@@ -25,6 +25,7 @@ keeps its last one. Analysis divides by the steps and compares with the median s
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from time import perf_counter_ns
@@ -52,6 +53,11 @@ def timed(ledger: Ledger, owner: str, fn: Callable[..., Any], *args: Any) -> Any
         dt = perf_counter_ns() - t0
         ledger.add(owner, dt - (claimed() - c0), 0)
         _claimed.ns = c0 + dt
+
+
+def give(total: int) -> None:
+    """This thread's claimed nanoseconds set to ``total`` (a timed region's end: what ``timed`` does inline)."""
+    _claimed.ns = total
 
 
 def claimed() -> int:
@@ -172,14 +178,30 @@ class Ledger:
 
 
 def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds (user + system) of this process's live ``distdebug-*`` threads, by name."""
+    """CPU seconds (user + system) of this process's live ``distdebug-*`` threads, by name: each one's own line in
+    ``/proc/self/task`` (psutil reads every thread of the process, torch's dozens included: 0.7 ms a record in a
+    rank here, against 0.1 for ours alone); psutil where there is no /proc."""
     ours = {t.native_id: t.name for t in threading.enumerate() if t.name.startswith("distdebug")}
     if not ours:
         return {}
+    out: dict[str, float] = {}
+    try:
+        if not _PROC:
+            raise OSError("no /proc/self/task")
+        for tid, name in ours.items():
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except FileNotFoundError:  # the thread ended meanwhile
+                continue
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+        return out
+    except Exception:  # noqa: BLE001 (no /proc: another platform)
+        pass
     try:
         import psutil
 
-        out: dict[str, float] = {}
+        out = {}
         for th in psutil.Process().threads():
             name = ours.get(th.id)
             if name is not None:
@@ -187,6 +209,17 @@ def thread_cpu_s() -> dict[str, float]:
         return out
     except Exception:  # no per-thread accounting on this platform: the threads' cost is unknown
         return {}
+
+
+def _ticks() -> int:
+    try:
+        return int(os.sysconf("SC_CLK_TCK")) or 100
+    except (ValueError, OSError, AttributeError):
+        return 100
+
+
+_TICKS = _ticks()
+_PROC = os.path.isdir("/proc/self/task")
 
 
 LEDGER = Ledger()

@@ -27,17 +27,17 @@ class Readout:
 
     def add(self, key: Any, value: torch.Tensor) -> None:
         """Queue ``value`` (any shape; floating, integer or bool) under ``key``. Raises for anything
-        else, at once, so that the caller's detector fails alone and the read never does."""
+        else, at once, so that the caller's detector fails alone and the read never does. Nothing is
+        dispatched here: the values are packed at the read, a few ops for them all (issue 62: five ops a value
+        were most of the harness's ops a step, each a launch on a GPU)."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"a readout value must be a tensor, not {type(value).__name__}")
         if value.is_complex():
             raise TypeError("complex values cannot be read out")
-        floating = value.is_floating_point()
-        flat = value.detach().reshape(-1)
-        # int64 words: float64 bits for floats (exact), the integer itself otherwise. Queued as is
-        # (one small kernel), packed with the others at the read.
-        words = flat.to(torch.float64).view(torch.int64) if floating else flat.to(torch.int64)
-        self._items.append((key, words, tuple(value.shape), floating))
+        if value.layout is not torch.strided or value.is_meta:
+            raise TypeError(f"a readout value must be a dense tensor with storage, not {value.layout} on "
+                            f"{value.device}")
+        self._items.append((key, value, tuple(value.shape), value.is_floating_point()))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -46,18 +46,29 @@ class Readout:
         """Every queued value on the host: one ``tolist`` per device (one in practice). Scalars come back
         as Python numbers, other shapes as nested lists; floats as float, the rest as int."""
         by_device: dict[Any, list[int]] = {}
-        for i, (_, words, _, _) in enumerate(self._items):
-            by_device.setdefault(words.device, []).append(i)
+        for i, (_, value, _, _) in enumerate(self._items):
+            by_device.setdefault(value.device, []).append(i)
         host: dict[int, list[int]] = {}
-        for indices in by_device.values():
-            parts = [self._items[i][1] for i in indices]
-            packed = parts[0] if len(parts) == 1 else torch.cat(parts)
-            values = packed.tolist()  # the read
-            pos = 0
-            for i, part in zip(indices, parts, strict=True):
-                n = part.numel()
-                host[i] = values[pos:pos + n]
-                pos += n
+        with torch.no_grad():
+            for indices in by_device.values():
+                floats = [i for i in indices if self._items[i][3]]
+                ints = [i for i in indices if not self._items[i][3]]
+                # int64 words: float64 bits for floats (exact), the integer itself otherwise
+                pieces, order = [], []
+                if floats:
+                    words, part = self._packed(floats, torch.float64)
+                    pieces.append(words.view(torch.int64))
+                    order += part
+                if ints:
+                    words, part = self._packed(ints, torch.int64)
+                    pieces.append(words)
+                    order += part
+                values = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).tolist()  # the read
+                pos = 0
+                for i in order:
+                    n = _count(self._items[i][2])
+                    host[i] = values[pos:pos + n]
+                    pos += n
         out: dict[Any, Any] = {}
         for i, (key, _, shape, floating) in enumerate(self._items):
             values = host[i]
@@ -66,6 +77,25 @@ class Readout:
             out[key] = _shaped(values, shape)
         self._items = []
         return out
+
+    def _packed(self, indices: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+        """The values of ``indices`` end to end in one vector of ``dtype`` (one stack for every scalar, one cat,
+        one conversion: exact, every dtype here widens into it), and the order of the items in it."""
+        scalars = [i for i in indices if not self._items[i][2]]
+        others = [i for i in indices if self._items[i][2]]
+        parts = [torch.stack([self._items[i][1] for i in scalars])] if scalars else []
+        for i in others:
+            value = self._items[i][1]
+            parts.append(value if value.dim() == 1 else value.reshape(-1))
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return flat.to(dtype), scalars + others
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _shaped(values: list[Any], shape: tuple[int, ...]) -> Any:

@@ -341,7 +341,7 @@ class Session:
         event = self.clock.close_step(self.identity.rank, self.step, now, progress, loss, readout, skipped,
                                       loss_scale if loss_scale is not None else scale)
         self.emit(clock.step_record(event, self.identity.attempt, skipped, off))
-        self.dispatch.each("on_step", lambda d: d.on_step(event), only="on_step")
+        self.dispatch.step(event)
         if self._exchange is not None:
             self._exchange.flush()  # this boundary's posts, one round (the same posts on every rank)
 

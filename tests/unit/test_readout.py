@@ -40,3 +40,52 @@ def test_a_value_that_cannot_be_read_fails_when_added():
     with pytest.raises(TypeError):
         r.add("z", torch.tensor([1j]))
     assert len(r) == 0
+
+
+def test_many_values_of_every_kind_are_packed_in_a_few_ops_whatever_their_number():
+    """Issue 62: a value used to cost five dispatched ops (a launch each on a GPU); the read packs them all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    r = Readout()
+    expected = {}
+    for k in range(40):  # interleaved kinds, shapes and dtypes
+        kind = k % 5
+        if kind == 0:
+            v = torch.tensor(k + 0.5, dtype=torch.float32)
+            expected[k] = k + 0.5
+        elif kind == 1:
+            v = torch.tensor([k, -k, 2**62 + k], dtype=torch.int64)
+            expected[k] = [k, -k, 2**62 + k]
+        elif kind == 2:
+            v = torch.tensor([[k * 0.25, 1e300], [-0.0, float("inf")]], dtype=torch.float64)
+            expected[k] = [[k * 0.25, 1e300], [-0.0, float("inf")]]
+        elif kind == 3:
+            v = torch.tensor(k % 2 == 0)
+            expected[k] = int(k % 2 == 0)
+        else:
+            v = torch.tensor([k * 0.5, -1.5], dtype=torch.bfloat16)
+            expected[k] = [k * 0.5, -1.5]
+        r.add(k, v)
+    with Count():
+        out = r.read()
+    assert out == expected
+    launches = [op for op in Count.ops if "view" not in op]  # a view of a 2-d value launches nothing on a GPU
+    # views: one a 2-d value (8 here) and the float words seen as int64
+    assert len(launches) <= 8 and len(Count.ops) - len(launches) <= 8 + 1, Count.ops  # not 5 a value (200)
+
+
+def test_a_sparse_or_meta_value_fails_when_added_and_the_others_still_read():
+    r = Readout()
+    r.add("ok", torch.tensor(1.25))
+    with pytest.raises(TypeError):
+        r.add("sparse", torch.eye(2).to_sparse())
+    with pytest.raises(TypeError):
+        r.add("meta", torch.empty(2, device="meta"))
+    assert r.read() == {"ok": 1.25}
