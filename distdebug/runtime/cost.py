@@ -188,13 +188,13 @@ def thread_cpu_s() -> dict[str, float]:
     try:
         if not _PROC:
             raise OSError("no /proc/self/task")
-        for tid, name in ours.items():
+        for tid, label in ours.items():
             try:
                 with open(f"/proc/self/task/{tid}/stat", "rb") as f:
                     fields = f.read().rsplit(b")", 1)[1].split()
             except FileNotFoundError:  # the thread ended meanwhile
                 continue
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+            out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
         return out
     except Exception:  # noqa: BLE001 (no /proc: another platform)
         pass
