@@ -184,29 +184,28 @@ def thread_cpu_s() -> dict[str, float]:
     ours = {t.native_id: t.name for t in threading.enumerate() if t.name.startswith("distdebug")}
     if not ours:
         return {}
-    out: dict[str, float] = {}
-    try:
-        if not _PROC:
-            raise OSError("no /proc/self/task")
-        for tid, label in ours.items():
-            try:
-                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except FileNotFoundError:  # the thread ended meanwhile
-                continue
-            out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
-        return out
-    except Exception:  # noqa: BLE001 (no /proc: another platform)
-        pass
+    if _PROC:
+        out: dict[str, float] = {}
+        try:
+            for tid, label in ours.items():
+                try:
+                    with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                        fields = f.read().rsplit(b")", 1)[1].split()
+                except FileNotFoundError:  # the thread ended meanwhile
+                    continue
+                out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+            return out
+        except Exception:  # noqa: BLE001 (a /proc of another layout): psutil's reading
+            pass
     try:
         import psutil
 
-        out = {}
+        found: dict[str, float] = {}
         for th in psutil.Process().threads():
             name = ours.get(th.id)
             if name is not None:
-                out[name] = out.get(name, 0.0) + th.user_time + th.system_time
-        return out
+                found[name] = found.get(name, 0.0) + th.user_time + th.system_time
+        return found
     except Exception:  # no per-thread accounting on this platform: the threads' cost is unknown
         return {}
 

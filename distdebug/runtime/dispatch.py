@@ -46,12 +46,10 @@ class Dispatch:
         except Exception as e:
             det.fail(e, phase)  # switched off on this rank (hooks removed); training goes on untouched
 
-    def each(self, phase: str, call: Callable[[Detector], Any], only: str | None = None) -> None:
-        """``call`` on every detector (a copy of the list: one may be switched off meanwhile); ``only``:
-        just those with a method of that name of their own, and not paused."""
+    def each(self, phase: str, call: Callable[[Detector], Any]) -> None:
+        """``call`` on every detector (a copy of the list: one may be switched off meanwhile)."""
         for det in list(self.detectors):
-            if only is None or (not det.paused and _overrides(det, only)):
-                self.run(det, phase, call)
+            self.run(det, phase, call)
 
     def set_up(self, detectors: Iterable[Detector], ctx: Any) -> None:
         """Detectors that start now (the run's, or a new phase's): told where to say a failure, set up."""

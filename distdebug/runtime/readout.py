@@ -13,6 +13,7 @@ On CPU the read is free, but it is the same single call: the tests count it ther
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -66,7 +67,7 @@ class Readout:
                 values = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).tolist()  # the read
                 pos = 0
                 for i in order:
-                    n = _count(self._items[i][2])
+                    n = math.prod(self._items[i][2])
                     host[i] = values[pos:pos + n]
                     pos += n
         out: dict[Any, Any] = {}
@@ -89,13 +90,6 @@ class Readout:
             parts.append(value if value.dim() == 1 else value.reshape(-1))
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         return flat.to(dtype), scalars + others
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _shaped(values: list[Any], shape: tuple[int, ...]) -> Any:

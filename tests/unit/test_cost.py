@@ -331,3 +331,38 @@ def test_an_off_step_pays_only_the_sessions_counting_and_the_report_adds_what_it
     c = cost_analysis.per_rank({"steps": 4, "off_steps": 2, "off_session_ms": 0.4,
                                 "training_thread_ms": {"session": 6.4}}, 10.0)
     assert c is not None and c["per_step_ms"]["session"] == 3.0
+
+
+def test_the_harness_threads_cpu_is_read_from_their_own_proc_lines_as_psutil_reads_it(monkeypatch):
+    """cost.thread_cpu_s reads /proc/self/task/TID/stat for the distdebug-* threads only; psutil (every thread of
+    the process) is its fallback: both give the same seconds, and a thread of another name is not counted."""
+    import threading
+
+    from distdebug.runtime import cost as runtime_cost
+
+    spun = {name: threading.Event() for name in ("distdebug-spin", "not-ours")}
+    done = threading.Event()
+
+    def work(name: str) -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:  # CPU time of its own, then idle (alive) until told to end
+            sum(range(1000))
+        spun[name].set()
+        done.wait(30)
+
+    threads = [threading.Thread(target=work, args=(name,), name=name) for name in spun]
+    for t in threads:
+        t.start()
+    try:
+        assert all(e.wait(30) for e in spun.values())
+        time.sleep(0.05)
+        by_proc = runtime_cost.thread_cpu_s()
+        monkeypatch.setattr(runtime_cost, "_PROC", False)
+        by_psutil = runtime_cost.thread_cpu_s()
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert set(by_proc) == {"distdebug-spin"} and set(by_psutil) == {"distdebug-spin"}
+    assert by_proc["distdebug-spin"] >= 0.15
+    assert abs(by_proc["distdebug-spin"] - by_psutil["distdebug-spin"]) <= 2.0 / runtime_cost._TICKS
