@@ -21,6 +21,7 @@ and as a geometric mean. A pair that departs is a false alarm: FAIL.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,11 +48,22 @@ RECIPES = {  # a pair of each layout's recipe: its script and arguments at 1 ran
 }
 
 
+_ports = itertools.count()
+_port_lock = threading.Lock()
+
+
 def distdebug(*args: str) -> subprocess.CompletedProcess:
-    """One distdebug command; a launch gets a rendezvous port of its own (two run at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    """One distdebug command; a launch gets a rendezvous port of its own (two run at once), below the kernel's
+    ephemeral range, from which the gloo connections of the run beside it draw theirs (EADDRINUSE otherwise)."""
+    with _port_lock:
+        while True:
+            port = 20000 + next(_ports) % 10000
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("", port))
+                    break
+                except OSError:
+                    continue
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "PET_MASTER_PORT": str(port)}
     return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True, env=env,

@@ -8,12 +8,14 @@ whole process tree is collected (psutil) and each pid is killed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,10 +70,30 @@ def torchrun(*args: str, timeout: float = 180, env: dict[str, str] | None = None
                env=env)
 
 
+PORTS_FROM, PORTS_A_WORKER, WORKERS_APART = 20000, 2000, 6
+_next_port = itertools.count()
+_port_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A rendezvous port, free now, outside the kernel's ephemeral range and no other pytest worker's.
+
+    A port bound to 0 comes from the ephemeral range (32768-60999 here), which every outgoing connection on the
+    host also draws from: the gloo connections of the jobs running beside this one took such a port between its
+    pick and the launcher's listen (EADDRINUSE, twice in one CI run). Each xdist worker takes its ports in turn
+    from a span of its own below that range, skipping any that cannot be bound now."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    first = PORTS_FROM + (int(worker) % WORKERS_APART if worker.isdigit() else 0) * PORTS_A_WORKER
+    with _port_lock:
+        for _ in range(PORTS_A_WORKER):
+            port = first + next(_next_port) % PORTS_A_WORKER
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError(f"no free port in {first}..{first + PORTS_A_WORKER - 1}")
 
 
 def read_digests(out_dir: Path) -> dict[str, str]:

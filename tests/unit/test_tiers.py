@@ -84,3 +84,24 @@ def test_cpu_bound_tests_run_one_at_a_time_a_waiting_one_beside_and_an_alone_one
     assert _try(tmp_path, alone=False, waits=True) is None and _try(tmp_path, alone=False, waits=False) is None
     for f in alone:
         f.close()
+
+
+def test_a_rendezvous_port_is_outside_the_ephemeral_range_and_no_other_workers(monkeypatch):
+    """The ports of the launches (free_port) are never ones an outgoing connection of a job beside them can take
+    meanwhile (the kernel's ephemeral range), nor ones another pytest worker picks, nor bound now."""
+    import socket
+
+    from tests import helpers
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picked = {}
+    for worker in ("gw0", "gw1", "gw5"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        picked[worker] = {helpers.free_port() for _ in range(50)}
+    assert all(len(ports) == 50 and max(ports) < low for ports in picked.values())
+    assert not (picked["gw0"] & picked["gw1"] or picked["gw0"] & picked["gw5"] or picked["gw1"] & picked["gw5"])
+    with socket.socket() as held:  # a port in use now is skipped
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
+        nxt = helpers.free_port() + 1
+        held.bind(("", nxt))
+        assert helpers.free_port() == nxt + 1
