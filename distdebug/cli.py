@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from distdebug import envvars
+from distdebug import envvars, strictjson
 from distdebug.artifacts.retention import parse_size, size_text
 from distdebug.config import (
     EXIT_FINDINGS,
@@ -99,7 +99,8 @@ class OneLineErrors(HelpfulGroup):
             if envvars.get(envvars.DEBUG):
                 raise
             print(f"distdebug: internal error: {type(e).__name__}: {e} "
-                  "(rerun with DISTDEBUG_DEBUG=1 for the traceback, and please report it)", file=sys.stderr)
+                  "(distdebug's own bug: rerun with DISTDEBUG_DEBUG=1 for the traceback and report it; what to "
+                  "send: the docs' Contributing page, Reporting a problem)", file=sys.stderr)
             sys.exit(70)
         sys.exit(rv if isinstance(rv, int) else 0)
 
@@ -397,7 +398,6 @@ def _gate(findings: list, fail_on: str | None) -> int:
 def top(runs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> int:
     """Each rank of RUN (default: the newest run; several: one job's nodes) as it is now: step, steps/s, last
     loss, step time, findings, status; refreshed until every rank has ended. A finished run: its final state."""
-    import json
 
     from distdebug.analysis.live import Follower, running, snapshot_rows
 
@@ -407,7 +407,7 @@ def top(runs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> in
     follower = Follower(dirs)
     ranks = follower.poll()
     if as_json:
-        click.echo(json.dumps({"run_dirs": [str(d) for d in dirs], "running": running(ranks, dirs),
+        click.echo(strictjson.dumps({"run_dirs": [str(d) for d in dirs], "running": running(ranks, dirs),
                                "ranks": snapshot_rows(ranks)}))
         return 0
     from distdebug.report.live_view import show
@@ -426,7 +426,6 @@ def top(runs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> in
 def stacks(run: str | None, timeout: float, native: bool, as_json: bool) -> int:
     """Every rank's Python stack of the running job RUN (default: the newest run), now, grouped by
     identical stacks: which rank waits where. The job goes on."""
-    import json
 
     from distdebug.analysis import stacks as stacks_mod
     from distdebug.artifacts.runs import resolve_run
@@ -437,7 +436,7 @@ def stacks(run: str | None, timeout: float, native: bool, as_json: bool) -> int:
     groups = stacks_mod.group(answers)
     dumps, note = stacks_mod.native_dumps(answers) if native and answers else ({}, None)
     if as_json:
-        click.echo(json.dumps({
+        click.echo(strictjson.dumps({
             "headline": stacks_mod.headline(groups),
             "groups": [{"ranks": g.ranks, "summary": g.summary, "frames": g.frames} for g in groups],
             "missing": {str(r): why for r, why in missing.items()},
@@ -481,9 +480,8 @@ def diff(run: str | None, other: str | None, step: int | None, as_json: bool, no
     else:
         result = diff_mod.rank_result(resolve_run(run), step, [resolve_run(n) for n in nodes])
     if as_json:
-        import json
 
-        click.echo(json.dumps(result, indent=2))
+        click.echo(strictjson.dumps(result, indent=2))
     else:
         diffview.render(result)
     return 0 if result["identical"] else 1
@@ -558,23 +556,17 @@ def parity(ref: str | None, cand: str | None, twin: str | None, launch_ref: str 
                             2) from None
         print(f"distdebug: parity page {path}", file=sys.stderr)
     if as_json:
-        import json
-        import math
-
-        def finite(x: float) -> float | str:  # JSON has no NaN or Infinity
-            return x if math.isfinite(x) else str(x)
-
         def dep(d: parity_mod.Departure | None) -> dict[str, object] | None:
-            return None if d is None else {"quantity": d.quantity, "step": d.step, "observed": finite(d.observed),
-                                           "bound": finite(d.bound), "ratio": finite(d.ratio)}
+            return None if d is None else {"quantity": d.quantity, "step": d.step, "observed": d.observed,
+                                           "bound": d.bound, "ratio": d.ratio}
 
-        click.echo(json.dumps({"equivalent": v.equivalent, "steps": result.steps, "ref_world": result.ref_world,
-                               "cand_world": result.cand_world, "cause": result.cause,
-                               "causes": [{"kind": c.kind, "step": c.step, "text": c.text} for c in result.causes],
-                               "first": dep(v.first),
-                               "largest": dep(v.largest), "loss_departs": v.loss_departs, "compared": v.compared,
-                               "missing": v.missing, "upto": result.upto, "sizes": result.sizes,
-                               "text": result.text()}, indent=2, allow_nan=False))
+        click.echo(strictjson.dumps({  # a ratio or observation that is not finite: "Infinity", "NaN"
+            "equivalent": v.equivalent, "steps": result.steps, "ref_world": result.ref_world,
+            "cand_world": result.cand_world, "cause": result.cause,
+            "causes": [{"kind": c.kind, "step": c.step, "text": c.text} for c in result.causes],
+            "first": dep(v.first), "largest": dep(v.largest), "loss_departs": v.loss_departs,
+            "compared": v.compared, "missing": v.missing, "upto": result.upto, "sizes": result.sizes,
+            "text": result.text()}, indent=2))
     else:
         click.echo(result.text())
     return 0 if v.equivalent else 1
@@ -680,7 +672,6 @@ def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes
     """Check the environment for distributed training: versions, GPUs and topology, dangerous
     NCCL/GLOO/MASTER variables, port, /dev/shm, open-file limit; across ranks and nodes, differences in
     variables and versions; with --bandwidth, bus bandwidth and the link matrix. Exits 1 on a fail."""
-    import json
 
     from distdebug.doctor.checks import FAIL, local_checks
 
@@ -694,7 +685,7 @@ def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes
         result, failed = run_doctor(nproc_per_node=nproc_per_node, bandwidth=bandwidth, max_bytes=max_bytes,
                                     run_dir=run_dir, launcher=launcher)
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(strictjson.dumps(result, indent=2))
     else:
         from rich.console import Console
 
@@ -711,7 +702,6 @@ def doctor(as_json: bool, bandwidth: bool, nproc_per_node: str | None, max_bytes
 def lint(script: Path, as_json: bool) -> int:
     """DDP, FSDP and DeepSpeed pitfalls in SCRIPT, read from its source (nothing runs): file:line, why it
     matters, the fix. Exits 1 if any is an error."""
-    import json
 
     from distdebug.errors import UserError
     from distdebug.lint.static import ERROR, lint_file
@@ -720,7 +710,7 @@ def lint(script: Path, as_json: bool) -> int:
         raise UserError(f"script not found: {script}", 2)
     findings = lint_file(script)
     if as_json:
-        click.echo(json.dumps([f.to_dict() for f in findings], indent=2))
+        click.echo(strictjson.dumps([f.to_dict() for f in findings], indent=2))
     else:
         for f in findings:
             click.echo(f"{script}:{f.line}: {f.severity} [{f.rule}] {f.message}\n    why: {f.why}\n    fix: {f.fix}")

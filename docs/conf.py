@@ -15,6 +15,9 @@ exclude_patterns = ["_build", "_generated", "README.md"]
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 highlight_language = "none"
+# No smart quotes: Sphinx would turn the "--" of an option written in prose into an en dash and straight quotes
+# into curly ones, and a command pasted from the page would fail (docs/check_built.py holds it on the built site)
+smartquotes = False
 nitpicky = True
 html_theme = "alabaster"
 html_static_path = ["_static"]

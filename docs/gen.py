@@ -282,6 +282,13 @@ def json_page() -> str:
         "`distdebug report --json` prints one object: the run's summary (`distdebug/analysis/summary.py`, "
         "`RunSummary`), its findings each with its card's code and advice, and its incidents. The tables are "
         "generated from the dataclasses, so they list every key.", "",
+        "**Strict JSON.** Everything distdebug writes as JSON (`report --json`, `top --json`, `diff --json`, "
+        "`parity --json`, `doctor --json`, `lint --json`, `stacks --json`, and every `.json` and `.jsonl` file of "
+        "the run directory) parses with a strict parser (a browser's `JSON.parse`, `jq`): a number that is not "
+        "finite, such as the loss of a step that went NaN, is written as the string `\"NaN\"`, `\"Infinity\"` "
+        "or `\"-Infinity\"` (not `null`, which would not tell a NaN from an Inf or from a value that is "
+        "missing). In Python, `float(value)` reads all three back; `distdebug.strictjson.loads` does it for a "
+        "whole document.", "",
         "## The run", "", *table(_fields(summary, "RunSummary")), "",
         "## `ranks[]`", "", *table(_fields(summary, "RankSummary")), "",
         "## `findings[]`", "", *table(finding),

@@ -9,7 +9,6 @@ few recent step times, counts. A file of a million steps costs its bytes once, a
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections import deque
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distdebug import strictjson
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import Follow, load_indexed
 from distdebug.findings import Severity
@@ -156,7 +156,7 @@ def launchers_ended(run_dirs: list[Path]) -> bool:
         return False
     for f in files:
         try:
-            if "ended" not in json.loads(f.read_text()):
+            if "ended" not in strictjson.loads(f.read_text()):
                 return False
         except (OSError, ValueError):
             return False

@@ -15,7 +15,6 @@ on this host.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distdebug import strictjson
 from distdebug.analysis.hang import user_frame
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.reader import read_stream
@@ -106,7 +106,7 @@ def request(run_dir: Path, timeout: float, poll: float = 0.1) -> tuple[dict[int,
             if rank in answers:
                 continue
             try:
-                answer = json.loads(layout.stacks_answer_path(run_dir, rank).read_text())
+                answer = strictjson.loads(layout.stacks_answer_path(run_dir, rank).read_text())
             except (OSError, ValueError):
                 continue
             if answer.get("request") == asked:

@@ -26,12 +26,12 @@ Figures that cannot be kept exactly in bounded memory are approximated, the same
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import deque
 from typing import Any
 
+from distdebug import strictjson
 from distdebug.artifacts import schema
 
 BULK = schema.BULK
@@ -148,7 +148,7 @@ class Curve:
         for k in keys:
             text = self._text.get(k)
             if text is None:
-                text = json.dumps([k, *self.buckets[k]])
+                text = strictjson.dumps([k, *self.buckets[k]])
                 if k != keys[-1]:
                     self._text[k] = text
             parts.append(text)
@@ -310,12 +310,12 @@ class Digest:
     def dumps(self) -> str:
         """``to_json``'s text, written for every index save: the records as the stream has them (redacted),
         the curve's unchanged buckets from its cache; a few tens of microseconds, not a millisecond."""
-        parts = [json.dumps(self._numbers())[:-1]]
+        parts = [strictjson.dumps(self._numbers())[:-1]]
         for name in ("memory_max", "harness_cost", "straggler"):
             value = getattr(self, name)
-            parts.append(f'"{name}":{self._texts.get(name) or json.dumps(value, default=str)}')
+            parts.append(f'"{name}":{self._texts.get(name) or strictjson.dumps(value, default=str)}')
         parts.append(f'"curve":{self.curve.dumps()}')
-        recent = ",".join(f"[{s},{t or json.dumps(r, default=str)}]" for s, r, t in self.recent)
+        recent = ",".join(f"[{s},{t or strictjson.dumps(r, default=str)}]" for s, r, t in self.recent)
         parts.append(f'"recent":[{recent}]')
         return parts[0] + "," + ",".join(parts[1:]) + "}"
 

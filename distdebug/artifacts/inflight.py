@@ -17,11 +17,12 @@ the slot must still say which collective failed.
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 from pathlib import Path
 from typing import Any
+
+from distdebug import strictjson
 
 SIZE = 4096
 EMPTY, INSIDE, FINISHED, FAILED = 0, 1, 2, 3
@@ -46,7 +47,7 @@ class InflightSlot:
             os.close(fd)
 
     def enter(self, info: dict[str, Any]) -> None:
-        data = json.dumps(info, separators=(",", ":")).encode()[: SIZE - 5]
+        data = strictjson.dumps(info, separators=(",", ":")).encode()[: SIZE - 5]
         self._mm[0] = EMPTY  # never a half-written payload marked as valid
         self._mm[1:5] = len(data).to_bytes(4, "little")
         self._mm[5:5 + len(data)] = data
@@ -69,7 +70,7 @@ def read_inflight(path: Path) -> tuple[str, dict[str, Any] | None]:
         return SLOT_EMPTY, None
     n = int.from_bytes(raw[1:5], "little")
     try:
-        info = json.loads(raw[5:5 + n])
+        info = strictjson.loads(raw[5:5 + n])
     except ValueError:
         return SLOT_EMPTY, None
     return {INSIDE: SLOT_INSIDE, FAILED: SLOT_FAILED}.get(raw[0], SLOT_FINISHED), info

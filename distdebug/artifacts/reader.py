@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distdebug import strictjson
 from distdebug.artifacts import layout, schema
 from distdebug.artifacts.digest import Digest
 from distdebug.artifacts.schema import SCHEMA_VERSION
@@ -61,7 +61,7 @@ def read_events(path: Path) -> tuple[list[dict], int]:
         if not raw.strip():
             continue
         try:
-            rec = json.loads(raw)
+            rec = strictjson.loads(raw)
         except ValueError:
             damaged += 1
             continue
@@ -185,7 +185,7 @@ class Follow:
         out = []
         for line in lines:
             try:
-                rec = json.loads(line)
+                rec = strictjson.loads(line)
             except ValueError:
                 self.damaged += bool(line.strip())
                 continue
@@ -268,7 +268,7 @@ def load_indexed(rank: int, live: Path) -> tuple[RankStream, Follow] | None:
             kept: list[tuple[int, dict]] = []
             for raw in data.split(b"\n"):
                 try:
-                    rec = json.loads(raw) if raw.strip() else None
+                    rec = strictjson.loads(raw) if raw.strip() else None
                 except ValueError:
                     rec = None
                 if isinstance(rec, dict) and isinstance(rec.get("i"), int):
@@ -286,7 +286,7 @@ def load_indexed(rank: int, live: Path) -> tuple[RankStream, Follow] | None:
 
 def read_json(path: Path) -> dict | None:
     try:
-        data = json.loads(path.read_text())
+        data = strictjson.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -25,7 +25,6 @@ a reader never sees a half-rewritten file.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
 import statistics
@@ -34,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from distdebug import envvars
+from distdebug import envvars, strictjson
 from distdebug.artifacts import layout, schema
 
 RING = 3
@@ -177,7 +176,7 @@ def recover_pins(pins: Pins, events: Path) -> None:
         for raw in data.split(b"\n"):
             if b'"kind":"finding"' in raw:
                 try:
-                    pins.add_from([json.loads(raw)])
+                    pins.add_from([strictjson.loads(raw)])
                 except ValueError:
                     pass
 
@@ -417,7 +416,7 @@ def _merge_pass(records: list[dict]) -> tuple[list[dict], bool]:
 
 
 def _size(records: list[dict]) -> int:
-    return sum(len(json.dumps(r, separators=(",", ":"), default=str)) + 1 for r in records)
+    return sum(len(strictjson.dumps(r, separators=(",", ":"), default=str)) + 1 for r in records)
 
 
 def window_stats(records: Iterable[dict], before: dict | None = None) -> dict | None:

@@ -9,7 +9,6 @@ would lose its backlog exactly when a rank is killed, which is when the records 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import threading
@@ -17,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from distdebug import strictjson
 from distdebug.artifacts import layout, retention, schema
 from distdebug.artifacts.redact import Redactor
 
@@ -93,7 +93,7 @@ class EventWriter:
                 self._give_back(0)
 
     def write(self, record: dict) -> None:
-        line = (self._redact(json.dumps(record, separators=(",", ":"), default=str)) + "\n").encode()
+        line = (self._redact(strictjson.dumps(record, separators=(",", ":"), default=str)) + "\n").encode()
         with self._lock:
             if self._fd is None:
                 return
@@ -202,7 +202,7 @@ class EventWriter:
             try:
                 if stats is None:
                     raise OSError("not counted")
-                replace_whole(stats_path, json.dumps(stats).encode())
+                replace_whole(stats_path, strictjson.dumps(stats).encode())
             except OSError:
                 try:  # never stale: without it the next thinning counts again, and a report reads the records
                     stats_path.unlink(missing_ok=True)
@@ -325,7 +325,7 @@ class Indexer:
             index, tail, follow = found
             if follow.partial:  # a last record the disk cut just before its newline: whole, and this writer ends it
                 try:
-                    rec = json.loads(follow.partial)
+                    rec = strictjson.loads(follow.partial)
                 except ValueError:
                     rec = None
                 if isinstance(rec, dict):
@@ -373,7 +373,7 @@ class Indexer:
             return
         self._since = 0
         nxt, offset, ino = position
-        head = json.dumps({"v": 1, "pos": {"next": nxt, "offset": offset, "ino": ino},
+        head = strictjson.dumps({"v": 1, "pos": {"next": nxt, "offset": offset, "ino": ino},
                            "essential_bytes": self._essential_size, "damaged": self.damaged})
         try:
             # The digest's records are their lines as written (redacted); the rest is numbers.
@@ -406,7 +406,7 @@ def _last_byte(path: Path) -> bytes:
 
 
 def _line(record: dict) -> bytes:
-    return (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+    return (strictjson.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
 
 
 def append_whole(path: Path, data: bytes) -> None:
@@ -452,7 +452,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(Redactor()(json.dumps(data, indent=2, default=str)))
+        tmp.write_text(Redactor()(strictjson.dumps(data, indent=2, default=str)))
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind

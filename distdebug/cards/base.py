@@ -9,11 +9,14 @@ A card's advice is a list of variants, each for one case of the finding (a NaN t
 only received; a straggler slowed by its data or by its compute), the last one the general case. A
 variant's texts are templates filled from the finding: ``{ranks}``, ``{step}``, ``{at}`` (`` --step N`` or
 nothing), ``{subject}``, ``{run_dir}``, ``{ev[key]}`` (its evidence) and ``{root_when}`` (`` at step N`` of the
-incident's root, or `` before the first step``, where a variant is about it).
+incident's root, or `` before the first step``, where a variant is about it). Evidence goes inside ``[[ ]]``: the
+words between them are said only where the finding has every piece of evidence they name, and never in the
+docs or ``explain``, which have none (a template's placeholder leaked into them before: "non-finite <checked>").
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -106,10 +109,29 @@ def ranks_words(f: Finding, none: str = "the ranks") -> str:
         ("..." if len(f.ranks) > 8 else "")
 
 
+_OPTIONAL = re.compile(r"\[\[(.*?)\]\]", re.S)
+_EV_KEY = re.compile(r"\{ev\[(\w+)\]\}")
+
+
+def _segments(template: str, evidence: dict[str, Any] | None) -> str:
+    """The template with each ``[[...]]`` kept (without its brackets) where ``evidence`` has a value for every key
+    it names, dropped otherwise (always, for ``None``: the docs)."""
+    if "[[" not in template:
+        return template
+
+    def keep(m: re.Match[str]) -> str:
+        keys = _EV_KEY.findall(m.group(1))
+        has = evidence is not None and all(evidence.get(k) not in (None, "", [], {}) for k in keys)
+        return m.group(1) if has else ""
+
+    return _OPTIONAL.sub(keep, template)
+
+
 def fill(template: str, f: Finding, c: Context) -> str:
     """A variant's text with the finding's fields in it; a field the finding lacks reads ``?``."""
-    if "{" not in template:
+    if "{" not in template and "[[" not in template:
         return template
+    template = _segments(template, {str(k): v for k, v in dict(f.evidence or {}).items()})
     try:
         root = c.root.step if c.root is not None else None
         fields = _Fields(ranks=ranks_words(f), a_rank=ranks_words(f, "a rank"),
@@ -128,7 +150,9 @@ _GENERIC = {"ranks": "the rank(s)", "a_rank": "a rank", "step": "N", "at": " --s
 
 
 def generic(template: str) -> str:
-    """A variant's text as the docs print it, with placeholders for what a finding fills in."""
+    """A variant's text as the docs print it, with placeholders for what a finding fills in (the words that need
+    evidence left out)."""
+    template = _segments(template, None)
     if "{" not in template:
         return template
     fields = _Fields(_GENERIC, ev=_Placeholder())

@@ -16,13 +16,16 @@ CARD = Card(
     causes=("a detector's bug on an unusual script", "a full disk", "the launcher killed by the OOM killer or "
             "the scheduler"),
     check="the message; rerun with DISTDEBUG_DEBUG=1",
-    fix="report it; meanwhile --detectors without that one",
+    fix="report it (what to send: the docs' Contributing page, Reporting a problem); meanwhile "
+        "--detectors without that one",
     kind="other", noun="distdebug's own trouble",
     cost="none",
     variants=(
         Variant("a detector failed (subject detector:NAME)", "a distdebug detector failed",
                 "distdebug itself (the detector was switched off; training was not affected)",
-                "the message; rerun with DISTDEBUG_DEBUG=1", "report it; meanwhile --detectors without that one",
+                "the message; rerun with DISTDEBUG_DEBUG=1",
+                "report it (what to send: the docs' Contributing page, Reporting a problem); meanwhile --detectors "
+                "without that one",
                 when=lambda f, c: f.subject.startswith("detector:")),
         Variant("the launcher died (subject launcher)", "the launcher process died",
                 "the launcher was killed (the OOM killer, the scheduler, a signal): its ranks ended themselves so "

@@ -40,7 +40,8 @@ CARD = Card(
                 "fix the origin rank; nothing to do on this one",
                 when=lambda f, c: (f.evidence or {}).get("origin") == "another rank"),
         Variant("parameters or buffers were non-finite before any step (evidence nonfinite_state)", LOSS_X10,
-                "parameters or buffers on {ranks} were non-finite {ev[checked]}, before any step: {ev[likely_cause]}",
+                "parameters or buffers on {ranks} were non-finite[[ {ev[checked]}]], before any step"
+                "[[: {ev[likely_cause]}]]",
                 "the finding's tensors (evidence: nonfinite_state)",
                 "initialise or load finite values into the named tensors before training", own_fix=True,
                 when=lambda f, c: bool((f.evidence or {}).get("nonfinite_state"))),

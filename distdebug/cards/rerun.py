@@ -35,7 +35,7 @@ CARD = Card(
                 "the finding's reason", "nothing; raise rerun.keep if the flag came too late",
                 when=lambda f, c: f.severity == "info", own_fix=True, explains_root=True),
         Variant("a verdict on the step", LOSSES_DIFFER,
-                "the re-execution says whether the code and data ({ev[verdict]}) or the machine did it",
+                "the re-execution says whether the code and data[[ ({ev[verdict]})]] or the machine did it",
                 "the verdict in the finding's evidence; the machine's ECC counters (nvidia-smi -q -d ECC)",
                 "reproducible: debug that step's batch and code path; not reproducible: drain the machine and "
                 "resume elsewhere from the last checkpoint", own_fix=True, explains_root=True),

@@ -12,7 +12,6 @@ and reports what it finds as findings (detectors ``env_diff`` and ``link_matrix`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -20,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from distdebug import strictjson
 
 PAIR_BYTES = 4 << 20
 SLOW_LINK = 3.0  # a link this many times slower than the median link is flagged
@@ -180,7 +181,7 @@ def main() -> None:
 
         out = args.out or str(layout.doctor_path(Path(envvars.get(envvars.RUN_DIR) or ".")))
 
-        Path(out).write_text(Redactor()(json.dumps(result, indent=2)))
+        Path(out).write_text(Redactor()(strictjson.dumps(result, indent=2)))
     dist.destroy_process_group()
 
 

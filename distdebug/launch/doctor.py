@@ -5,11 +5,11 @@ it lives with the launcher: the doctor's folder holds the checks and the worker,
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from distdebug import strictjson
 from distdebug.artifacts import layout, runs
 from distdebug.errors import UserError
 
@@ -40,7 +40,7 @@ def run_doctor(*, nproc_per_node: str | None, bandwidth: bool, max_bytes: int, r
     if not out.is_file():
         raise UserError(f"the doctor's ranks did not finish (exit code {result.exit_code}"
                         f"{': ' + result.message if result.message else ''}); see: distdebug report {run_dir}")
-    data = json.loads(out.read_text())
+    data = strictjson.loads(out.read_text())
     data["run_dir"] = str(run_dir)
     failed = result.exit_code != 0 or any(c["status"] == FAIL for r in data["ranks"].values() for c in r["checks"])
     return data, failed

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape as esc
 from rich.table import Table
 
-from distdebug import cards
+from distdebug import cards, strictjson
 from distdebug.analysis.costmodel import describe as describe_model
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.summary import RunSummary
@@ -200,4 +199,4 @@ def render_json(summary: RunSummary) -> str:
     d = summary.to_dict()
     d["findings"] = findings_with_advice(summary.findings, run_dir=summary.run_dir, incidents=summary.incidents)
     d["incidents"] = incidents_with_advice(summary.incidents, summary.findings, run_dir=summary.run_dir)
-    return json.dumps(d, indent=2, default=str)
+    return strictjson.dumps(d, indent=2, default=str)

@@ -21,6 +21,7 @@ from distdebug.artifacts.reader import read_events
 from distdebug.config import EXIT_NEVER_ACTED
 from distdebug.fault_injection.matrix import ENGINES, plan
 from distdebug.fault_injection.registry import FAULTS
+from distdebug.strictjson import strict_loads
 from tests.e2e.test_layouts import LAYOUT_RECIPES
 from tests.helpers import DATA, RECIPES, distdebug, incidents_of
 
@@ -58,6 +59,18 @@ def test_inject_acts_on_an_unmodified_script_and_is_recorded(tmp_path):
     assert cost["whole_run_per_step_ms"] > cost["total_per_step_ms"]
     flat = " ".join(text.split())  # the report wraps its lines at the console's width
     assert "re-execution of a step" in flat and "a step over the whole run" in flat
+    # Every JSON the run wrote and each command's --json reads under a strict parser (a browser's, jq's): the
+    # NaN loss and norms of this run are the strings "NaN"/"Infinity" there, never bare NaN (issue 63, item 2)
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl"))
+    assert len(written) >= 4, written
+    texts = [p.read_text() for p in written] + [
+        distdebug(*cmd, str(tmp_path)).stdout for cmd in (("report", "--json"), ("top", "--once", "--json"),
+                                                         ("diff", "--step", "4", "--json"))]
+    assert any('"NaN"' in t or '"Infinity"' in t for t in texts)  # there were non-finite numbers to write
+    for where, t in zip([*written, "report --json", "top --json", "diff --json"], texts, strict=True):
+        for line in (t.splitlines() if str(where).endswith(".jsonl") else [t]):
+            if line.strip():
+                strict_loads(line)  # raises on bare NaN/Infinity
 
 
 def test_a_fault_that_never_acted_is_said_in_the_report(tmp_path):

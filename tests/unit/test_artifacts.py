@@ -32,6 +32,43 @@ def test_writer_appends_and_reader_skips_cut_last_line(tmp_path):
     assert damaged == 1
 
 
+def test_what_is_written_is_strict_json_and_non_finite_numbers_come_back(tmp_path):
+    """A record with NaN and Infinity in it (a loss, a norm, nested in evidence) is written as strict JSON, which
+    a browser's or jq's parser reads ("NaN", "Infinity", "-Infinity" as strings: issue 63), and read back by
+    distdebug as the numbers; a document without one is json's own text; other errors of json stay errors."""
+    import math
+
+    from distdebug import strictjson
+
+    path = layout.events_path(tmp_path, 0)
+    w = EventWriter(path)
+    w.write(schema.record(schema.STEP, rank=0, step=1, loss=math.nan, grad_norm=math.inf,
+                          evidence={"norms": [1.0, -math.inf], "name": "w"}))
+    w.close()
+    line = path.read_text().splitlines()[0]
+    raw = strictjson.strict_loads(line)
+    assert (raw["loss"], raw["grad_norm"], raw["evidence"]["norms"]) == ("NaN", "Infinity", [1.0, "-Infinity"])
+    [rec], _ = read_events(path)
+    assert math.isnan(rec["loss"]) and rec["grad_norm"] == math.inf and rec["evidence"]["norms"] == [1.0, -math.inf]
+    assert rec["evidence"]["name"] == "w"
+    plain = {"a": [1, 2.5, "x"], "b": None}
+    assert strictjson.dumps(plain, separators=(",", ":")) == json.dumps(plain, separators=(",", ":"))
+    assert strictjson.loads(json.dumps({"x": math.nan}))["x"] != 0  # Python's bare NaN is still read
+    with pytest.raises(ValueError, match="not JSON"):
+        strictjson.strict_loads(json.dumps({"x": math.nan}))
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular"):
+        strictjson.dumps(loop)
+
+    class Odd:  # what default= turns into text keeps working, a NaN beside it too
+        def __str__(self) -> str:
+            return "odd"
+
+    assert strictjson.strict_loads(strictjson.dumps({"o": Odd(), "n": math.nan}, default=str)) == {"o": "odd",
+                                                                                                   "n": "NaN"}
+
+
 def test_reader_rejects_newer_schema_and_garbage(tmp_path):
     path = tmp_path / "e.jsonl"
     path.write_text('{"v":1,"kind":"start"}\nnot json\n{"v":99,"kind":"step"}\n')

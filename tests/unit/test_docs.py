@@ -61,3 +61,27 @@ def test_every_docs_page_is_reachable_from_the_index():
                     named.add(str((index.parent / line.strip()).relative_to(docs)))
     pages = {str(p.relative_to(docs).with_suffix("")) for p in docs.rglob("*.md") if "_build" not in p.parts}
     assert pages - named - {"index"} == set()
+
+
+def test_the_built_pages_check_finds_a_dashed_option_and_a_curly_quote_in_a_command(tmp_path):
+    """docs/check_built.py (run by .ci/run on the built site, smart quotes off in conf.py) can fail: the two ways
+    Sphinx's smart quotes broke a pasted command, and a page that pastes as written."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import check_built
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    broken = ("<html><body><p>replay with <span>\u2013fault</span> nan_grad and \u2014keep-runs</p>"
+              "<pre>distdebug attach --inject \u201cnan_grad:rank=1\u201d train.py</pre></body></html>")
+    found = check_built.problems(broken)
+    assert len(found) == 4 and "'\u2013fault'" in found[0] and "'\u2014keep-runs'" in found[1]
+    assert all("curly quote" in f for f in found[2:])
+    fine = ("<html><body><p>a range 1\u20132, an aside \u2014 then <code>--fault nan_grad</code> or --keep-runs; "
+            "\u201cquoted\u201d prose</p><pre>distdebug attach --inject 'nan_grad:rank=1' train.py</pre></body></html>")
+    assert check_built.problems(fine) == []
+    site = tmp_path / "html"
+    site.mkdir()
+    (site / "a.html").write_text(fine)
+    assert check_built.main([str(site)]) == 0
+    (site / "b.html").write_text(broken)
+    assert check_built.main([str(site)]) == 1

@@ -7,11 +7,11 @@ fields, composed by ``CheckpointRoundTrip`` (the package); declared once so each
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Any
 
+from distdebug import strictjson
 from distdebug.artifacts import layout
 from distdebug.artifacts.writer import os_error_text
 from distdebug.context import RankContext
@@ -66,7 +66,7 @@ class RoundTripState(Detector):
         try:
             records.parent.mkdir(parents=True, exist_ok=True)
             with open(records, "a") as out:
-                out.write(json.dumps(record) + "\n")
+                out.write(strictjson.dumps(record) + "\n")
         except OSError as e:
             self._records_lost = True
             ctx.report(Finding(

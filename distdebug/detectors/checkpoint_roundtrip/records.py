@@ -7,7 +7,6 @@ record's reading and the comparisons are plain functions of files and dicts, tes
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from distdebug import strictjson
 from distdebug.artifacts import layout
 
 RECORDS = layout.CHECKPOINTS
@@ -108,7 +108,7 @@ def paths_saved_by(run_dir: Path, rank: int) -> set[str]:
     try:
         for line in records.read_text().splitlines():
             try:
-                out.add(json.loads(line)["path"])
+                out.add(strictjson.loads(line)["path"])
             except (ValueError, KeyError):
                 continue
     except OSError:
@@ -126,7 +126,7 @@ def saves_in(run_dir: Path, path: str) -> list[tuple[int, dict[str, Any]]]:
         found = None
         for line in records.read_text().splitlines():
             try:
-                rec = json.loads(line)
+                rec = strictjson.loads(line)
             except ValueError:
                 continue  # a line cut short by a kill
             if rec.get("path") == path:
@@ -145,7 +145,7 @@ def read_buffer_saves(run_dir: Path, me: int) -> list[dict[str, Any]]:
             continue
         for line in records.read_text().splitlines()[-1000:]:
             try:
-                rec = json.loads(line)
+                rec = strictjson.loads(line)
                 if rec.get("buffer"):
                     out.append({"fps": {k: int(v, 16) for k, v in rec["fps"].items()}, "step": rec.get("step"),
                                 "rank": rank})
