@@ -32,6 +32,10 @@ from distdebug.config import (
     option_default,
 )
 from distdebug.errors import UserError
+from distdebug.findings import SEVERITY_MEANING
+
+SEVERITIES_HELP = "Severities, least to most severe: " + "; ".join(
+    f"{name}, {text.split(':')[0]}" for name, text in SEVERITY_MEANING.items()) + " (the docs' Findings page)."
 
 
 class _Size(click.ParamType):
@@ -249,7 +253,7 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
               help=f"When the training exits 0, exit {EXIT_FINDINGS} if the report of this node's run directory "
                    "has a finding of this severity or worse (each rank's last attempt, and the run-level verdicts; "
                    "distdebug's own 'harness' findings never count): a CI gate. A failing training's exit code "
-                   "always wins.")
+                   "always wins. " + SEVERITIES_HELP)
 @click.option("--inject", "inject", multiple=True, metavar="FAULT[:KEY=VALUE,...]",
               help="Inject a fault on purpose, e.g. nan_grad:rank=1,step=5 (repeatable; see: distdebug faults list).")
 @click.argument("script")
@@ -346,7 +350,7 @@ def _run_dirs(runs: tuple[str, ...]) -> list[Path]:
               help="Also write a self-contained HTML report with plots to this file.")
 @click.option("--fail-on", "fail_on", type=click.Choice(FAIL_ON), default=None,
               help=f"Exit {EXIT_FINDINGS} when a finding of this severity or worse is there (distdebug's own "
-                   "'harness' findings never count): a CI gate.")
+                   "'harness' findings never count): a CI gate. " + SEVERITIES_HELP)
 def report(runs: tuple[str, ...], as_json: bool, html_out: str | None, fail_on: str | None) -> int:
     """Incidents, findings (with likely cause and fix) and per-rank progress of RUN (default: the newest run
     under ./distdebug-runs); several RUNs: one job's nodes, each with its own run directory, merged into one

@@ -23,6 +23,25 @@ class Severity(str, enum.Enum):
     def order(self) -> int:
         return list(Severity).index(self)
 
+    @property
+    def meaning(self) -> str:
+        return SEVERITY_MEANING[self.value]
+
+
+SEVERITY_MEANING = {
+    "info": "a note for reading the run, no fault: what distdebug could not check, a measurement, a verdict that "
+            "clears a suspicion; never fails a run (--fail-on does not take it)",
+    "warning": "probably wrong, or a trap that costs speed or correctness in some runs: a straggler, a setting "
+               "that is legal but dangerous, a value received from another rank; worth a look before the next "
+               "long run",
+    "error": "the training computes something other than what it should: a NaN's origin, replicas that drifted, "
+             "BatchNorm statistics that differ, a checkpoint restored wrong; its results are not to be trusted "
+             "until fixed",
+    "critical": "the job cannot go on or has already failed: a hang, a rank killed, out of memory, the weights "
+                "non-finite for good",
+}
+"""What each severity means: the one definition, printed by --fail-on's help and the findings reference page."""
+
 
 @dataclass(kw_only=True)
 class Finding:

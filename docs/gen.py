@@ -51,6 +51,7 @@ def _attribute_docs(path: Path, prefix: str) -> list[tuple[str, object, str]]:
 
 def findings_pages() -> dict[str, str]:
     from distdebug import cards
+    from distdebug.findings import SEVERITY_MEANING
     from distdebug.report import cardview
 
     pages = {}
@@ -70,7 +71,13 @@ def findings_pages() -> dict[str, str]:
         "code links to the card at the foot of the page.", "",
         "What can follow from what (the causal model, `distdebug/cards/kinds.py`) groups the findings of a run "
         "into incidents, the root cause first, and makes the report say of a finding that follows from another "
-        "that it is probably its consequence.",
+        "that it is probably its consequence.", "",
+        "## Severities", "",
+        "Each finding has one of four severities (`distdebug/findings.py`, `SEVERITY_MEANING`; `--fail-on LEVEL` "
+        "on `attach` or `report` fails a CI job on a finding of that severity or worse, and never on `info` nor "
+        "on distdebug's own `harness` findings):", "",
+        "| severity | what it means |", "|---|---|",
+        *[f"| `{name}` | {text} |" for name, text in SEVERITY_MEANING.items()],
         *rows, "", "```{toctree}", ":hidden:", "", *toc, "```", ""])
     return pages
 

@@ -208,3 +208,18 @@ def test_help_is_whole_and_every_option_says_what_it_does():
     # defaults are shown (an option whose default is its detector's shows that one, in parentheses)
     text = " ".join(CliRunner().invoke(main, ["attach", "--help"]).output.split())
     assert "(loss_spike.threshold). [default: (8.0)]" in text and "[default: 256MiB]" in text
+
+
+def test_every_severity_is_defined_once_and_said_where_fail_on_asks_for_one():
+    """--fail-on asks the user to choose a severity: each is defined (findings.SEVERITY_MEANING), in both
+    commands' --fail-on help and on the findings reference page."""
+    from distdebug.findings import SEVERITY_MEANING
+
+    assert list(SEVERITY_MEANING) == [s.value for s in Severity] and all(len(t) > 40 for t in SEVERITY_MEANING.values())
+    page = (ROOT / "docs" / "reference" / "findings" / "index.md").read_text()
+    for command in ("attach", "report"):
+        text = " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())
+        fail_on = text[text.index("--fail-on"):]
+        for name, meaning in SEVERITY_MEANING.items():
+            assert f"{name}, {meaning.split(':')[0]}" in fail_on, (command, name)
+            assert f"| `{name}` | {meaning} |" in page
