@@ -85,3 +85,19 @@ def test_the_built_pages_check_finds_a_dashed_option_and_a_curly_quote_in_a_comm
     assert check_built.main([str(site)]) == 0
     (site / "b.html").write_text(broken)
     assert check_built.main([str(site)]) == 1
+
+
+def test_every_recipe_command_in_the_guides_names_a_recipe_and_options_it_takes():
+    """A command a guide gives on a recipe pastes as written (the parity guide's, above all): the recipe is there
+    and takes every option the command passes it (read from its argparse calls, no launch: the launch of the
+    same pair is tests/e2e/test_parity_recipes.py's)."""
+    commands = 0
+    for page in sorted((ROOT / "docs" / "guides").glob("*.md")):
+        for m in re.finditer(r"recipes/(\w+\.py)((?: +--?[\w-]+(?: +[\w.:-]+)?)*)", page.read_text()):
+            recipe = ROOT / "recipes" / m.group(1)
+            assert recipe.is_file(), (page.name, m.group(0))
+            source = recipe.read_text() + (ROOT / "recipes" / "_common.py").read_text()
+            for option in re.findall(r"(?<![\w-])(--[\w-]+)", m.group(2)):
+                assert f'"{option}"' in source, (page.name, m.group(0), option)
+            commands += 1
+    assert commands >= 3
