@@ -1,6 +1,6 @@
 """The project's root entry (``python cli.py ...`` from a checkout, as the layout keeps it).
 
-The click application lives in the package (``distdebug/cli.py``), so that the installed console
+The click application lives in the package (``distdebug/cli/``), so that the installed console
 script points into ``distdebug`` and nothing named ``cli`` lands at the top of site-packages.
 """
 

@@ -3,7 +3,7 @@
 ``distdebug attach`` stands in for ``torchrun`` in a launch script, so a torchrun command line must
 parse unchanged. Every option of torch's parser (``torch.distributed.run.get_args_parser``) is one of:
 attach's own (the launcher options it needs the values of: ranks, nodes, rendezvous, ``-m``; in
-distdebug/cli.py), one of the options below, passed to ``torch.distributed.run`` as typed (torchrun's
+distdebug/cli/cmd_attach.py), one of the options below, passed to ``torch.distributed.run`` as typed (torchrun's
 meaning, torch's own code doing it), already what attach does, or refused with one line saying why.
 tests/unit/test_torchrun_options.py enumerates torch's parser: an option that torch adds is a failing
 test, not a user's launch line failing at option parsing.

@@ -50,7 +50,7 @@ def test_the_wheel_holds_only_distdebug_and_its_quick_start_runs_in_a_fresh_virt
     assert {n.split("/")[0] for n in names} == {"distdebug", info}
     assert zipfile.ZipFile(wheel).read(f"{info}/top_level.txt").decode().split() == ["distdebug"]
     for path in ("distdebug/fault_injection/registry.py", "distdebug/recipes/ddp_convnet.py",
-                 "distdebug/recipes/_common.py", "distdebug/report/assets/report.js", "distdebug/cli.py"):
+                 "distdebug/recipes/_common.py", "distdebug/report/assets/report.js", "distdebug/cli/cmd_attach.py"):
         assert path in names, path
 
     venv = tmp_path / "venv"

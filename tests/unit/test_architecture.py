@@ -63,7 +63,7 @@ LAYERS = ("ground", "cards", "artifacts", "fingerprint", "runtime", "doctor", "d
           "launch", "lint", "fault_injection", "cli")
 """The floors, lowest first: a module imports from its own floor or below, never above. ground: the modules
 at distdebug/'s top (findings, context, errors, config, envvars, procs) that every floor shares; api: the
-package itself (watch(), step()); cli: distdebug/cli.py and __main__. The folders' roles: README's layout."""
+package itself (watch(), step()); cli: distdebug/cli/ and __main__. The folders' roles: README's layout."""
 
 
 def floor(module: str) -> str:
