@@ -33,4 +33,4 @@ def test_attach_help_leads_with_distdebugs_own_options_and_torchruns_follow():
         assert own < text.index(f"  {option} ") < launcher, option
     for option in ("--nproc-per-node", "--nnodes", "--master-port", "--max-restarts", "--log-dir"):
         assert text.index(f"  {option}") > launcher, option
-    assert "--no-python" not in text  # refused, and hidden
+    assert "\n  --no-python" not in text  # refused, and hidden from the options (the description says so)
