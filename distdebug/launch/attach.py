@@ -30,6 +30,7 @@ from distdebug.detectors import registry
 from distdebug.errors import UserError
 from distdebug.launch import manifest as manifest_mod
 from distdebug.launch import supervisor as supervisor_mod
+from distdebug.launch.services import Services
 from distdebug.report.fmt import format_finding
 
 BOOTSTRAP_MODULE = "distdebug.launch.bootstrap"
@@ -203,7 +204,25 @@ def _failure_message(err: Any) -> tuple[int, str]:
 
 
 def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
-    """Run cfg.target under torch's elastic launcher with instrumentation; returns its exit code."""
+    """Run cfg.target under torch's elastic launcher with instrumentation; returns its exit code. In order: what
+    runs (refused before any run directory is made: bad input leaves no empty run for `latest` to point at),
+    the run directory and its records of the start, the side services around torch's launcher, the verdicts."""
+    names, detectors = _detectors(cfg)
+    torchrun, args, nproc = _launcher_args(cfg)
+    label = Path(cfg.target).stem if not cfg.module else cfg.target.rsplit(".", 1)[-1]
+    run_dir = runs.prepare_run_dir(cfg.run_dir if cfg.run_dir is not None else runs.new_run_dir(label))
+    if cfg.run_dir is None:
+        runs.mark_latest(run_dir)
+    node_info, env_checked = _record_start(cfg, argv, run_dir, nproc, detectors, names)
+    _worker_env(cfg, run_dir, detectors, env_checked=env_checked)
+    end = JobEnd(exit_code=0, primary=cfg.node_rank == 0)
+    with Services.for_launch(cfg, run_dir, getattr(args, "log_dir", None)) as services:
+        code, message = _run_launcher(torchrun, args, end)
+    return _finish(cfg, run_dir, end, code, message, services, node_info)
+
+
+def _detectors(cfg: AttachConfig) -> tuple[list[str], list[dict[str, Any]]]:
+    """The detectors' names and their resolved specs, with parity's recorder where asked for."""
     names = registry.chosen(cfg.detectors)
     if cfg.rerun_on_anomaly and "rerun" not in names:
         names = [*names, "rerun"]
@@ -211,7 +230,11 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     if cfg.parity is not None:  # a recorder, not a detector: reached by its import path (detectors.parity)
         detectors.append({"target": PARITY_RECORDER, "params": {
             "twin": cfg.parity == "twin", **({"steps": cfg.parity_steps} if cfg.parity_steps else {})}})
-    # Refused before any run directory is made: bad input leaves no empty run for `latest` to point at.
+    return names, detectors
+
+
+def _launcher_args(cfg: AttachConfig) -> tuple[Any, Any, str]:
+    """torch's launcher module, its parsed arguments and the ranks a node, checked by torch's own code."""
     nproc = cfg.nproc_per_node or _default_nproc()
     _check_nproc(nproc)
     import torch.distributed.run as torchrun
@@ -224,15 +247,14 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
         torchrun.config_from_args(args)
     except (ValueError, RuntimeError, AssertionError) as e:
         raise UserError(f"the launcher refused its options: {e}", 2) from None
-    label = Path(cfg.target).stem if not cfg.module else cfg.target.rsplit(".", 1)[-1]
-    run_dir = runs.prepare_run_dir(cfg.run_dir if cfg.run_dir is not None else runs.new_run_dir(label))
-    if cfg.run_dir is None:
-        runs.mark_latest(run_dir)
+    return torchrun, args, nproc
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+def _record_start(cfg: AttachConfig, argv: list[str] | None, run_dir: Path, nproc: str,
+                  detectors: list[dict[str, Any]], names: list[str]) -> tuple[dict[str, Any], bool]:
+    """The manifest (node 0's, or the first node's) and this node's file, with the environment check's findings
+    made before any rank starts (a rank that fails at once cannot outrun its explanation); the node's record and
+    whether the environment was checked here (the ranks then do not check it again)."""
     launcher = _launcher_info(cfg, nproc)
     if cfg.node_rank == 0 or not layout.manifest_path(run_dir).exists():
         _write_or_say(
@@ -242,63 +264,46 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
                 launcher=launcher, detectors=detectors, run_dir=run_dir, faults=cfg.inject,
             ),
         )
-    node_file = layout.node_path(run_dir, cfg.node_rank)
     node_info: dict[str, Any] = {
         "node_rank": cfg.node_rank, "host": socket.gethostname(), "pid": os.getpid(),
         "started": time.time(), "launcher": launcher,
     }
-    # before any rank starts: a rank that fails at once cannot outrun its explanation
     env_found = _env_check(cfg.node_rank) if "env_check" in names else None
     if env_found:
         node_info["findings"] = env_found
-    _write_or_say(node_file, node_info)
+    _write_or_say(layout.node_path(run_dir, cfg.node_rank), node_info)
+    return node_info, env_found is not None
 
-    _worker_env(cfg, run_dir, detectors, env_checked=env_found is not None)
-    from distdebug.launch.volume import VolumeGuard
 
-    guard: VolumeGuard | None = None
+def _run_launcher(torchrun: Any, args: Any, end: JobEnd) -> tuple[int, str | None]:
+    """torch's launcher, to the job's end: its exit code and, for a failure, why in a few words."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
     try:
-        guard = VolumeGuard(run_dir, budget=cfg.run_dir_budget, expected=cfg.expected_hours,
-                            log_dir=getattr(args, "log_dir", None), node_rank=cfg.node_rank)
-    except Exception as e:  # the guard is never worth a job
-        print(f"distdebug: log-volume guard off ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    supervisor = supervisor_mod.Supervisor(
-        run_dir, stall_timeout=cfg.stall_timeout, startup_timeout=cfg.startup_allowance, on_hang=cfg.on_hang,
-        node_rank=cfg.node_rank,
-        expected_nodes=parse_nnodes(cfg.nnodes)[0], on_stall=cfg.on_stall, guard=guard,
-    )
-    supervisor.start()
-    from distdebug.launch.status import StatusLine
-
-    status = StatusLine(run_dir, cfg.node_rank) if StatusLine.wanted() else None
-    if status is not None:
-        status.start()
-    code, message = 0, None
-    end = JobEnd(exit_code=0, primary=cfg.node_rank == 0)
-    from distdebug.launch.relay import StacksRelay
-
-    relay = StacksRelay(run_dir)  # before the ranks start: they find their wake-up folder in the environment
-    try:
-        relay.start()
         torchrun.run(args)
     except ChildFailedError as e:
-        code, message = _failure_message(e)
         end.failures, end.first_failure = _failures(e)
+        return _failure_message(e)
     except SignalException as e:
-        code, message = 128 + int(e.sigval), f"the launcher received {e.sigval.name}; ranks were stopped"
+        return 128 + int(e.sigval), f"the launcher received {e.sigval.name}; ranks were stopped"
     except RendezvousError as e:
-        code, message = 1, f"rendezvous failed: {type(e).__name__}: {e}"
+        return 1, f"rendezvous failed: {type(e).__name__}: {e}"
     except (ValueError, RuntimeError, AssertionError) as e:
         # torch's own validation of launcher options (e.g. a bad --rdzv-conf)
-        code, message = 2, f"the launcher refused to start: {e}"
-    finally:
-        if status is not None:
-            status.stop()
-        supervisor.stop()
-        relay.stop()
+        return 2, f"the launcher refused to start: {e}"
+    return 0, None
+
+
+def _finish(cfg: AttachConfig, run_dir: Path, end: JobEnd, code: int, message: str | None, services: Services,
+            node_info: dict[str, Any]) -> AttachResult:
+    """Every run-level verdict, from the run loaded once; the exit code and line they give; the node's file and
+    the manifest completed."""
+    supervisor = services.supervisor
     end.exit_code = code
     end.hang_named = supervisor.verdict is not None and code != 0
-    result = analyse(run_dir, end)  # every run-level verdict, from the run loaded once
+    result = analyse(run_dir, end)
     for f in result.findings:
         print(format_finding(f), file=sys.stderr, flush=True)
     print_notes(result)
@@ -314,9 +319,10 @@ def attach(cfg: AttachConfig, argv: list[str] | None = None) -> AttachResult:
     except Exception as e:  # never worth the job's exit: they stay in the node's file, unfiled
         print(f"distdebug: could not file the environment findings ({type(e).__name__}: {e})", file=sys.stderr,
               flush=True)
+    guard = services.guard
     node_info.update(ended=time.time(), exit_code=code, message=message,
                      volume=guard.summary_within(10.0) if guard is not None else None)
-    _write_or_say(node_file, node_info)
+    _write_or_say(layout.node_path(run_dir, cfg.node_rank), node_info)
     if cfg.node_rank == 0:
         data = read_json(layout.manifest_path(run_dir)) or {}
         data.update(world_size=result.world_size, layout=result.layout)
