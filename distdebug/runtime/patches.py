@@ -23,7 +23,7 @@ import torch
 
 from distdebug.artifacts import schema
 from distdebug.context import RankIdentity
-from distdebug.runtime import cost
+from distdebug.runtime import cost, teardown
 from distdebug.runtime.callinfo import P2P, call_shapes, call_site, p2p_peer
 from distdebug.runtime.clock import StepClock
 from distdebug.runtime.progress import Progress
@@ -308,6 +308,7 @@ class TorchPatches:
 
         @functools.wraps(original)
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            quietly(teardown.note_first_group)
             progress.phase = "init_process_group"
             progress.touch()
             quietly(session.emit, schema.record(schema.PG_INIT, rank=session.identity.rank, phase="begin",
