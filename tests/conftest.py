@@ -45,8 +45,12 @@ _remove_stale_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 # - an unmarked test holds "cpu" exclusively and "all" shared: CPU-bound tests run one at a time;
 # - a `waits` test holds "all" shared only: beside any one test but an `alone` one;
 # - an `alone` test (it asserts a measured time, such as a straggler's lateness, or runs more ranks than
-#   cores and is judged clean) holds "all" exclusively: nothing runs beside it.
+#   cores and is judged clean) holds "all" exclusively: nothing runs beside it;
+# - a tier-1 test (tests/unit: one process, a core at most, no ranks) holds "all" shared only, as a `waits`
+#   test: two run at once, or one beside a CPU-bound test, never beside an `alone` one (issue 63: held to
+#   "cpu", the 500 unit tests ran one at a time, a core idle).
 _E2E = Path(__file__).resolve().parent / "e2e"
+_UNIT = Path(__file__).resolve().parent / "unit"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,8 +79,9 @@ def side_by_side(request, tmp_path_factory):
     node = request.node
     held = []
     try:
+        light = Path(str(node.fspath)).is_relative_to(_UNIT)
         for name, mode in locks_for(node.get_closest_marker("alone") is not None,
-                                    node.get_closest_marker("waits") is not None):
+                                    light or node.get_closest_marker("waits") is not None):
             f = open(run / f"{name}.lock", "a")
             held.append(f)
             fcntl.flock(f, mode)
