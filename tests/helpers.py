@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,9 +50,23 @@ def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = N
     return r
 
 
+JSON_COMMANDS = ("report", "diff", "doctor", "lint", "parity", "top", "stacks")
+
+
 def distdebug(*args: str, timeout: float = 180, env: dict[str, str] | None = None,
               cwd: Path | None = None) -> Completed:
-    return run([sys.executable, str(ROOT / "cli.py"), *args], timeout=timeout, env=env, cwd=cwd)
+    """A distdebug command, run to completion. Every ``--json`` output of every test is parsed here with a
+    strict parser, as a browser's or jq's (issue 63): a bare NaN or Infinity fails the test that made it."""
+    r = run([sys.executable, str(ROOT / "cli.py"), *args], timeout=timeout, env=env, cwd=cwd)
+    if args and args[0] in JSON_COMMANDS and "--json" in args and r.stdout.strip():
+        from distdebug.strictjson import strict_loads
+
+        try:
+            strict_loads(r.stdout)
+        except ValueError as e:
+            raise AssertionError(f"distdebug {' '.join(args[:2])} --json wrote what a strict parser refuses ({e})"
+                                 f":\n{r.stdout[:2000]}") from None
+    return r
 
 
 def side_by_side(*commands: list[str], timeout: float = 180) -> list[Completed]:
@@ -71,7 +86,7 @@ def torchrun(*args: str, timeout: float = 180, env: dict[str, str] | None = None
 
 
 PORTS_FROM, PORTS_A_WORKER, WORKERS_APART = 20000, 2000, 6
-_next_port = itertools.count()
+_next_port = itertools.count(random.randrange(PORTS_A_WORKER))  # two sessions' same worker start apart
 _port_lock = threading.Lock()
 
 

@@ -1,4 +1,6 @@
-"""Tier 3 (CLI): ``distdebug parity`` on every recipe's layout against its own 1-rank reference (issue 50, item 4).
+"""Tier 2 in the slow tier: ``distdebug parity`` on every recipe's layout against its own 1-rank reference (issue 50,
+item 4), each run attach's with its ranks forked from the test process (tests/forked.py: no launcher, no torch import
+a rank), the verdict parity's own command run in this process.
 
 Each recipe at 2 ranks (``--global-batch``: the ranks split one batch) against the same recipe at 1 rank and
 that reference's twin must be equivalent, at each of five seeds: DDP with BatchNorm over the whole batch (the
@@ -15,20 +17,27 @@ where the recording is new: the ConvNet's BatchNorm per rank departs at step 1 w
 rate scaled at step 3 is found at step 3 in ZeRO-3's partitions and on both pipelines; each rank clipping its own
 gradients in the GPT; a gradient never averaged under Lightning's clipping.
 
-Needs: 3 launches per recipe and seed (1, 1 and 2 ranks, side by side), one more beside them for a fault, and
-beside the pipeline's fifth seed the interleaved candidate, its fault and the stages under names of their own:
-119 launches of tiny models, 10 steps each; beside ZeRO-2's third seed, DeepSpeed accumulating micro-batches at 1
-rank (its reference, twin and a second reference calling loss.backward itself) against ZeRO-2's candidate: 3.
+Needs: 3 runs per recipe and seed (1, 1 and 2 ranks), one more for a fault, and beside the pipeline's fifth seed
+the interleaved candidate, its fault and the stages under names of their own: 119 runs of tiny models, 10 steps
+each; beside ZeRO-2's third seed, DeepSpeed accumulating micro-batches at 1 rank (its reference, twin and a second
+reference calling loss.backward itself) against ZeRO-2's candidate: 3. Forked, not launched (issue 63: through
+the CLI these runs were about 530 s of the suite, most of it torch's import in every launcher and rank): what
+they prove is numbers; the path a user types (``distdebug attach --parity`` launching torch's launcher, then
+``distdebug parity`` as a command of its own, ``--launch-ref``/``--launch-cand`` too) is proven by
+tests/e2e/test_parity.py on the parity recipe.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import pytest
+from click.testing import CliRunner
 
-from tests.helpers import DATA, RECIPES, distdebug, side_by_side
+from distdebug.cli import main
+from distdebug.strictjson import strict_loads
+from tests.forked import forked_attach
+from tests.helpers import DATA, RECIPES
 
 SCRIPTS = DATA / "scripts"
 
@@ -90,37 +99,56 @@ ACCUMULATE_SEED = 2
 """ZeRO-2's seed at which its candidate is also compared with the recipe at 1 rank accumulating two micro-batches."""
 
 
-def attach(tmp_path, name: str, mode: str, nproc: int, script: list[str], seed: int, *extra: str) -> list[str]:
-    """distdebug's arguments for one run of the pair."""
-    path = (SCRIPTS if script[0].startswith("fw_") else RECIPES) / script[0]
-    return ["attach", "--run-dir", str(tmp_path / name), "--parity", mode, "--nproc-per-node", str(nproc), *extra,
-            str(path), *script[1:], "--seed", str(seed), "--steps", "10"]
+@dataclass
+class Run:
+    """One run of a pair: attach --parity MODE --nproc-per-node NPROC [--inject ...] SCRIPT ARGS --seed --steps 10."""
+
+    name: str
+    mode: str
+    nproc: int
+    script: list[str]
+    seed: int
+    inject: tuple[str, ...] = ()
 
 
-def side_by_side_runs(tmp_path, script: list[str], seed: int, fault: Fault | None, *also: list[str]) -> None:
-    """The 1-rank reference, its twin, the 2-rank candidate, the fault's candidate if any and any other run, side
-    by side: each run alone leaves a core idle for much of its time (its launcher's start and end, a rank waiting
-    in a collective); at once they take about four fifths of the time one after another takes."""
+def attach(tmp_path, name: str, mode: str, nproc: int, script: list[str], seed: int, *extra: str) -> Run:
+    """One run of the pair (``extra``: attach's ``--inject SPEC``, the only options the pairs give)."""
+    assert len(extra) % 2 == 0 and all(flag == "--inject" for flag in extra[::2]), extra
+    return Run(name, mode, nproc, script, seed, tuple(extra[1::2]))
+
+
+def side_by_side_runs(tmp_path, script: list[str], seed: int, fault: Fault | None, *also: Run) -> None:
+    """The 1-rank reference, its twin, the 2-rank candidate, the fault's candidate if any and any other run, one
+    after another, each rank forked (tests/forked.py)."""
     runs = [attach(tmp_path, "ref", "record", 1, script, seed), attach(tmp_path, "twin", "twin", 1, script, seed),
             attach(tmp_path, "cand", "record", 2, script, seed), *also]
     if fault is not None:
         runs.append(fault_run(tmp_path, "fault", script, seed, fault))
-    for r in side_by_side(*runs, timeout=400):
-        assert r.returncode == 0, r.output[-3000:]
+    for run in runs:
+        path = (SCRIPTS if run.script[0].startswith("fw_") else RECIPES) / run.script[0]
+        codes = forked_attach(tmp_path / run.name, run.nproc, path,
+                              [*run.script[1:], "--seed", str(run.seed), "--steps", "10"], parity=run.mode,
+                              inject=run.inject)
+        assert codes == [0] * run.nproc, (run, codes)
 
 
-def fault_run(tmp_path, name: str, script: list[str], seed: int, fault: Fault) -> list[str]:
+def fault_run(tmp_path, name: str, script: list[str], seed: int, fault: Fault) -> Run:
     """The fault's candidate: the script with an argument dropped (its own fault), or a fault injected."""
     if fault.change[0] == "-":
         return attach(tmp_path, name, "record", 2, [a for a in script if a not in fault.change[1:]], seed)
     return attach(tmp_path, name, "record", 2, script, seed, *fault.change)
 
 
+def parity_command(*args: str):  # -> click.testing.Result
+    """``distdebug parity ARGS`` run in this process, as the command line runs it (its exit code, its output)."""
+    return CliRunner().invoke(main, ["parity", *args])
+
+
 def parity(tmp_path, cand: str, ref: str = "ref", twin: str = "twin") -> dict:
-    r = distdebug("parity", "--json", str(tmp_path / ref), str(tmp_path / cand), "--twin", str(tmp_path / twin))
-    assert r.returncode in (0, 1), r.output[-3000:]
-    got = json.loads(r.stdout)
-    assert r.returncode == (0 if got["equivalent"] else 1)
+    r = parity_command("--json", str(tmp_path / ref), str(tmp_path / cand), "--twin", str(tmp_path / twin))
+    assert r.exit_code in (0, 1), r.output[-3000:]
+    got = strict_loads(r.stdout)
+    assert r.exit_code == (0 if got["equivalent"] else 1)
     return got
 
 
@@ -171,9 +199,9 @@ def test_every_recipe_at_two_ranks_computes_what_it_computes_at_one(name, seed, 
     if interleaved:
         assert_equivalent(parity(tmp_path, "interleaved"), bit_for_bit_allowed=True)
         assert_departs(parity(tmp_path, "interleaved-fault"), INTERLEAVED_FAULT)
-        r = distdebug("parity", str(tmp_path / "ref"), str(tmp_path / "own-names"), "--twin", str(tmp_path / "twin"))
-        assert r.returncode == 2 and "runs several pipeline stages (an interleaved schedule) and the recorder could " \
-            "not read them all" in r.stderr and "Traceback" not in r.stderr, r.output[-2000:]
+        r = parity_command(str(tmp_path / "ref"), str(tmp_path / "own-names"), "--twin", str(tmp_path / "twin"))
+        assert r.exit_code == 2 and "runs several pipeline stages (an interleaved schedule) and the recorder could " \
+            "not read them all" in r.stderr and "Traceback" not in r.output, r.output[-2000:]
     if accumulating:
         # DeepSpeed's engine divides the loss it is given by its accumulation steps before backward: the recipe at
         # 1 rank accumulating the global batch in 2 micro-batches is equivalent to the 2 ranks of one micro-batch
