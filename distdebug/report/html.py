@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import datetime
 import html
-import json
-import math
 import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distdebug import cards
+from distdebug import cards, strictjson
 from distdebug.analysis.costmodel import describe as describe_model
 from distdebug.analysis.overhead import describe as describe_overhead
 from distdebug.analysis.plots import plot_data
@@ -50,17 +48,6 @@ PLOTS = [
 
 def _asset(name: str) -> str:
     return resources.files("distdebug.report").joinpath("assets").joinpath(name).read_text(encoding="utf-8")
-
-
-def _jsonable(x: Any) -> Any:
-    """NaN/Inf as strings (JSON has no such numbers; the page's reviver turns them back)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def _e(x: Any) -> str:
@@ -267,7 +254,7 @@ def render_html(run: Run, summary: RunSummary, out: Path) -> Path:
     exit_text = "-" if summary.exit_code is None else str(summary.exit_code)
     if summary.failure:
         exit_text += f" ({summary.failure})"
-    payload = json.dumps(_jsonable(data), separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    payload = strictjson.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>distdebug report: {_e(Path(summary.run_dir).name)}</title>
