@@ -161,7 +161,10 @@ class StepClock:
                 continue
             try:
                 for key, value in (cost.timed(ledger, det.name, det.probe, step) or {}).items():
-                    readout.add((det.name, key), value)
+                    if type(value) is list:
+                        readout.add_many((det.name, key), value)
+                    else:
+                        readout.add((det.name, key), value)
             except Exception as e:
                 det.fail(e, "probe")
         values: dict[Any, Any] = {}

@@ -73,7 +73,9 @@ class Detector:
         fingerprint rows), as tensors, not read: the session reads them all, and the loss, in one
         device-to-host transfer and hands them back in ``on_step``'s event (``self.values(event)``).
         Called at every boundary just before ``on_step``. A detector never reads a device tensor itself:
-        on a GPU each read stalls the host until the device catches up (runtime.readout)."""
+        on a GPU each read stalls the host until the device catches up (runtime.readout). A value may be a
+        list of tensors: it comes back as the list of their values, packed with the rest (no op of the
+        detector's own to stack or reduce them)."""
         return None
 
     def values(self, event: StepEvent) -> dict[str, Any]:

@@ -25,19 +25,27 @@ class Readout:
 
     def __init__(self) -> None:
         self._items: list[tuple[Any, torch.Tensor, tuple[int, ...], bool]] = []
+        self._many: dict[Any, list[int]] = {}  # add_many's keys: their items' places, in order
+
+    def add_many(self, key: Any, values: list[torch.Tensor]) -> None:
+        """Queue several values under one key, read back as the list of their host values in order: packed with
+        everything else, so a detector hands over its flags as they are and reduces them on the host, with no op
+        of its own (issue 62: a stack and a max of a detector's own were three launches a step for one bit).
+        All are checked before any is queued: a bad one refuses the whole list."""
+        if not isinstance(values, list):
+            raise TypeError(f"add_many takes a list of tensors, not {type(values).__name__}")
+        for value in values:
+            _check(value)
+        start = len(self._items)
+        self._items += [(key, v, tuple(v.shape), v.is_floating_point()) for v in values]
+        self._many.setdefault(key, []).extend(range(start, len(self._items)))
 
     def add(self, key: Any, value: torch.Tensor) -> None:
         """Queue ``value`` (any shape; floating, integer or bool) under ``key``. Raises for anything
         else, at once, so that the caller's detector fails alone and the read never does. Nothing is
         dispatched here: the values are packed at the read, a few ops for them all (issue 62: five ops a value
         were most of the harness's ops a step, each a launch on a GPU)."""
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"a readout value must be a tensor, not {type(value).__name__}")
-        if value.is_complex():
-            raise TypeError("complex values cannot be read out")
-        if value.layout is not torch.strided or value.is_meta:
-            raise TypeError(f"a readout value must be a dense tensor with storage, not {value.layout} on "
-                            f"{value.device}")
+        _check(value)
         self._items.append((key, value, tuple(value.shape), value.is_floating_point()))
 
     def __len__(self) -> int:
@@ -49,34 +57,37 @@ class Readout:
         by_device: dict[Any, list[int]] = {}
         for i, (_, value, _, _) in enumerate(self._items):
             by_device.setdefault(value.device, []).append(i)
-        host: dict[int, list[int]] = {}
+        host: dict[int, list[Any]] = {}
         with torch.no_grad():
             for indices in by_device.values():
                 floats = [i for i in indices if self._items[i][3]]
                 ints = [i for i in indices if not self._items[i][3]]
-                # int64 words: float64 bits for floats (exact), the integer itself otherwise
-                pieces, order = [], []
-                if floats:
-                    words, part = self._packed(floats, torch.float64)
-                    pieces.append(words.view(torch.int64))
-                    order += part
-                if ints:
-                    words, part = self._packed(ints, torch.int64)
-                    pieces.append(words)
-                    order += part
-                values = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).tolist()  # the read
-                pos = 0
-                for i in order:
-                    n = math.prod(self._items[i][2])
-                    host[i] = values[pos:pos + n]
-                    pos += n
-        out: dict[Any, Any] = {}
-        for i, (key, _, shape, floating) in enumerate(self._items):
+                fwords, forder = self._packed(floats, torch.float64) if floats else (None, [])
+                iwords, iorder = self._packed(ints, torch.int64) if ints else (None, [])
+                if fwords is not None and iwords is not None:
+                    # both kinds in one read: int64 words, a float as its float64 bits (exact), turned back at once
+                    words = torch.cat([fwords.view(torch.int64), iwords]).tolist()  # the read
+                    nf = fwords.numel()
+                    fvals = list(struct.unpack(f"<{nf}d", struct.pack(f"<{nf}q", *words[:nf])))
+                    ivals = words[nf:]
+                else:  # one kind: read as it is (float64 and int64 come back exact)
+                    fvals = fwords.tolist() if fwords is not None else []  # the read
+                    ivals = iwords.tolist() if iwords is not None else []  # (or this one: never both)
+                for order, vals in ((forder, fvals), (iorder, ivals)):
+                    pos = 0
+                    for i in order:
+                        n = math.prod(self._items[i][2])
+                        host[i] = vals[pos:pos + n]
+                        pos += n
+        out: dict[Any, Any] = {key: [] for key in self._many}
+        many = {i for places in self._many.values() for i in places}
+        for i, (key, _, shape, _) in enumerate(self._items):
             values = host[i]
-            if floating:
-                values = list(struct.unpack(f"<{len(values)}d", struct.pack(f"<{len(values)}q", *values)))
-            out[key] = _shaped(values, shape)
-        self._items = []
+            if i in many:
+                out[key].append(_shaped(values, shape))
+            else:
+                out[key] = _shaped(values, shape)
+        self._items, self._many = [], {}
         return out
 
     def _packed(self, indices: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
@@ -90,6 +101,18 @@ class Readout:
             parts.append(value if value.dim() == 1 else value.reshape(-1))
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         return flat.to(dtype), scalars + others
+
+
+def _check(value: Any) -> None:
+    """Raises for what cannot be read out, at once, so that the caller's detector fails alone and the read never
+    does."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"a readout value must be a tensor, not {type(value).__name__}")
+    if value.is_complex():
+        raise TypeError("complex values cannot be read out")
+    if value.layout is not torch.strided or value.is_meta:
+        raise TypeError(f"a readout value must be a dense tensor with storage, not {value.layout} on "
+                        f"{value.device}")
 
 
 def _shaped(values: list[Any], shape: tuple[int, ...]) -> Any:

@@ -89,3 +89,43 @@ def test_a_sparse_or_meta_value_fails_when_added_and_the_others_still_read():
     with pytest.raises(TypeError):
         r.add("meta", torch.empty(2, device="meta"))
     assert r.read() == {"ok": 1.25}
+
+
+def test_a_list_of_values_under_one_key_comes_back_in_order_in_the_same_one_read(monkeypatch):
+    """Issue 62: a detector hands its flags over as they are (``add_many``, a probe's list) and judges them on the
+    host; they are packed with every other value, and a step whose values are all floats or all integers is read
+    with no conversion of its own."""
+    r = Readout()
+    r.add("loss", torch.tensor(0.5, dtype=torch.float64))
+    r.add_many("flags", [torch.tensor(1.0), torch.tensor([float("nan"), 2.0]), torch.tensor(3.0, dtype=torch.bfloat16)])
+    r.add_many("empty", [])
+    r.add_many("flags", [torch.tensor(4.0)])  # a second list under the same key follows the first
+    reads = []
+    original = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self.dtype)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    out = r.read()
+    assert reads == [torch.float64]  # one read, of the floats as they are
+    assert out["loss"] == 0.5 and out["empty"] == []
+    assert out["flags"][0] == 1.0 and math.isnan(out["flags"][1][0]) and out["flags"][1][1] == 2.0
+    assert out["flags"][2:] == [3.0, 4.0]
+    with pytest.raises(TypeError):
+        r.add_many("bad", [torch.tensor(1.0), 2.0])  # one bad value refuses the whole list
+    with pytest.raises(TypeError):
+        r.add_many("bad", torch.tensor([1.0]))
+    assert len(r) == 0
+    r.add("n", torch.tensor(7))
+    assert r.read() == {"n": 7} and reads[-1] == torch.int64
+
+
+def test_the_host_judges_a_detectors_flags_as_the_device_max_did():
+    """nan_origin's flags are judged on the host now (flags.all_finite); it must say what the max of them said."""
+    from distdebug.detectors.nan_origin.flags import all_finite
+
+    assert all_finite([]) and all_finite([0.0, [1e308, [2.0]], 3])
+    for bad in (math.nan, math.inf, -math.inf):
+        assert not all_finite([0.0, [1.0, [2.0, bad]]]) and not all_finite([bad])

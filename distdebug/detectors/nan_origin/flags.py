@@ -4,10 +4,11 @@ be the first to make a NaN (so they get no hook).
 
 Why a module of its own: every other mechanism of nan_origin (the forward watch, the local gradients,
 the collectives, the state checks) records its evidence through these, never with a host read; the step's
-one host read sees their maximum (watch.py, ``probe``)."""
+one host read brings them all to the host, where ``all_finite`` judges them (watch.py, ``probe``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -104,3 +105,17 @@ def fold_in(acc: dict[Any, torch.Tensor], key: Any, total: torch.Tensor) -> None
             acc[key] = total
             return
     torch.maximum(seen.abs_(), total.abs(), out=seen)
+
+
+def all_finite(values: Any) -> bool:
+    """Whether every number in ``values`` is finite: the host's side of the step's flags, as the readout gives them
+    (numbers, and lists of numbers or of lists). A flag is a max |x| or a norm: a NaN or Inf anywhere in what it
+    covers makes it non-finite."""
+    isfinite = math.isfinite
+    for v in values:
+        if type(v) is list:
+            if not all_finite(v):
+                return False
+        elif not isfinite(v):
+            return False
+    return True

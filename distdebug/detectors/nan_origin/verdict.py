@@ -17,6 +17,7 @@ import torch
 
 from distdebug.config import EXIT_NAN
 from distdebug.context import StepEvent
+from distdebug.detectors.nan_origin.flags import all_finite
 from distdebug.detectors.nan_origin.replay import Replay
 from distdebug.detectors.nan_origin.state import StateChecks
 from distdebug.findings import Finding, Severity
@@ -40,8 +41,9 @@ class Verdict(Replay, StateChecks):
         comm_in, comm_out, stage_input, shards, gathered = self._forward_records
         self._forward_records = ({}, {}, {}, {}, {})
         values = self.values(event)
-        total = values.get("total")
-        finite = total is None or math.isfinite(total)
+        forward = values.get("forward")
+        forward = None if forward is None else (0.0 if all_finite(forward) else math.inf)
+        finite = forward != math.inf and all_finite(values.get("rest", ()))
         loss_finite = event.loss is None or math.isfinite(event.loss)
         checks, self._state_records = self._state_records, []
         if finite and loss_finite:
@@ -49,7 +51,6 @@ class Verdict(Replay, StateChecks):
         never = self._never_finite(event, checks)
         if never is not None:
             return self._emit(never) if self._first_of_run(event) else ()
-        forward = values.get("forward")
         skipped = event.skipped and loss_finite
         localised = self._recorder is not None and (skipped or self.first_step is None)
         if localised:  # on-demand watch: the step's forward again, every module watched (the rare path)

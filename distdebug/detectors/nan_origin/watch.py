@@ -138,7 +138,7 @@ class Watch(Replay, Collectives, LocalGradients):
         return hook
 
     def probe(self, step: int) -> dict[str, Any] | None:
-        """One fused check of the step's flags and the parameters after the step, as one device scalar."""
+        """The step's flags and the parameters' check after the step, handed to the step's one read as they are."""
         if self.ctx is None:
             return None
         if self._recorder is not None:
@@ -159,28 +159,26 @@ class Watch(Replay, Collectives, LocalGradients):
         tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
         tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
         with torch.no_grad():
-            scalars = [f for _, f in fwd] + [v for _, v in local if not v.dim()]
+            # Every flag and norm goes to the step's read as it is, and is judged on the host (finite or not):
+            # no stack, cat or max of this detector's own (issue 62: five launches a step on a GPU for one bit).
+            rest = [v for _, v in local]  # a scalar or a vector (a value per local gradient) per end of backward
             # On a CPU, one pass over the parameters' exponent bits on the host (fingerprint.hostpass): torch's
             # multi-tensor norm falls back there to a kernel a tensor, 3 us each. On a device, the fused norm.
             host = None if not tensors or device_path_forced() else self._host_params.any_nonfinite(tensors)
             if host is not None:
-                scalars.append(_INF if host else _ZERO)
+                rest.append(_INF if host else _ZERO)
             elif tensors:
                 # float32: an fp16 parameter's own norm overflows past 65504
-                scalars += torch._foreach_norm(tensors, finite_norm(tensors[0]), dtype=torch.float32)
-            # one vector per end-of-backward reading (a value per local gradient)
-            pieces = ([torch.stack(scalars)] if scalars else []) + [v for _, v in local if v.dim()]
-            # a model loaded (or first run) on the CPU and trained on a GPU: its checks join the step's device
-            device = pieces[0].device if pieces else None
-            pieces += [c.flags if device is None or c.flags.device == device else c.flags.to(device)
-                       for c in self._state_records]
-            if not pieces:
-                return None
-            # Every piece is a max |x| or a norm (never negative): their maximum keeps a NaN or Inf and cannot
-            # overflow, as a sum of values near a dtype's maximum would. One reduction per step, read with
-            # everything else.
-            flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            out = {"total": flat.amax()}
+                rest += torch._foreach_norm(tensors, finite_norm(tensors[0]), dtype=torch.float32)
+            # a model loaded (or first run) on the CPU and trained on a GPU: its checks join the step's device, so
+            # that the step stays one read
+            first = rest[0] if rest else (fwd[0][1] if fwd else None)
+            device = None if first is None else first.device
+            rest += [c.flags if device is None or c.flags.device == device else c.flags.to(device)
+                     for c in self._state_records]
+            out: dict[str, Any] = {}
             if fwd:  # the forward's own flags: what tells a real NaN from a loss scaler's overflow
-                out["forward"] = torch.stack([f for _, f in fwd]).amax()
-            return out
+                out["forward"] = [f for _, f in fwd]
+            if rest:
+                out["rest"] = rest
+            return out or None
