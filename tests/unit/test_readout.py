@@ -10,6 +10,19 @@ import torch
 from distdebug.runtime.readout import Readout
 
 
+def _count_reads(monkeypatch) -> list:
+    """The dtype of every tensor read to the host with ``tolist`` from now on (the readout's one read)."""
+    reads: list = []
+    original = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self.dtype)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    return reads
+
+
 def test_values_come_back_exactly_in_their_shapes_with_one_read(monkeypatch):
     r = Readout()
     r.add("loss", torch.tensor(2.5, dtype=torch.float64))
@@ -18,14 +31,7 @@ def test_values_come_back_exactly_in_their_shapes_with_one_read(monkeypatch):
     r.add("rows", torch.tensor([[2**63 - 1, -(2**63)], [7, -1]], dtype=torch.int64))  # fingerprint sums
     r.add("count", torch.tensor(3, dtype=torch.int32))
     r.add("mask", torch.tensor([True, False]))
-    reads = []
-    original = torch.Tensor.tolist
-
-    def counted(self):
-        reads.append(self.shape)
-        return original(self)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    reads = _count_reads(monkeypatch)
     out = r.read()
     assert len(reads) == 1  # everything in one transfer
     assert out["loss"] == 2.5 and math.isnan(out["flag"]) and out["half"] == [1.5, -0.25]
@@ -100,14 +106,7 @@ def test_a_list_of_values_under_one_key_comes_back_in_order_in_the_same_one_read
     r.add_many("flags", [torch.tensor(1.0), torch.tensor([float("nan"), 2.0]), torch.tensor(3.0, dtype=torch.bfloat16)])
     r.add_many("empty", [])
     r.add_many("flags", [torch.tensor(4.0)])  # a second list under the same key follows the first
-    reads = []
-    original = torch.Tensor.tolist
-
-    def counted(self):
-        reads.append(self.dtype)
-        return original(self)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    reads = _count_reads(monkeypatch)
     out = r.read()
     assert reads == [torch.float64]  # one read, of the floats as they are
     assert out["loss"] == 0.5 and out["empty"] == []
