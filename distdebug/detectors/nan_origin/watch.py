@@ -21,6 +21,9 @@ from distdebug.envvars import device_path_forced
 from distdebug.fingerprint.hashing import local_view
 from distdebug.runtime.discovery import ddp_params, find_ddp, first_tensor, runs_compiled, unwrap
 
+FEW = 16
+"""Flags handed to the step's read one by one up to this many; more go as one vector (one op), so that the read's
+Python never grows with the model's modules or parameters."""
 _ZERO = torch.zeros((), dtype=torch.float32)
 _INF = torch.full((), float("inf"), dtype=torch.float32)
 """The host pass's answer for the parameters, as the flag the device path would give (a constant: no kernel)."""
@@ -168,8 +171,9 @@ class Watch(Replay, Collectives, LocalGradients):
             if host is not None:
                 rest.append(_INF if host else _ZERO)
             elif tensors:
-                # float32: an fp16 parameter's own norm overflows past 65504
-                rest += torch._foreach_norm(tensors, finite_norm(tensors[0]), dtype=torch.float32)
+                # float32: an fp16 parameter's own norm overflows past 65504. One vector (one op): a value a tensor
+                # would cost the read's Python a step per parameter
+                rest.append(torch.stack(torch._foreach_norm(tensors, finite_norm(tensors[0]), dtype=torch.float32)))
             # a model loaded (or first run) on the CPU and trained on a GPU: its checks join the step's device, so
             # that the step stays one read
             first = rest[0] if rest else (fwd[0][1] if fwd else None)
@@ -178,7 +182,8 @@ class Watch(Replay, Collectives, LocalGradients):
                      for c in self._state_records]
             out: dict[str, Any] = {}
             if fwd:  # the forward's own flags: what tells a real NaN from a loss scaler's overflow
-                out["forward"] = [f for _, f in fwd]
+                flags = [f for _, f in fwd]  # one or a few (on-demand watch); a module each in full watch: one vector
+                out["forward"] = flags if len(flags) <= FEW else [torch.stack(flags)]
             if rest:
                 out["rest"] = rest
             return out or None
