@@ -25,7 +25,7 @@ class Readout:
 
     def __init__(self) -> None:
         self._items: list[tuple[Any, torch.Tensor, tuple[int, ...], bool]] = []
-        self._many: dict[Any, list[int]] = {}  # add_many's keys: their items' places, in order
+        self._lists: set[Any] = set()  # add_many's keys (a key is add's or add_many's, never both)
 
     def add_many(self, key: Any, values: list[torch.Tensor]) -> None:
         """Queue several values under one key, read back as the list of their host values in order: packed with
@@ -36,9 +36,8 @@ class Readout:
             raise TypeError(f"add_many takes a list of tensors, not {type(values).__name__}")
         for value in values:
             _check(value)
-        start = len(self._items)
+        self._lists.add(key)
         self._items += [(key, v, tuple(v.shape), v.is_floating_point()) for v in values]
-        self._many.setdefault(key, []).extend(range(start, len(self._items)))
 
     def add(self, key: Any, value: torch.Tensor) -> None:
         """Queue ``value`` (any shape; floating, integer or bool) under ``key``. Raises for anything
@@ -70,24 +69,22 @@ class Readout:
                     nf = fwords.numel()
                     fvals = list(struct.unpack(f"<{nf}d", struct.pack(f"<{nf}q", *words[:nf])))
                     ivals = words[nf:]
-                else:  # one kind: read as it is (float64 and int64 come back exact)
-                    fvals = fwords.tolist() if fwords is not None else []  # the read
-                    ivals = iwords.tolist() if iwords is not None else []  # (or this one: never both)
+                else:  # one kind only: read as it is (float64 and int64 come back exact); the other is empty
+                    fvals = fwords.tolist() if fwords is not None else []  # the read, of floats
+                    ivals = iwords.tolist() if iwords is not None else []  # or of integers
                 for order, vals in ((forder, fvals), (iorder, ivals)):
                     pos = 0
                     for i in order:
                         n = math.prod(self._items[i][2])
                         host[i] = vals[pos:pos + n]
                         pos += n
-        out: dict[Any, Any] = {key: [] for key in self._many}
-        many = {i for places in self._many.values() for i in places}
+        out: dict[Any, Any] = {key: [] for key in self._lists}
         for i, (key, _, shape, _) in enumerate(self._items):
-            values = host[i]
-            if i in many:
-                out[key].append(_shaped(values, shape))
+            if key in self._lists:
+                out[key].append(_shaped(host[i], shape))
             else:
-                out[key] = _shaped(values, shape)
-        self._items, self._many = [], {}
+                out[key] = _shaped(host[i], shape)
+        self._items, self._lists = [], set()
         return out
 
     def _packed(self, indices: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
