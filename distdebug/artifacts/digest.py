@@ -161,6 +161,11 @@ class Curve:
                                                  for b in data.get("buckets") or []})
 
 
+def _record(entry: tuple[Any, ...]) -> dict[str, Any]:
+    """A ``Digest.recent`` entry's record: kept, or parsed from its text."""
+    return entry[1] if entry[1] is not None else strictjson.loads(entry[2])
+
+
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -191,8 +196,11 @@ class Digest:
         self.traced: dict[int, float] = {}
         """step -> step time (s) of the steps of each profiler window and of the step after it."""
         self._windows: list[list[int]] = []  # profiler windows whose steps may still come: [first, last]
-        self.recent: deque[tuple[int, dict[str, Any], str | None]] = deque(maxlen=RECENT)
-        """(seq, record, its JSON as written or None) of the last bulk records."""
+        self.recent: deque[tuple[int, dict[str, Any] | None, str | None, Any, Any, Any]] = deque(maxlen=RECENT)
+        """(seq, record, its JSON as written, kind, step, step time) of the last bulk records: the record itself
+        only where there is no text (a digest loaded from its file), else parsed when asked for (a save, a
+        reader). A dict kept 64 steps is an object the interpreter's collector promotes and a full collection
+        walks; a tuple of a string and numbers is not tracked once the collector has seen it (issue 62)."""
         self._texts: dict[str, str] = {}
         """The JSON as written of ``memory_max``, ``harness_cost``, ``straggler``: a save copies it."""
 
@@ -222,11 +230,12 @@ class Digest:
             window = r.get("steps") or []
             if len(window) == 2 and all(isinstance(s, int) for s in window):
                 a, b = window
-                for _, old, _ in self.recent:  # the window's steps written before its trace record
-                    self._traced(old, a, b)
+                for _, _, _, old_kind, old_step, old_seconds in self.recent:  # written before its trace record
+                    self._traced(old_kind, old_step, old_seconds, a, b)
                 self._windows = [*self._windows[-7:], [a, b]]
         if kind in BULK:
-            self.recent.append((seq, r, text))
+            self.recent.append((seq, None if text is not None else r, text, kind, r.get("step"),
+                                r.get("step_time_s")))
 
     def _keep(self, name: str, text: str | None) -> None:
         if text is None:
@@ -251,12 +260,11 @@ class Digest:
                 self.work.add(seconds)
         self.curve.add(step, loss, seconds)
         for a, b in self._windows:
-            self._traced(r, a, b)
+            self._traced(schema.STEP, step, seconds, a, b)
         self._windows = [w for w in self._windows if step <= w[1] + 1]
 
-    def _traced(self, r: dict[str, Any], a: int, b: int) -> None:
-        step, seconds = r.get("step"), r.get("step_time_s")
-        if (r.get("kind") == schema.STEP and isinstance(step, int) and a <= step <= b + 1 and seconds
+    def _traced(self, kind: Any, step: Any, seconds: Any, a: int, b: int) -> None:
+        if (kind == schema.STEP and isinstance(step, int) and a <= step <= b + 1 and seconds
                 and len(self.traced) < MOST_TRACED):
             self.traced[step] = float(seconds)
 
@@ -292,7 +300,7 @@ class Digest:
         return m * 1e3 if m is not None else None
 
     def recent_records(self) -> list[tuple[int, dict[str, Any]]]:
-        return [(s, r) for s, r, _ in self.recent]
+        return [(e[0], _record(e)) for e in self.recent]
 
     # ------------------------------------------------------------ the index file's body
     def _numbers(self) -> dict[str, Any]:
@@ -305,7 +313,7 @@ class Digest:
     def to_json(self) -> dict[str, Any]:
         return {**self._numbers(), "memory_max": self.memory_max, "harness_cost": self.harness_cost,
                 "straggler": self.straggler, "curve": self.curve.to_json(),
-                "recent": [[s, r] for s, r, _ in self.recent]}
+                "recent": [[e[0], _record(e)] for e in self.recent]}
 
     def dumps(self) -> str:
         """``to_json``'s text, written for every index save: the records as the stream has them (redacted),
@@ -315,7 +323,7 @@ class Digest:
             value = getattr(self, name)
             parts.append(f'"{name}":{self._texts.get(name) or strictjson.dumps(value, default=str)}')
         parts.append(f'"curve":{self.curve.dumps()}')
-        recent = ",".join(f"[{s},{t or strictjson.dumps(r, default=str)}]" for s, r, t in self.recent)
+        recent = ",".join(f"[{e[0]},{e[2] or strictjson.dumps(e[1], default=str)}]" for e in self.recent)
         parts.append(f'"recent":[{recent}]')
         return parts[0] + "," + ",".join(parts[1:]) + "}"
 
@@ -331,5 +339,6 @@ class Digest:
         out.curve = Curve.from_json(d.get("curve"))
         out.traced = {int(s): float(t) for s, t in d.get("traced") or []}
         out._windows = [[int(a), int(b)] for a, b in d.get("windows") or []]
-        out.recent = deque(((int(s), r, None) for s, r in d.get("recent") or []), maxlen=RECENT)
+        out.recent = deque(((int(s), r, None, r.get("kind"), r.get("step"), r.get("step_time_s"))
+                            for s, r in d.get("recent") or [] if isinstance(r, dict)), maxlen=RECENT)
         return out

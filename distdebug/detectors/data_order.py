@@ -17,6 +17,7 @@ the same batch but compute different losses.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -34,6 +35,9 @@ from distdebug.runtime.exchange import checked_step as checked
 from distdebug.runtime.layout import partition
 
 MIN_STEPS = 3
+HISTORY = 256
+"""Steps of each rank's batch fingerprints kept for judging (the newest): the verdicts read these, and a job's
+memory and the exchange's work at a check must not grow with its length."""
 LOSS_RTOL = 1e-5
 LIVE_PASSES = 16
 """Unfinished passes kept for judging, at most (epochs cut short never finish: the oldest are let go)."""
@@ -152,7 +156,7 @@ class SamplerPasses:
         return known
 
 
-def identical_batches(per_rank: dict[int, list[list[Any]]]) -> tuple[list[int], list[int]]:
+def identical_batches(per_rank: dict[int, Any]) -> tuple[list[int], list[int]]:
     """(steps every rank fingerprinted, those where all ranks held the same batch)."""
     by_step: dict[int, dict[int, Any]] = {}
     for rank, records in per_rank.items():
@@ -171,11 +175,11 @@ class DataOrder(ExchangeUser, Detector):
     def __init__(self) -> None:
         self.ctx: RankContext | None = None
         self.exchange: Any = None
-        self.records: list[list[Any]] = []  # [step, batch fingerprint, loss]
+        self.records: list[tuple[Any, ...]] = []  # (step, batch fingerprint, loss)
         self.pending: Any = None  # this step's batch fingerprint
         self._pending_id: int | None = None
         self.backward_seen = False  # the step's first backward ran: its batch is the last one fingerprinted
-        self.history: dict[int, list[list[Any]]] = {}
+        self.history: dict[int, deque[tuple[Any, ...]]] = {}
         self.groups: dict[int, Any] = {}  # rank -> its data-parallel group (runtime.layout): who must differ
         self.reported: set[str] = set()
         self.passes = SamplerPasses()
@@ -276,7 +280,7 @@ class DataOrder(ExchangeUser, Detector):
         if pending is not None:
             fps = finish_read([pending], self.values(event))
             if fps is not None:
-                self.records.append([event.step, fps["batch"], event.loss])
+                self.records.append((event.step, fps["batch"], event.loss))  # a tuple: not the collector's to walk
         if not checked(event.step):
             return ()
         layout = self.ctx.layout if self.ctx is not None else None
@@ -288,7 +292,7 @@ class DataOrder(ExchangeUser, Detector):
             assert ctx is not None  # set in setup()/attach(), which the session calls first
             for rank, got in enumerate(gathered):
                 got = got or {}
-                self.history.setdefault(rank, []).extend(got.get("records") or [])
+                self.history.setdefault(rank, deque(maxlen=HISTORY)).extend(got.get("records") or [])
                 self.groups[rank] = got.get("group")
             if ctx.rank == 0:
                 for f in self._verdicts():

@@ -133,7 +133,8 @@ class ReplicaDivergence(ExchangeUser, Detector):
         self._parts = []
         if self.ctx is None or self.replicas is None or step % self.every:
             return None
-        parts = [PendingFingerprints(self.replicas.tensors(self.config.state_checked(step))), *self.forward_pending]
+        parts = [PendingFingerprints.of(*self.replicas.tensors(self.config.state_checked(step))),
+                 *self.forward_pending]
         if not self.replicas.ddp_sync:
             parts.append(PendingFingerprints(self.replicas.buffers))
         elif self.synced_buffers is not None:

@@ -73,7 +73,7 @@ MIN_STEPS = 8
 WINDOW = 64
 
 
-def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, Any]]:
+def scores(per_rank: dict[int, Any]) -> dict[int, dict[str, Any]]:
     """Per rank: score, median work, lateness and data wait (s) over the steps every rank recorded.
 
     ``per_rank[rank]`` holds ``[step, step_time_s, boundary_t, forward_t, backward_t, data_s]`` rows
@@ -132,7 +132,7 @@ def scores(per_rank: dict[int, list[list[float]]]) -> dict[int, dict[str, Any]]:
                 "steps": len(steps), "clock": "device" if device else "host"} for r in ranks}
 
 
-def by_position(per_rank: dict[int, list[list[float]]], stages: dict[int, int | None], floor_s: float = MIN_LATE_S
+def by_position(per_rank: dict[int, Any], stages: dict[int, int | None], floor_s: float = MIN_LATE_S
                 ) -> tuple[dict[int, dict[str, Any]], list[tuple[int, str, dict[str, Any]]]]:
     """``scores`` and ``verdicts`` among the ranks that run the same pipeline stage (every rank together
     outside a pipeline): stages arrive one after another by design, since a stage's first forward
@@ -209,9 +209,11 @@ class Straggler(ExchangeUser, Detector):
         self.exchange: Any = None
         self.clock = clock  # DeviceClock where the model is on CUDA (attach); injected by tests
         self.marks: list[Any] = []  # this step's device events: forward start, forward end
-        self.pending_device: list[tuple[list[float], Any, Any]] = []  # rows whose device times are unresolved
-        self.rows: list[list[float]] = []
-        self.history: dict[int, deque[list[float]]] = {}
+        self.pending_device: list[tuple[int, Any, Any]] = []  # rows (by place) whose device times are unresolved
+        self.rows: list[tuple[float, ...]] = []
+        """Tuples of numbers: kept for up to 16 steps, a list each would be an object the interpreter's collector
+        promotes and a full collection walks; such a tuple it stops tracking (issue 62)."""
+        self.history: dict[int, deque[tuple[float, ...]]] = {}
         self.stages: dict[int, int | None] = {}  # rank -> its pipeline stage (None: not a pipeline)
         self.floor_s = MIN_LATE_S  # the host-clock lateness floor on this host (attach: host_floor)
         self.forward_t = float("nan")
@@ -272,8 +274,9 @@ class Straggler(ExchangeUser, Detector):
         if not self.pending_device or self.clock is None:
             return
         self.clock.settle(self.pending_device[-1][2])
-        for row, start, end in self.pending_device:
-            row[DEVICE] = self.clock.elapsed(start, end)
+        for at, start, end in self.pending_device:
+            row = self.rows[at]
+            self.rows[at] = (*row[:DEVICE], self.clock.elapsed(start, end), *row[DEVICE + 1:])
         self.pending_device = []
 
     def on_step(self, event: StepEvent) -> Iterable[Finding]:
@@ -281,13 +284,13 @@ class Straggler(ExchangeUser, Detector):
         backward_t = self.ctx.backward_t if self.ctx is not None and self.ctx.backward_t is not None else float("nan")
         if backward_t == backward_t and now - backward_t > event.step_time_s + 1.0:
             backward_t = float("nan")  # left from an earlier step
-        row = [event.step, event.step_time_s, now, self.forward_t, backward_t, self.data_s, float("nan")]
+        row = (event.step, event.step_time_s, now, self.forward_t, backward_t, self.data_s, float("nan"))
         marks, self.marks = self.marks, []
         self.forward_t, self.data_s = float("nan"), 0.0
         if self.exchange is None or event.step < 2:  # step 1 holds start-up and discovery
             return ()
         if len(marks) == 2:
-            self.pending_device.append((row, marks[0], marks[1]))
+            self.pending_device.append((len(self.rows), marks[0], marks[1]))
         self.rows.append(row)
         self.last_step = event.step
         if checked_step(event.step):
@@ -349,7 +352,7 @@ class Straggler(ExchangeUser, Detector):
         if not isinstance(successor, Straggler):
             return  # (rows still waiting for their device times keep them unknown: no wait for the device here)
         successor.history, successor.stages, successor.reported = self.history, self.stages, self.reported
-        successor.rows, self.rows = self.rows, []
+        successor.rows, self.rows, self.pending_device = self.rows, [], []
 
     def flush_pending(self) -> None:
         self._resolve_device()

@@ -46,8 +46,6 @@ import numpy as np
 import torch
 import xxhash
 
-from distdebug.fingerprint.hostpass import DATA_PTR
-
 _MASK64 = (1 << 64) - 1
 BLOCK = 1 << 20
 """Words per pass over a large tensor: its temporaries are two int64 blocks (16 MiB), whatever its size."""
@@ -70,10 +68,15 @@ _SEEDS: dict[tuple[Any, ...], int] = {}
 
 def _seed(t: torch.Tensor) -> int:
     """xxh3 seed from dtype and shape (cached: the header is the same every step)."""
-    key = (t.dtype, t.shape)
+    return seed_for(t.dtype, t.shape)
+
+
+def seed_for(dtype: Any, shape: Any) -> int:
+    """The seed of a tensor of this dtype and shape (``torch.Size``), as ``_seed``."""
+    key = (dtype, shape)
     seed = _SEEDS.get(key)
     if seed is None:
-        seed = _SEEDS[key] = xxhash.xxh3_64_intdigest(f"{t.dtype}|{tuple(t.shape)}".encode())
+        seed = _SEEDS[key] = xxhash.xxh3_64_intdigest(f"{dtype}|{tuple(shape)}".encode())
     return seed
 
 
@@ -91,29 +94,20 @@ def combine_device(fp: Any, t: torch.Tensor | int) -> int:
 
 
 # ---------------------------------------------------------------- the CPU path (numpy, in place)
-_VIEWS: dict[tuple[int, int], Any] = {}
-"""(address, bytes) -> the ctypes view of that memory: the same parameters are hashed at every step."""
-
-
 def _bytes(t: torch.Tensor) -> Any:
     """A zero-copy byte view of a contiguous CPU tensor, taken from its data pointer.
 
     Not ``Tensor.numpy()``: exporting to numpy marks the storage as non-resizable for good, and FSDP2
     frees its gathered parameters with ``storage.resize_(0)``: hashing them that way breaks training.
-    The view does not keep the tensor alive: callers hold the tensor until the hash is done. A view
-    is only an address and a length, read when hashed, so one made for the same address and length
-    at an earlier step is as good as a new one (cached, bounded: a microsecond a tensor, issue 18).
+    The view does not keep the tensor alive: callers hold the tensor until the hash is done. Made fresh
+    (about 0.3 us; ctypes caches the array types): a cache of views by address cost as much to look up,
+    and its entries, kept for a few steps and dropped, were objects the interpreter's collector promoted
+    and then had to walk in a full collection (issue 62).
     """
     n = t.nbytes
     if not n:
         return b""
-    key = (t.data_ptr(), n)
-    view = _VIEWS.get(key)
-    if view is None:
-        if len(_VIEWS) >= 8192:
-            _VIEWS.clear()
-        view = _VIEWS[key] = (ctypes.c_char * n).from_address(key[0])
-    return view
+    return (ctypes.c_char * n).from_address(t.data_ptr())
 
 
 _NP_INDEX: dict[int, np.ndarray] = {}
@@ -227,47 +221,6 @@ def _fast_view(t: torch.Tensor) -> torch.Tensor:
     detach: called once per tensor per checked step, so the few microseconds of wrapping count)."""
     cls = type(t)
     return t if (cls is torch.Tensor or cls is torch.nn.Parameter) and t.is_contiguous() else local_view(t)
-
-
-class _HostPlan:
-    """The byte views and seeds of one list of CPU tensors, hashed again at the next step (issue 62)."""
-
-    __slots__ = ("ids", "nbytes", "ptrs", "seeds", "views")
-
-    def __init__(self, ids: list[int], ptrs: list[int], nbytes: list[int], views: list[Any], seeds: list[int]) -> None:
-        self.ids, self.ptrs, self.nbytes, self.views, self.seeds = ids, ptrs, nbytes, views, seeds
-
-
-_PLANS: list[_HostPlan] = []
-"""The last few lists hashed (most recent first): a replica check hashes the same parameters every step."""
-
-
-def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
-    """``fast_cpu_fingerprint`` of each CPU tensor. The same tensors (the same objects, at the same addresses and
-    lengths) as a recent call reuse that call's byte views and seeds: what is left is one xxh3 call a tensor,
-    about 0.3 us with the checks, against 2 us to rebuild them. Nothing here holds a tensor: a plan keeps ids,
-    addresses and lengths, checked against the live tensors (which the caller holds) before any byte is read."""
-    ids = list(map(id, tensors))
-    for k, plan in enumerate(_PLANS):
-        if plan.ids == ids:
-            if list(map(DATA_PTR, tensors)) == plan.ptrs and [t.nbytes for t in tensors] == plan.nbytes:
-                if k:
-                    _PLANS.insert(0, _PLANS.pop(k))
-                return list(map(xxhash.xxh3_64_intdigest, plan.views, plan.seeds))
-            del _PLANS[k]
-            break
-    views: list[Any] = []
-    seeds: list[int] = []
-    plain = True
-    for t in tensors:
-        v = _fast_view(t)
-        plain = plain and v is t
-        views.append(_bytes(v))
-        seeds.append(_seed(v) ^ FAST_TAG)
-    if plain:  # a DTensor's local part or a contiguous copy is a new tensor at each call: nothing to reuse
-        _PLANS.insert(0, _HostPlan(ids, list(map(DATA_PTR, tensors)), [t.nbytes for t in tensors], views, seeds))
-        del _PLANS[8:]
-    return list(map(xxhash.xxh3_64_intdigest, views, seeds))
 
 
 # ---------------------------------------------------------------- the device path (torch kernels)

@@ -18,10 +18,10 @@ from distdebug.fingerprint.hashing import (
     combine_device,
     cpu_sums_many,
     device_sums,
-    fast_cpu_fingerprints,
     shape_seed,
 )
 from distdebug.fingerprint.hostpass import IS_CPU
+from distdebug.fingerprint.many import fast_cpu_fingerprints
 
 
 class PendingFingerprints:
@@ -36,19 +36,28 @@ class PendingFingerprints:
     def __init__(self, named: list[tuple[str, torch.Tensor]], portable: bool = False) -> None:
         """``portable``: CPU tensors take the portable fingerprint (comparable with a copy on another
         device), else the fast one (for comparisons across ranks of one job)."""
-        self.names = [n for n, _ in named]
+        self._take([n for n, _ in named], [t for _, t in named], portable)
+
+    @classmethod
+    def of(cls, names: list[str], tensors: list[torch.Tensor], portable: bool = False) -> PendingFingerprints:
+        """The same from two lists in one order (no pair made a tensor: a list taken every step)."""
+        out = cls.__new__(cls)
+        out._take(names, tensors, portable)
+        return out
+
+    def _take(self, names: list[str], tensors: list[torch.Tensor], portable: bool) -> None:
+        self.names = names
         self.done: dict[str, int] = {}
         forced = envvars.device_path_forced()
         on_host: list[tuple[str, torch.Tensor]] = []
         by_device: dict[Any, list[tuple[str, torch.Tensor]]] = {}
-        tensors = [t for _, t in named]
         if not forced and all(map(IS_CPU, tensors)):  # the common CPU case, without a loop of Python a tensor
             if portable:
-                on_host = list(named)
+                on_host = list(zip(names, tensors, strict=True))
             else:
-                self.done = dict(zip(self.names, fast_cpu_fingerprints(tensors), strict=True))
+                self.done = dict(zip(names, fast_cpu_fingerprints(tensors), strict=True))
         else:
-            for name, t in named:
+            for name, t in zip(names, tensors, strict=True):
                 if t.device.type == "cpu" and not forced:
                     on_host.append((name, t))
                 else:

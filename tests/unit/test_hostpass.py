@@ -1,5 +1,5 @@
 """Tier 1 (no processes): the host's multi-tensor passes over CPU tensors (fingerprint.hostpass) and the cached
-fast fingerprints (fingerprint.hashing.fast_cpu_fingerprints) give torch's answers, whatever moves (issue 62)."""
+fast fingerprints (fingerprint.many.fast_cpu_fingerprints) give torch's answers, whatever moves (issue 62)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from distdebug.fingerprint import hostpass
-from distdebug.fingerprint.hashing import fast_cpu_fingerprint, fast_cpu_fingerprints
+from distdebug.fingerprint.hashing import fast_cpu_fingerprint
 from distdebug.fingerprint.hostpass import CHUNK, HostPass
+from distdebug.fingerprint.many import fast_cpu_fingerprints
 
 
 def _model_tensors(n: int = 200, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
