@@ -54,7 +54,7 @@ VOLUME_RECHECK_S = 600.0
 """Seconds between the log-volume guard's later looks (a rate that rises later in the job)."""
 
 OVERHEAD_AUTO = -1
-"""``measure_overhead``'s default unit, decided in each rank: 1 step, or 8 when the job can use CUDA
+"""``measure_overhead``'s default unit, decided in each rank: 4 steps, or 8 when the job can use CUDA
 (runtime.overhead.default_unit)."""
 
 ON_HANG = ("abort", "report")

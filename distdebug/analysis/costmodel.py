@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-MODEL = {"fixed_ms": 0.75, "per_tensor_us": 5.4, "per_forward_us": 231.0, "per_module_forward_us": 0.0}
+MODEL = {"fixed_ms": 0.8, "per_tensor_us": 4.35, "per_forward_us": 188.0, "per_module_forward_us": 0.0}
 """The in-job A/B's fit of ``python bench/host_cost.py`` on the reference machine (MEASURED_ON; its per module a
-forward came out at -0.8 us, within its residual of 0.25 ms: no module hook runs on the steady path, so 0);
+forward came out at -0.09 us, within its residual of 0.18 ms: no module hook runs on the steady path, so 0);
 docs/project/limits.md has the table it came from. A faster host pays less of each term."""
-MEASURED_ON = "bench/host_cost.py, 2 ranks on a 2-core x86 VM, 2026-12-07 19:35"
+MEASURED_ON = "bench/host_cost.py, 2 ranks on a 2-core x86 VM, 2026-12-07 22:35"
 
 
 def job_shape(discovery: dict[str, Any] | None, rank_cost: dict[str, Any] | None) -> dict[str, float] | None:

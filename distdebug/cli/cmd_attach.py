@@ -136,11 +136,12 @@ def _torchrun_options(f):  # type: ignore[no-untyped-def]
                    "(replica_divergence.every).")
 @click.option("--measure-overhead", "measure_overhead", is_flag=True, default=False,
               help="Measure what the harness costs this job: the detectors are switched off and on inside the job, "
-                   "in pairs of steps (one with, one without, the order drawn per pair; the same steps on every "
-                   "rank), and the report compares their wall and CPU times with a 95% interval.")
-@click.option("--overhead-block", type=int, default=None, show_default="1 step; 8 where CUDA is available",
-              help="Steps per unit with --measure-overhead (each pair is a unit on and a unit off): 1 is the most "
-                   "precise; more where work lands a step late (a GPU's queue: a step that reads nothing from the "
+                   "in pairs of units of steps (one with, one without, the order drawn per pair; the same steps on "
+                   "every rank), and the report compares their wall and CPU times with a 95% interval.")
+@click.option("--overhead-block", type=int, default=None, show_default="4 steps; 8 where CUDA is available",
+              help="Steps per unit with --measure-overhead (each pair is a unit on and a unit off): 1 gives the most "
+                   "pairs but charges what an on step leaves to the next (its caches, its young objects) to the off "
+                   "one; more where work lands a step late (a GPU's queue: a step that reads nothing from the "
                    "device leaves its work to the next).")
 @click.option("--replica-groups", default=None, metavar="R,R;R,R",
               help="The data-parallel groups (ranks holding replicas of the same part of the model), e.g. 0,2;1,3, "

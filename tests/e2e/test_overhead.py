@@ -26,7 +26,7 @@ def test_measure_overhead_pairs_steps_on_every_rank_and_reports_an_interval(tmp_
     # order drawn per pair (runtime.overhead.on_first: the pair's number alone)
     r = torchrun(CONVNET, "--steps", "26", "--digest-out", str(tmp_path / "bare"))
     assert r.returncode == 0, r.output
-    r = distdebug("attach", "--measure-overhead", "--run-dir", str(tmp_path / "run"),
+    r = distdebug("attach", "--measure-overhead", "--overhead-block", "1", "--run-dir", str(tmp_path / "run"),
                   CONVNET, "--steps", "26", "--digest-out", str(tmp_path / "attached"), timeout=300)
     assert r.returncode == 0, r.output
     assert read_digests(tmp_path / "attached") == read_digests(tmp_path / "bare")  # the A/B changes no result
