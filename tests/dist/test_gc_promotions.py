@@ -19,6 +19,7 @@ before (tests/unit/test_gc_kept.py); the whole harness's promotions at 1,000 ten
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -51,13 +52,9 @@ def _loop(rank, world, tmp, harness):
     micro = [1]
 
     def step():
-        for m in range(micro[0]):
-            x = torch.randn(2, 4, generator=g)
-            if m < micro[0] - 1:
-                with ddp.no_sync():
-                    ddp(x).pow(2).mean().backward()
-            else:
-                ddp(x).pow(2).mean().backward()
+        for m in range(micro[0]):  # all but the last micro-batch accumulate without reducing
+            with ddp.no_sync() if m < micro[0] - 1 else contextlib.nullcontext():
+                ddp(torch.randn(2, 4, generator=g)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
