@@ -143,7 +143,7 @@ class AttachConfig:
     measure_overhead: int = 0
     """Steps per unit of the in-job A/B (runtime.overhead): the detectors are switched off and on in pairs of
     units of this many steps (one on, one off, the order drawn per pair), the same steps on every rank; 0: off;
-    ``OVERHEAD_AUTO``: 1, or 8 where CUDA is available."""
+    ``OVERHEAD_AUTO``: 4, or 8 where CUDA is available (runtime.overhead's ``CPU_UNIT``, ``CUDA_UNIT``)."""
 
     def __post_init__(self) -> None:
         if self.run_dir_budget and self.run_dir_budget < RUN_DIR_BUDGET_MIN:

@@ -198,9 +198,10 @@ class Digest:
         self._windows: list[list[int]] = []  # profiler windows whose steps may still come: [first, last]
         self.recent: deque[tuple[int, dict[str, Any] | None, str | None, Any, Any, Any]] = deque(maxlen=RECENT)
         """(seq, record, its JSON as written, kind, step, step time) of the last bulk records: the record itself
-        only where there is no text (a digest loaded from its file), else parsed when asked for (a save, a
-        reader). A dict kept 64 steps is an object the interpreter's collector promotes and a full collection
-        walks; a tuple of a string and numbers is not tracked once the collector has seen it (issue 62)."""
+        only where there is no text (a digest loaded from its file, a record fed without its line), else parsed
+        when asked for (a save, a reader). A dict kept 64 steps is an object the interpreter's collector promotes
+        and a full collection walks; a tuple of a string and numbers is not tracked once the collector has seen it
+        (issue 62)."""
         self._texts: dict[str, str] = {}
         """The JSON as written of ``memory_max``, ``harness_cost``, ``straggler``: a save copies it."""
 

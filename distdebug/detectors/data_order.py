@@ -37,7 +37,8 @@ from distdebug.runtime.layout import partition
 MIN_STEPS = 3
 HISTORY = 256
 """Steps of each rank's batch fingerprints kept for judging (the newest): the verdicts read these, and a job's
-memory and the exchange's work at a check must not grow with its length."""
+memory and the judging at a check must not grow with its length. "The same batch on every rank" is judged over
+them: a run whose first steps were sharded and whose last 256 are not is told (it once never was)."""
 LOSS_RTOL = 1e-5
 LIVE_PASSES = 16
 """Unfinished passes kept for judging, at most (epochs cut short never finish: the oldest are let go)."""
