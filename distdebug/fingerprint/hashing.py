@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import xxhash
 
+from distdebug.fingerprint.hostpass import byte_view
+
 _MASK64 = (1 << 64) - 1
 BLOCK = 1 << 20
 """Words per pass over a large tensor: its temporaries are two int64 blocks (16 MiB), whatever its size."""
@@ -100,14 +102,11 @@ def _bytes(t: torch.Tensor) -> Any:
     Not ``Tensor.numpy()``: exporting to numpy marks the storage as non-resizable for good, and FSDP2
     frees its gathered parameters with ``storage.resize_(0)``: hashing them that way breaks training.
     The view does not keep the tensor alive: callers hold the tensor until the hash is done. Made fresh
-    (about 0.3 us; ctypes caches the array types): a cache of views by address cost as much to look up,
+    (``hostpass.byte_view``): a cache of views by address cost as much to look up,
     and its entries, kept for a few steps and dropped, were objects the interpreter's collector promoted
     and then had to walk in a full collection (issue 62).
     """
-    n = t.nbytes
-    if not n:
-        return b""
-    return (ctypes.c_char * n).from_address(t.data_ptr())
+    return byte_view(t.data_ptr(), t.nbytes)
 
 
 _NP_INDEX: dict[int, np.ndarray] = {}

@@ -43,18 +43,31 @@ _NUMPY_FLOAT = {torch.float32: np.float32, torch.float64: np.float64, torch.floa
 # fingerprints' and the capture's checks of the same lists
 DATA_PTR = torch.Tensor.data_ptr
 IS_CPU: Any = vars(torch._C.TensorBase)["is_cpu"].__get__
-_NBYTES: Any = vars(torch._C.TensorBase)["nbytes"].__get__
-_DTYPE: Any = vars(torch._C.TensorBase)["dtype"].__get__
+NBYTES: Any = vars(torch._C.TensorBase)["nbytes"].__get__
+DTYPE: Any = vars(torch._C.TensorBase)["dtype"].__get__
+SHAPE: Any = vars(torch._C.TensorBase)["shape"].__get__
 _PLAIN = {torch.Tensor, torch.nn.Parameter}
 _MEMMOVE = ctypes.memmove
+
+
+def plain_cpu(tensors: list[Any]) -> bool:
+    """Whether these are all plain contiguous CPU tensors (not a subclass, a DTensor or a strided view): those
+    whose bytes the host reads in place by address and length."""
+    return (set(map(type, tensors)) <= _PLAIN and all(map(IS_CPU, tensors))
+            and all(map(torch.Tensor.is_contiguous, tensors)))
+
+
+def byte_view(ptr: int, n: int) -> Any:
+    """The ``n`` bytes at ``ptr`` as a buffer, no copy (``b""`` for none): made fresh, a few tenths of a
+    microsecond (ctypes caches the array types). It does not keep the memory alive: the caller holds the tensor."""
+    return (ctypes.c_char * n).from_address(ptr) if n else b""
 
 
 def _array(ptr: int, n: int, dtype: Any) -> np.ndarray:
     """A numpy array over ``n`` bytes at ``ptr`` (no copy), of ``dtype``."""
     if not n:
         return np.empty(0, dtype)
-    view: Any = (ctypes.c_char * n).from_address(ptr)  # a buffer numpy reads in place
-    return np.frombuffer(view, dtype=dtype)
+    return np.frombuffer(byte_view(ptr, n), dtype=dtype)  # a buffer numpy reads in place
 
 
 class _Chunk:
@@ -124,17 +137,16 @@ class HostPass:
         plan = self._plan
         try:
             ptrs = list(map(DATA_PTR, tensors))
-            nbytes = list(map(_NBYTES, tensors))
+            nbytes = list(map(NBYTES, tensors))
         except (TypeError, RuntimeError):  # not a tensor, or one without storage
             return None
         if plan is not None and self._table is table and ptrs == self._ptrs and nbytes == plan.nbytes:
             # The very memory a plain CPU tensor of this length held at the last call
             return plan, ptrs, True
         self._ptrs, self._arrays = None, {}
-        if not (set(map(type, tensors)) <= _PLAIN and all(map(IS_CPU, tensors))
-                and all(map(torch.Tensor.is_contiguous, tensors))):
+        if not plain_cpu(tensors):
             return None
-        dtypes = list(map(_DTYPE, tensors))
+        dtypes = list(map(DTYPE, tensors))
         if plan is None or self._table is not table or plan.dtypes != dtypes or plan.nbytes != nbytes:
             if not all(d in table for d in dtypes):
                 return None
@@ -241,11 +253,10 @@ class HostCopy:
 
     def _plan(self, dst: list[Any], src: list[Any], dptrs: list[int], sptrs: list[int]) -> bool:
         both = [*dst, *src]
-        if not (set(map(type, both)) <= _PLAIN and all(map(IS_CPU, both)) and all(map(torch.Tensor.is_contiguous, both))
-                and list(map(_DTYPE, dst)) == list(map(_DTYPE, src))):
+        if not (plain_cpu(both) and list(map(DTYPE, dst)) == list(map(DTYPE, src))):
             return False
-        sizes = list(map(_NBYTES, src))
-        if sizes != list(map(_NBYTES, dst)):
+        sizes = list(map(NBYTES, src))
+        if sizes != list(map(NBYTES, dst)):
             return False
         order = sorted((i for i in range(len(src)) if sizes[i]), key=lambda i: dptrs[i])
         runs: list[list[int]] = []
@@ -264,8 +275,7 @@ class HostCopy:
 def flat_clones(tensors: list[Any]) -> list[Any]:
     """Clones of these tensors laid end to end in one buffer a dtype (``HostCopy`` fills them in one call); plain
     clones when they are not all plain contiguous CPU tensors."""
-    if not tensors or not (set(map(type, tensors)) <= _PLAIN and all(map(IS_CPU, tensors))
-                           and all(map(torch.Tensor.is_contiguous, tensors))):
+    if not tensors or not plain_cpu(tensors):
         return [t.detach().clone() for t in tensors]
     out: list[Any] = [None] * len(tensors)
     by_dtype: dict[Any, list[int]] = {}

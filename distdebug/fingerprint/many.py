@@ -11,7 +11,6 @@ the parameters) kept and reused. The gradients, new tensors at new addresses eve
 
 from __future__ import annotations
 
-import ctypes
 import operator
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 import xxhash
 
 from distdebug.fingerprint.hashing import FAST_TAG, fast_cpu_fingerprint, seed_for
-from distdebug.fingerprint.hostpass import DATA_PTR, IS_CPU
+from distdebug.fingerprint.hostpass import DATA_PTR, DTYPE, NBYTES, SHAPE, byte_view, plain_cpu
 
 _PLANS: list[tuple[Any, ...]] = []
 """The last few lists hashed (most recent first), each ``(ids, addresses, lengths, seeds, views)``: a replica check
@@ -27,10 +26,6 @@ hashes the same parameters every step. All but the views are tuples of ints, whi
 stops tracking at its first pass; the views (ctypes objects, tracked) are kept only once a list came back, so the
 gradients, new tensors at new addresses every step, leave nothing behind that a collection would promote and
 later walk (issue 62: about 200 objects a step at 1,000 tensors, a full collection of 0.1 s every 200 steps)."""
-
-
-def _view(ptr: int, n: int) -> Any:
-    return (ctypes.c_char * n).from_address(ptr) if n else b""
 
 
 def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
@@ -43,23 +38,23 @@ def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
     ids = tuple(map(id, tensors))
     for k, plan in enumerate(_PLANS):
         if plan[0] == ids:
-            ptrs, nbytes = tuple(map(DATA_PTR, tensors)), tuple(map(_NBYTES, tensors))
+            ptrs, nbytes = tuple(map(DATA_PTR, tensors)), tuple(map(NBYTES, tensors))
             if ptrs == plan[1] and nbytes == plan[2]:
                 views = plan[4]
                 if views is None:  # the list came back: its views are worth keeping now
-                    views = list(map(_view, ptrs, nbytes))
+                    views = list(map(byte_view, ptrs, nbytes))
                     plan = (ids, ptrs, nbytes, plan[3], views)
                 del _PLANS[k]
                 _PLANS.insert(0, plan)
                 return list(map(xxhash.xxh3_64_intdigest, views, plan[3]))
             del _PLANS[k]
             break
-    if set(map(type, tensors)) <= _PLAIN and all(map(IS_CPU, tensors)) and all(map(_CONTIGUOUS, tensors)):
+    if plain_cpu(tensors):
         # Plain contiguous tensors (the gradients: new objects at new addresses every step): everything read per
         # tensor is mapped in C, and the seeds of the same dtypes and shapes as a recent list are that list's
-        ptrs, nbytes = tuple(map(DATA_PTR, tensors)), tuple(map(_NBYTES, tensors))
-        seeds = _seeds_of(tuple(map(_DTYPE, tensors)), tensors)
-        fps = list(map(xxhash.xxh3_64_intdigest, map(_view, ptrs, nbytes), seeds))
+        ptrs, nbytes = tuple(map(DATA_PTR, tensors)), tuple(map(NBYTES, tensors))
+        seeds = _seeds_of(tuple(map(DTYPE, tensors)), tensors)
+        fps = list(map(xxhash.xxh3_64_intdigest, map(byte_view, ptrs, nbytes), seeds))
         _PLANS.insert(0, (ids, ptrs, nbytes, seeds, None))
         del _PLANS[8:]
         return fps
@@ -67,11 +62,6 @@ def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
     return [fast_cpu_fingerprint(t) for t in tensors]
 
 
-_SHAPE: Any = vars(torch._C.TensorBase)["shape"].__get__  # read over a list in C, as hostpass's getters
-_NBYTES: Any = vars(torch._C.TensorBase)["nbytes"].__get__
-_DTYPE: Any = vars(torch._C.TensorBase)["dtype"].__get__
-_PLAIN = {torch.Tensor, torch.nn.Parameter}
-_CONTIGUOUS = torch.Tensor.is_contiguous
 _LIST_SEEDS: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...]]] = []
 """(dtypes, shapes, seeds) of the last few lists hashed: a list of the same model's tensors comes back every step."""
 
@@ -81,11 +71,11 @@ def _seeds_of(dtypes: tuple[Any, ...], tensors: list[torch.Tensor]) -> tuple[int
     shapes. The shapes are compared as they are read, each dropped at once: a thousand of them held for the call
     would be objects made in bulk that the interpreter's collector catches alive (issue 62)."""
     for k, (d, shapes, seeds) in enumerate(_LIST_SEEDS):
-        if d == dtypes and all(map(operator.eq, map(_SHAPE, tensors), shapes)):
+        if d == dtypes and all(map(operator.eq, map(SHAPE, tensors), shapes)):
             if k:
                 _LIST_SEEDS.insert(0, _LIST_SEEDS.pop(k))
             return seeds
-    shapes = tuple(map(_SHAPE, tensors))
+    shapes = tuple(map(SHAPE, tensors))
     seeds = tuple(seed_for(dtype, shape) ^ FAST_TAG for dtype, shape in zip(dtypes, shapes, strict=True))
     _LIST_SEEDS.insert(0, (dtypes, shapes, seeds))
     del _LIST_SEEDS[8:]
