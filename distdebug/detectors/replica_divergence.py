@@ -60,6 +60,10 @@ the run (it was 32: a finding up to 32 steps late, or only after the job when th
 destroys its process group)."""
 
 
+_NO_GROUP = xxhash.xxh3_64_intdigest(b"")
+"""The group id of a row with no replica group (the digest of no group names)."""
+
+
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
@@ -83,6 +87,7 @@ class ReplicaDivergence(ExchangeUser, Detector):
         self._parts: list[PendingFingerprints] = []  # the checked step's fingerprints, read at the boundary
         self.armed = False  # the coming step is checked: forward hooks fingerprint
         self.reported = False
+        self._grouped_in: dict[tuple[str, ...], bool] = {}  # a list of names -> whether any has a replica group
         self._batch: list[tuple[int, int, dict[str, int]]] = []
         self._stopped = False  # the ranks' step counts parted, or the exchange fell behind: no more checks
 
@@ -199,6 +204,14 @@ class ReplicaDivergence(ExchangeUser, Detector):
         self.armed = (step + 1) % self.every == 0
 
     def _row(self, step: int, backward_total: int, fps: dict[str, int]) -> list[int]:
+        names = tuple(fps)
+        grouped_in = self._grouped_in.get(names)
+        if grouped_in is None:  # the same few name lists every step: which hold a replica group, found once
+            if len(self._grouped_in) >= 8:
+                self._grouped_in.clear()
+            grouped_in = self._grouped_in[names] = any("@replicas[" in n for n in names)
+        if not grouped_in:  # every tensor compared across the whole world (no copy of the map a tensor)
+            return [step, backward_total, _signed(root_digest(fps)), _signed(_NO_GROUP), 0]
         world = {n: v for n, v in fps.items() if "@replicas[" not in n}
         grouped = {n: v for n, v in fps.items() if "@replicas[" in n}
         group_id = xxhash.xxh3_64_intdigest("|".join(sorted({n[n.index("@"):] for n in grouped})).encode())

@@ -343,5 +343,5 @@ def root_digest(fps: dict[str, int]) -> int:
     seed = _NAME_SEEDS.get(names)
     if seed is None:
         seed = _NAME_SEEDS[names] = xxhash.xxh3_64_intdigest("\0".join(names).encode())
-    values = b"".join(v.to_bytes(8, "little") for v in fps.values())
+    values = np.fromiter(fps.values(), dtype="<u8", count=len(fps)).tobytes()  # 8 bytes each, little-endian
     return xxhash.xxh3_64_intdigest(values, seed)

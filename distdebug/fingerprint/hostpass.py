@@ -73,10 +73,13 @@ def _array(ptr: int, n: int, dtype: Any) -> np.ndarray:
 class _Chunk:
     """Small tensors of one dtype read together: where each one's bytes go in its group's buffer."""
 
-    __slots__ = ("dst", "members", "size", "sizes", "starts")
+    __slots__ = ("dst", "members", "size", "sizes", "span", "starts")
 
     def __init__(self, members: list[int], nbytes: list[int], item: int, base: int) -> None:
         self.members = members
+        # members that follow one another in the list (the common case: one dtype): their addresses are a slice
+        self.span = slice(members[0], members[-1] + 1) if members == list(range(members[0], members[-1] + 1)) \
+            else None
         self.sizes = [nbytes[j] for j in members]
         starts = np.cumsum([0] + [n // item for n in self.sizes[:-1]])
         self.starts = starts  # each tensor's first element in the buffer
@@ -165,7 +168,8 @@ class HostPass:
                                                     for j, n in zip(chunk.members, chunk.sizes, strict=True)]
             np.concatenate(arrays, out=out)
         else:
-            list(map(_MEMMOVE, chunk.dst, [ptrs[j] for j in chunk.members], chunk.sizes))
+            src = ptrs[chunk.span] if chunk.span is not None else [ptrs[j] for j in chunk.members]
+            list(map(_MEMMOVE, chunk.dst, src, chunk.sizes))
         return out
 
     def any_nonfinite(self, tensors: list[Any]) -> bool | None:
@@ -233,14 +237,19 @@ class HostCopy:
         self._key: tuple[list[int], list[int]] | None = None
         self._runs: list[tuple[np.ndarray, list[np.ndarray]]] = []
         self._single: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._dst: Any = None  # the destination list of the last call, when the caller owns it
 
-    def copy(self, dst: list[Any], src: list[Any]) -> bool:
+    def copy(self, dst: list[Any], src: list[Any], owned: bool = False) -> bool:
+        """``owned``: ``dst`` is the caller's own list of its own tensors, never changed (the capture's copies):
+        the same list object as at the last call is at the same addresses, which are not read again."""
         if not src or len(dst) != len(src) or not getattr(src[0], "is_cpu", False):
             return False
         try:
-            dptrs, sptrs = list(map(DATA_PTR, dst)), list(map(DATA_PTR, src))
+            sptrs = list(map(DATA_PTR, src))
+            dptrs = self._key[0] if owned and dst is self._dst and self._key is not None else list(map(DATA_PTR, dst))
         except (TypeError, RuntimeError):  # not a tensor, or one without storage
             return False
+        self._dst = dst if owned else None
         if self._key is None or self._key[0] != dptrs or self._key[1] != sptrs:
             self._key = None
             if not self._plan(dst, src, dptrs, sptrs):

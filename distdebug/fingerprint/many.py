@@ -29,7 +29,15 @@ later walk (issue 62: about 200 objects a step at 1,000 tensors, a full collecti
 
 
 def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
-    """``fast_cpu_fingerprint`` of each CPU tensor. The same tensors (the same objects, at the same addresses and
+    """``fast_cpu_fingerprint`` of each CPU tensor (``host_fingerprints``, or one at a time for those it leaves)."""
+    fps = host_fingerprints(tensors)
+    # A DTensor's local part or a contiguous copy: a new tensor at each call, nothing to reuse
+    return fps if fps is not None else [fast_cpu_fingerprint(t) for t in tensors]
+
+
+def host_fingerprints(tensors: list[torch.Tensor]) -> list[int] | None:
+    """``fast_cpu_fingerprint`` of each of these tensors when they are all plain contiguous CPU tensors, read in
+    place; None when they are not (a device's, a DTensor, a strided view). The same tensors (the same objects, at the same addresses and
     lengths) as a recent call reuse its seeds, and from the second repeat on its byte views: what is left is one
     xxh3 call a tensor, about 0.1 us with the checks, against 0.6 us to make them. Nothing here holds a tensor: a
     plan keeps ids, addresses and lengths, checked against the live tensors (which the caller holds) before any
@@ -58,8 +66,23 @@ def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
         _PLANS.insert(0, (ids, ptrs, nbytes, seeds, None))
         del _PLANS[8:]
         return fps
-    # A DTensor's local part or a contiguous copy: a new tensor at each call, nothing to reuse
-    return [fast_cpu_fingerprint(t) for t in tensors]
+    return None
+
+
+def host_grad_fingerprints(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[int] | None:
+    """``host_fingerprints`` of each gradient of ``params`` (``grads[i]`` is ``params[i].grad``, none None).
+    Torch keeps a gradient's dtype and shape its parameter's (it refuses any other), so the seeds are the
+    parameters' (their plan's, when they were just hashed and have the gradients' lengths) and nothing is
+    planned: the gradients are new tensors at new addresses every step. What is left a tensor: its address and
+    length, the check that it is a plain contiguous CPU tensor, and the hash (0.9 us against 1.2 in
+    ``fast_cpu_fingerprints``, each after a backward)."""
+    if not plain_cpu(grads):
+        return None
+    ids, nbytes = tuple(map(id, params)), tuple(map(NBYTES, grads))
+    seeds = next((plan[3] for plan in _PLANS if plan[0] == ids and plan[2] == nbytes), None)
+    if seeds is None:  # the parameters not hashed just before, or resized since
+        seeds = _seeds_of(tuple(map(DTYPE, grads)), grads)
+    return list(map(xxhash.xxh3_64_intdigest, map(byte_view, map(DATA_PTR, grads), nbytes), seeds))
 
 
 _LIST_SEEDS: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...]]] = []

@@ -9,7 +9,7 @@ on their device and read later with everything else (``PendingFingerprints``, ``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,7 +21,17 @@ from distdebug.fingerprint.hashing import (
     shape_seed,
 )
 from distdebug.fingerprint.hostpass import IS_CPU
-from distdebug.fingerprint.many import fast_cpu_fingerprints
+from distdebug.fingerprint.many import fast_cpu_fingerprints, host_fingerprints, host_grad_fingerprints
+
+
+class Run(NamedTuple):
+    """A list of tensors and the slice of a list of names it fills (``PendingFingerprints.of``): e.g. the
+    parameters at every even place and their gradients at every odd one."""
+
+    where: slice
+    tensors: list[Any]
+    grads_of: list[Any] | None = None
+    """The parameters these are the gradients of, one for one (their seeds serve: ``host_grad_fingerprints``)."""
 
 
 class PendingFingerprints:
@@ -39,14 +49,31 @@ class PendingFingerprints:
         self._take([n for n, _ in named], [t for _, t in named], portable)
 
     @classmethod
-    def of(cls, names: list[str], tensors: list[torch.Tensor], portable: bool = False) -> PendingFingerprints:
-        """The same from two lists in one order (no pair made a tensor: a list taken every step)."""
+    def of(cls, names: list[str], runs: list[Run], portable: bool = False) -> PendingFingerprints:
+        """The same from the names and the runs of tensors that fill them (``Run``). CPU runs are hashed a run
+        at a time, so a list that comes back every step (the parameters) reuses its plan (``fingerprint.many``)
+        whatever else is hashed with it."""
         out = cls.__new__(cls)
+        if not portable and not envvars.device_path_forced():
+            fps: list[int] = [0] * len(names)
+            for where, ts, params in runs:
+                got = host_fingerprints(ts) if params is None else host_grad_fingerprints(ts, params)
+                if got is None:  # not all plain CPU tensors: the general way below
+                    break
+                fps[where] = got
+            else:
+                out.names, out.parts, out._in_order = names, [], True
+                out.done = dict(zip(names, fps, strict=True))
+                return out
+        tensors: list[Any] = [None] * len(names)
+        for where, ts, _ in runs:
+            tensors[where] = ts
         out._take(names, tensors, portable)
         return out
 
     def _take(self, names: list[str], tensors: list[torch.Tensor], portable: bool) -> None:
         self.names = names
+        self._in_order = False
         self.done: dict[str, int] = {}
         forced = envvars.device_path_forced()
         on_host: list[tuple[str, torch.Tensor]] = []
@@ -78,6 +105,8 @@ class PendingFingerprints:
 
     def finish(self, host_rows: list[list[list[int]]] | None = None) -> dict[str, int]:
         """The fingerprints, in the caller's order; ``host_rows``: each device part as read (None: read now)."""
+        if self._in_order:  # every tensor done on the host, in the caller's order (``of``): as it is
+            return self.done
         if host_rows is None:
             host_rows = [rows.tolist() for rows in self.device_rows]  # one read per device
         out = dict(self.done)

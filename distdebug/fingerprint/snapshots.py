@@ -93,7 +93,7 @@ class SnapshotWriter:
             tmp = self.names_path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"v": 1, "names": self._lists}))
             os.replace(tmp, self.names_path)
-        values = np.fromiter((fps[n] for n in names), dtype=np.uint64, count=len(names))
+        values = np.fromiter(fps.values(), dtype=np.uint64, count=len(names))  # the names' order
         data = _HEAD.pack(step, nid, len(names)) + values.tobytes()
         before = self._position()
         if os.write(self._fd, data) != len(data):

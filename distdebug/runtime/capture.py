@@ -262,8 +262,8 @@ class Recorder:
         with torch.no_grad():
             if spare is not None and len(spare.params) == len(self.params) and len(spare.buffers) == len(self.buffers):
                 # one fused copy each (a Python loop of copy_ cost three times as much on a 52-tensor model)
-                copy_all(spare.params, self.params, self._detached_params)
-                copy_all(spare.buffers, self.buffers, self._detached_buffers)
+                copy_all(spare.params, self.params, self._detached_params, owned=True)
+                copy_all(spare.buffers, self.buffers, self._detached_buffers, owned=True)
                 params, buffers = spare.params, spare.buffers
             else:
                 params = flat_clones(self.params)  # end to end: the next steps copy into them in one call
@@ -314,10 +314,13 @@ class _Detached:
         return self.views
 
 
-def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], detached: _Detached | None = None) -> None:
+def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], detached: _Detached | None = None,
+             owned: bool = False) -> None:
+    """``owned``: ``dst`` is a capture's own list of its own copies, never changed (``HostCopy.copy``)."""
     if not dst:
         return
-    if detached is not None and not envvars.device_path_forced() and detached.host.copy(list(dst), list(src)):
+    if detached is not None and not envvars.device_path_forced() and detached.host.copy(
+            dst if owned and isinstance(dst, list) else list(dst), list(src), owned=owned and isinstance(dst, list)):
         return
     try:
         torch._foreach_copy_(list(dst), detached.of(src) if detached is not None else [t.detach() for t in src])

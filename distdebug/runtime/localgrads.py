@@ -30,6 +30,7 @@ from distdebug.fingerprint.hostpass import HostPass
 from distdebug.runtime.discovery import accumulating, unwrap
 
 Listener = Callable[[tuple[str, ...], torch.Tensor], None]
+_NONE = type(None)
 
 
 class LocalGradNorms:
@@ -56,7 +57,7 @@ class LocalGradNorms:
             with torch.no_grad():
                 grads = [p.grad for p in self.params]
                 host = None
-                if not any(g is None for g in grads) and not device_path_forced():
+                if _NONE not in set(map(type, grads)) and not device_path_forced():
                     # Every gradient there, on a CPU: one pass on the host (fingerprint.hostpass), where torch's
                     # multi-tensor norm would run a kernel a tensor (3 us each).
                     host = self._host.norms(grads)

@@ -138,3 +138,44 @@ def test_flat_clones_lie_end_to_end_and_are_filled_in_one_call_per_dtype():
     assert len(hc._runs) == 1 and len(hc._single[0]) == 1  # float32 end to end; the float64 one alone
     strided = [torch.randn(4, 3).t()]
     assert not flat_clones(strided)[0].data_ptr() == strided[0].data_ptr()  # a plain clone, not a view of it
+
+
+def test_gradients_take_their_parameters_seeds_and_give_the_fingerprints():
+    """Gradients hashed with their parameters' seeds (``host_grad_fingerprints``) are their own fingerprints:
+    after the parameters were hashed, without, and after a parameter was resized; a strided one is left."""
+    from distdebug.fingerprint.many import host_grad_fingerprints
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(5, 4)).sum().backward()
+        grads = [p.grad for p in params]
+        want = [fast_cpu_fingerprint(g) for g in grads]
+        assert host_grad_fingerprints(grads, params) == want  # no plan of the parameters yet
+        fast_cpu_fingerprints(params)
+        assert host_grad_fingerprints(grads, params) == want  # their plan's seeds
+    fast_cpu_fingerprints(params)
+    params[0].data = torch.randn(6, 4)  # resized: the plan's seeds are not the gradient's
+    params[0].grad = torch.randn(6, 4)
+    grads = [p.grad for p in params]
+    assert host_grad_fingerprints(grads, params) == [fast_cpu_fingerprint(g) for g in grads]
+    params[0].grad = torch.randn(4, 6).t()  # a strided gradient: not read in place (the caller's general way)
+    assert host_grad_fingerprints([p.grad for p in params], params) is None
+
+
+def test_host_copy_into_its_own_list_reads_the_sources_every_time_and_another_list_afresh():
+    """``owned``: the destinations' addresses are not read again for the same list (the capture's own copies), but
+    the sources' are (a parameter that moved is copied from where it is now), and another list is read."""
+    from distdebug.fingerprint.hostpass import HostCopy, flat_clones
+
+    src = [torch.randn(3, 4), torch.randn(6)]
+    dst = flat_clones(src)
+    hc = HostCopy()
+    assert hc.copy(dst, src, owned=True) and hc._dst is dst
+    src[1] = torch.randn(6)  # moved
+    assert hc.copy(dst, src, owned=True) and torch.equal(dst[1], src[1])
+    other = flat_clones(src)
+    src[0].add_(1)
+    assert hc.copy(other, src, owned=True) and torch.equal(other[0], src[0]) and not torch.equal(dst[0], src[0])
+    assert hc.copy(dst, src) and hc._dst is None and torch.equal(dst[0], src[0])  # not owned: nothing kept

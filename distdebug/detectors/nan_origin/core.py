@@ -41,6 +41,7 @@ class NanOriginState(Detector):
         self.ctx: RankContext | None = None
         self.names: dict[int, str] = {}  # id(param) -> name as the user wrote it
         self.params: list[tuple[str, torch.nn.Parameter]] = []
+        self._plain: list[torch.Tensor] = []  # the parameters alone (watch.probe)
         self.grad_ptrs: dict[int, str] = {}
         self._host_params = HostPass()  # the parameters' finiteness on the host, on a CPU (fingerprint.hostpass)
         # Bounded whatever the loop does (any number of forwards, buckets or all_reduces per step): one

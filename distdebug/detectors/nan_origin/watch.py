@@ -159,8 +159,12 @@ class Watch(Replay, Collectives, LocalGradients):
         # The parameters after the step, not the gradients: an optimizer's update spreads a non-finite
         # gradient into its parameter (a loss scaler's skipped step aside, which is not a finding), so one
         # pass over the parameters says it for both (the gradients are named on the rare path).
-        tensors = [local_view(p) for _, p in self.params] if self.sharded else [p for _, p in self.params]
-        tensors = [t for t in tensors if t.numel()]  # a rank's shard may be empty
+        if self.sharded:
+            tensors = [t for t in (local_view(p) for _, p in self.params) if t.numel()]  # a shard may be empty
+        else:  # the same list every step, not remade (the host's pass passes an empty tensor over)
+            if len(self._plain) != len(self.params):
+                self._plain = [p for _, p in self.params]
+            tensors = self._plain
         with torch.no_grad():
             # Every flag and norm goes to the step's read as it is, and is judged on the host (finite or not):
             # no stack, cat or max of this detector's own (issue 62: five launches a step on a GPU for one bit).
@@ -170,7 +174,7 @@ class Watch(Replay, Collectives, LocalGradients):
             host = None if not tensors or device_path_forced() else self._host_params.any_nonfinite(tensors)
             if host is not None:
                 rest.append(_INF if host else _ZERO)
-            elif tensors:
+            elif tensors and (tensors := [t for t in tensors if t.numel()]):
                 # float32: an fp16 parameter's own norm overflows past 65504. One vector (one op): a value a tensor
                 # would cost the read's Python a step per parameter
                 rest.append(torch.stack(torch._foreach_norm(tensors, finite_norm(tensors[0]), dtype=torch.float32)))
