@@ -108,7 +108,7 @@ class ReplicaDivergence(ExchangeUser, Detector):
             self.open_exchange(ctx)
         for root in ctx.models:
             inner, _, ddp_sync = model_layout(root)
-            if ddp_sync:
+            if ddp_sync and self.replicas.buffers:  # no buffers: nothing to take a forward
                 self.hook(inner, "forward_pre", self._capture_synced_buffers)
         for prefix, module, names in self.replicas.forward_modules:
             # Registered after the framework's unshard/gather hook, so it sees gathered parameters.
@@ -140,9 +140,9 @@ class ReplicaDivergence(ExchangeUser, Detector):
             return None
         parts = [PendingFingerprints.of(*self.replicas.tensors(self.config.state_checked(step))),
                  *self.forward_pending]
-        if not self.replicas.ddp_sync:
+        if self.replicas.buffers and not self.replicas.ddp_sync:  # a model without buffers: no part for them
             parts.append(PendingFingerprints(self.replicas.buffers))
-        elif self.synced_buffers is not None:
+        elif self.replicas.buffers and self.synced_buffers is not None:
             parts.append(self.synced_buffers)
         self._parts = parts
         return rows_to_read(parts)

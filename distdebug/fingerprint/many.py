@@ -37,12 +37,13 @@ def fast_cpu_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
 
 def host_fingerprints(tensors: list[torch.Tensor]) -> list[int] | None:
     """``fast_cpu_fingerprint`` of each of these tensors when they are all plain contiguous CPU tensors, read in
-    place; None when they are not (a device's, a DTensor, a strided view). The same tensors (the same objects, at the same addresses and
-    lengths) as a recent call reuse its seeds, and from the second repeat on its byte views: what is left is one
-    xxh3 call a tensor, about 0.1 us with the checks, against 0.6 us to make them. Nothing here holds a tensor: a
-    plan keeps ids, addresses and lengths, checked against the live tensors (which the caller holds) before any
-    byte is read. Not checked on a repeat (as before issue 62): a tensor's dtype, shape and strides changed in
-    place over the same bytes (``t_()``, ``set_``), which keeps the seed of the shape it had."""
+    place; None when they are not (a device's, a DTensor, a strided view). The same tensors (the same objects, at
+    the same addresses and lengths) as a recent call reuse its seeds, and from the second repeat on its byte
+    views: what is left is one xxh3 call a tensor, about 0.1 us with the checks, against 0.6 us to make them.
+    Nothing here holds a tensor: a plan keeps ids, addresses and lengths, checked against the live tensors (which
+    the caller holds) before any byte is read. Not checked on a repeat (as before issue 62): a tensor's dtype,
+    shape and strides changed in place over the same bytes (``t_()``, ``set_``), which keeps the seed of the
+    shape it had."""
     ids = tuple(map(id, tensors))
     for k, plan in enumerate(_PLANS):
         if plan[0] == ids:
