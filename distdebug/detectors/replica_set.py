@@ -32,11 +32,10 @@ from typing import Any
 import torch
 
 from distdebug.fingerprint.compare import split_group, with_group
+from distdebug.fingerprint.hostpass import any_none
 from distdebug.fingerprint.pending import Run
 from distdebug.runtime.discovery import ddp_params, find_ddp, unwrap
 from distdebug.runtime.layout import Layout
-
-_NONE = type(None)
 
 
 def model_layout(root: torch.nn.Module) -> tuple[torch.nn.Module, bool, bool]:
@@ -64,9 +63,6 @@ class ReplicaSet:
         self._optimizers: list[weakref.ref[Any]] = []  # weak: the user's optimizer is never kept alive
         self._grad_names: dict[str, str] = {}  # a parameter's name -> its gradient's
         self._state_labels: dict[tuple[str, Any, type], str] = {}  # optimizer state -> name ("": not compared)
-        self._plist: list[torch.Tensor] | None = None  # the parameters, their names, and the names
-        self._pnames: list[str] = []  # with each gradient beside its parameter: made at the first check
-        self._both: list[str] = []
         many = len(roots) > 1
         deepspeed = False
         for i, root in enumerate(roots):
@@ -106,6 +102,10 @@ class ReplicaSet:
                     self.forward_modules.append((prefix + (f"{mod_name}." if mod_name else ""), mod, direct))
         if not deepspeed:  # ZeRO partitions optimizer state across ranks
             self._optimizers = [weakref.ref(o) for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+        # The parameters, their names, and the names with each gradient beside its parameter: every check's
+        self._plist: list[torch.Tensor] = [p for _, p in self.params]
+        self._pnames = [n for n, _ in self.params]
+        self._both = [n for name in self._pnames for n in (name, self._grad_name(name))]
 
     def tensors(self, with_state: bool = True) -> tuple[list[str], list[Run]]:
         """Parameters, reduced gradients and optimizer state (buffers apart: see ``ddp_sync``): their names, and
@@ -119,15 +119,11 @@ class ReplicaSet:
         # time). No (name, tensor) pair a tensor (issue 62: pairs made by the thousand every step were what the
         # interpreter's collector caught and promoted), and no list of parameters and gradients mixed: a new
         # list every step, whose parameters' plan was made again every step (1.3 us a tensor against 0.3).
-        if self._plist is None:
-            self._plist = [p for _, p in self.params]
-            self._pnames = [n for n, _ in self.params]
-            self._both = [n for name in self._pnames for n in (name, self._grad_name(name))]
         params, n = self._plist, len(self._plist)
         if not with_state:
             return self._pnames, [Run(slice(0, n), params)]
         grads = [p.grad for p in params]
-        if _NONE not in set(map(type, grads)):  # every gradient there: the names of every step
+        if not any_none(grads):  # every gradient there: the names of every step
             names = self._both
             runs = [Run(slice(0, 2 * n, 2), params), Run(slice(1, 2 * n, 2), grads, params)]
         else:  # some parameters without a gradient (frozen, unused this step)

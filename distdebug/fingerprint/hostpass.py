@@ -47,6 +47,7 @@ NBYTES: Any = vars(torch._C.TensorBase)["nbytes"].__get__
 DTYPE: Any = vars(torch._C.TensorBase)["dtype"].__get__
 SHAPE: Any = vars(torch._C.TensorBase)["shape"].__get__
 _PLAIN = {torch.Tensor, torch.nn.Parameter}
+_NONE = type(None)
 _MEMMOVE = ctypes.memmove
 
 
@@ -55,6 +56,12 @@ def plain_cpu(tensors: list[Any]) -> bool:
     whose bytes the host reads in place by address and length."""
     return (set(map(type, tensors)) <= _PLAIN and all(map(IS_CPU, tensors))
             and all(map(torch.Tensor.is_contiguous, tensors)))
+
+
+def any_none(items: list[Any]) -> bool:
+    """Whether any of these is None (a parameter's missing gradient), by type over the list in C: ``None in``
+    would call each tensor's ``__eq__``, and a generator costs a Python step an item."""
+    return _NONE in set(map(type, items))
 
 
 def byte_view(ptr: int, n: int) -> Any:

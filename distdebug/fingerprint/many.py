@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from distdebug.fingerprint.hashing import FAST_TAG, fast_cpu_fingerprint, seed_for
-from distdebug.fingerprint.hostpass import DATA_PTR, DTYPE, NBYTES, SHAPE, byte_view, plain_cpu
+from distdebug.fingerprint.hostpass import DATA_PTR, DTYPE, IS_CPU, NBYTES, SHAPE, byte_view, plain_cpu
 
 _PLANS: list[tuple[Any, ...]] = []
 """The last few lists hashed (most recent first), each ``(ids, addresses, lengths, seeds, views)``: a replica check
@@ -44,6 +44,8 @@ def host_fingerprints(tensors: list[torch.Tensor]) -> list[int] | None:
     the caller holds) before any byte is read. Not checked on a repeat (as before issue 62): a tensor's dtype,
     shape and strides changed in place over the same bytes (``t_()``, ``set_``), which keeps the seed of the
     shape it had."""
+    if tensors and not IS_CPU(tensors[0]):  # a device's: told at its first tensor, before anything read a tensor
+        return None
     ids = tuple(map(id, tensors))
     for k, plan in enumerate(_PLANS):
         if plan[0] == ids:
@@ -77,7 +79,7 @@ def host_grad_fingerprints(grads: list[torch.Tensor], params: list[torch.Tensor]
     planned: the gradients are new tensors at new addresses every step. What is left a tensor: its address and
     length, the check that it is a plain contiguous CPU tensor, and the hash (0.9 us against 1.2 in
     ``fast_cpu_fingerprints``, each after a backward)."""
-    if not plain_cpu(grads):
+    if (grads and not IS_CPU(grads[0])) or not plain_cpu(grads):
         return None
     ids, nbytes = tuple(map(id, params)), tuple(map(NBYTES, grads))
     seeds = next((plan[3] for plan in _PLANS if plan[0] == ids and plan[2] == nbytes), None)

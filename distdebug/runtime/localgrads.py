@@ -26,11 +26,10 @@ import torch
 
 from distdebug.context import RankContext
 from distdebug.envvars import device_path_forced
-from distdebug.fingerprint.hostpass import HostPass
+from distdebug.fingerprint.hostpass import HostPass, any_none
 from distdebug.runtime.discovery import accumulating, unwrap
 
 Listener = Callable[[tuple[str, ...], torch.Tensor], None]
-_NONE = type(None)
 
 
 class LocalGradNorms:
@@ -57,7 +56,7 @@ class LocalGradNorms:
             with torch.no_grad():
                 grads = [p.grad for p in self.params]
                 host = None
-                if _NONE not in set(map(type, grads)) and not device_path_forced():
+                if not any_none(grads) and not device_path_forced():
                     # Every gradient there, on a CPU: one pass on the host (fingerprint.hostpass), where torch's
                     # multi-tensor norm would run a kernel a tensor (3 us each).
                     host = self._host.norms(grads)

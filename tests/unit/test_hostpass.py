@@ -143,7 +143,7 @@ def test_flat_clones_lie_end_to_end_and_are_filled_in_one_call_per_dtype():
 def test_gradients_take_their_parameters_seeds_and_give_the_fingerprints():
     """Gradients hashed with their parameters' seeds (``host_grad_fingerprints``) are their own fingerprints:
     after the parameters were hashed, without, and after a parameter was resized; a strided one is left."""
-    from distdebug.fingerprint.many import host_grad_fingerprints
+    from distdebug.fingerprint.many import host_fingerprints, host_grad_fingerprints
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     params = list(model.parameters())
@@ -162,6 +162,8 @@ def test_gradients_take_their_parameters_seeds_and_give_the_fingerprints():
     assert host_grad_fingerprints(grads, params) == [fast_cpu_fingerprint(g) for g in grads]
     params[0].grad = torch.randn(4, 6).t()  # a strided gradient: not read in place (the caller's general way)
     assert host_grad_fingerprints([p.grad for p in params], params) is None
+    meta = [torch.empty(3, device="meta"), torch.empty(2, device="meta")]  # a device's: left to the device path
+    assert host_grad_fingerprints(meta, meta) is None and host_fingerprints(meta) is None
 
 
 def test_host_copy_into_its_own_list_reads_the_sources_every_time_and_another_list_afresh():

@@ -102,6 +102,7 @@ class Watch(Replay, Collectives, LocalGradients):
         framework_reduces = self.framework_reduces = any({"fsdp2", "deepspeed"} & set(unwrap(r)[1]) for r in ctx.models)
         # Plain tensors are read as they are (no_grad); DTensors and others through their local shard.
         self.sharded = any(type(p) is not torch.nn.Parameter for _, p in self.params)
+        self._plain = [p for _, p in self.params]  # probe's list, the same every step
         self._watch = watch
         self._choose_watch(ctx, blockers)
         if self.local_source is None and not framework_reduces:
@@ -162,8 +163,6 @@ class Watch(Replay, Collectives, LocalGradients):
         if self.sharded:
             tensors = [t for t in (local_view(p) for _, p in self.params) if t.numel()]  # a shard may be empty
         else:  # the same list every step, not remade (the host's pass passes an empty tensor over)
-            if len(self._plain) != len(self.params):
-                self._plain = [p for _, p in self.params]
             tensors = self._plain
         with torch.no_grad():
             # Every flag and norm goes to the step's read as it is, and is judged on the host (finite or not):
